@@ -1,0 +1,35 @@
+"""orchestrator: keeps pools of worker processes alive, and leaves no orphan behind.
+
+The public names; everything else is private. See DESIGN.md-level docstrings in
+``engine`` (the control loop), ``daemon`` (the host daemon) and ``channel`` (commands).
+"""
+
+from .api import Orchestrator
+from .errors import (
+    ChannelError,
+    DaemonNotRunning,
+    InvalidSpec,
+    OrchestratorError,
+    ShutdownRequested,
+    ShuttingDown,
+    UnknownReplica,
+)
+from .spec import WorkerSpec
+from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
+
+__all__ = [
+    "Orchestrator",
+    "WorkerSpec",
+    "ReplicaState",
+    "Replica",
+    "TERMINAL",
+    "TRANSITIONS",
+    "IllegalTransition",
+    "OrchestratorError",
+    "InvalidSpec",
+    "UnknownReplica",
+    "ShuttingDown",
+    "DaemonNotRunning",
+    "ChannelError",
+    "ShutdownRequested",
+]

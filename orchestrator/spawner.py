@@ -1,0 +1,240 @@
+"""How a worker process is made, signalled and reaped: the OS seam under the engine.
+
+Start method: a plain ``os.fork()`` from the control loop's thread, then ``execve`` for a
+command or the callable for a Python target. Measured on the 2-core reference machine
+(benchmarks/bench_churn.py, PERFORMANCE.md): raw fork runs ~600+ cycles/s, a
+``multiprocess.Process`` ~330/s, forkserver ~55/s (~120/s preloaded), spawn ~15/s. Fork is
+the only one that reaches the targets; its hazard is forking a multi-threaded process. The
+daemon is single-threaded by construction (the Manager server and its bridge threads live
+in their own process), so the hazard does not arise there; in the embedded API the loop
+thread forks, and a command worker execs at once. A Python-target worker forked from an
+embedding process that runs other threads carries the usual fork caveats, exactly like
+multiprocessing's default 'fork' context on Linux.
+
+What the child does before it runs anything of the user's, in this order and why:
+  * its own process group (set by the parent too, so a terminate that arrives before the
+    child runs still reaches the group);
+  * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
+    third layer against orphans, and the check closes the race where the parent died before
+    the signal was armed;
+  * signal handlers back to their defaults and an empty signal mask. The parent blocks
+    every signal across fork, so a SIGTERM sent right after fork stays pending until the
+    child has dropped the parent's Python handler, and then kills it as it should;
+  * every inherited fd above 2 closed, so no worker holds the daemon's pipes, locks or
+    sockets (a held write end would hide the daemon's death from whoever waits for EOF);
+  * for a command: execve, with the ready pipe close-on-exec, so EOF means "exec
+    succeeded"; for a callable: title set, ready pipe closed, the callable run, exit.
+A failure before that point writes one line to the ready pipe and exits 127: the engine
+turns it into FAILED("could not start: ...").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from watchdog.identity import start_time
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+# Signals whose disposition the orchestrator (or an embedding program) may have changed
+# and a worker must not inherit.
+_RESET_SIGNALS = tuple(
+    s
+    for s in (
+        signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
+        signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGPIPE, signal.SIGXFSZ,
+    )
+)
+_ALL_SIGNALS = signal.valid_signals()
+# Python ignores these at start-up; a Python worker keeps that, a command must not.
+_PYTHON_IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
+_MAXFD = os.sysconf("SC_OPEN_MAX")
+
+
+def set_pdeathsig(sig: int) -> None:
+    if _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def set_child_subreaper() -> None:
+    """Orphaned descendants are re-parented to us, and we reap them (PID 1 may not)."""
+    if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"
+
+
+@dataclass(slots=True)
+class Spawned:
+    pid: int
+    exit_fd: int  # readable when the process has exited (a pidfd)
+    ready_fd: int  # EOF when the worker runs; one line of text if it could not start
+    start_time: int | None
+
+
+class OSApi:
+    """The real OS. Tests of the state machine substitute a fake with the same methods."""
+
+    def __init__(self, *, pdeathsig: int | None = signal.SIGKILL) -> None:
+        self.pdeathsig = pdeathsig
+        self.parent_pid = os.getpid()
+
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+    def spawn(
+        self,
+        replica_id: str,
+        run: Callable[[], Any] | bytes | None,
+        argv: tuple[str, ...] | None,
+        exe: str | None,
+        env: dict[str, str],
+    ) -> Spawned:
+        """Fork one worker: ``run`` (a callable, or pickled bytes that only the child loads)
+        or ``argv`` + ``exe``."""
+        ready_r, ready_w = os.pipe()
+        parent = os.getpid()
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+        try:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child, never returns
+                _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig)
+        finally:
+            if pid != 0:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        os.close(ready_w)
+        try:
+            os.setpgid(pid, pid)
+        except (PermissionError, ProcessLookupError):
+            pass  # the child already exec'd (it set its group itself) or already died
+        exit_fd = os.pidfd_open(pid)
+        return Spawned(pid, exit_fd, ready_r, start_time(pid))
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        """Signal the group of one of OUR unreaped children: its zombie pins the pgid, so
+        the number cannot have been reused. False if the group is already empty."""
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def reap(self, pid: int) -> int | None:
+        """Exit code (negative: signal) of an exited child; None if someone else reaped it."""
+        try:
+            wpid, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if wpid == 0:  # the pidfd said it exited; a stopped-and-continued race at most
+            wpid, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def read_ready(self, fd: int) -> bytes:
+        try:
+            return os.read(fd, 4096)
+        except BlockingIOError:  # pragma: no cover - only readable fds are read
+            return b""
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
+def _child(
+    replica_id: str,
+    run: Callable[[], Any] | bytes | None,
+    argv: tuple[str, ...] | None,
+    exe: str | None,
+    env: dict[str, str],
+    ready_w: int,
+    parent: int,
+    pdeathsig: int | None,
+) -> None:  # pragma: no cover - exercised through real processes only
+    code = 127
+    try:
+        os.setpgid(0, 0)
+        if pdeathsig:
+            set_pdeathsig(pdeathsig)
+            if os.getppid() != parent:
+                os._exit(128 + int(pdeathsig))  # the parent died before the signal was armed
+        signal.set_wakeup_fd(-1)
+        for sig in _RESET_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        if run is not None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sig in _PYTHON_IGNORED:
+                signal.signal(sig, signal.SIG_IGN)
+        os.closerange(3, ready_w)
+        os.closerange(ready_w + 1, _MAXFD)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        if argv is not None:
+            os.execve(exe, argv, env)  # type: ignore[arg-type]
+        os.environ.update(env)
+        if isinstance(run, bytes):
+            run = unpickle_target(run)
+        from setproctitle import setproctitle
+
+        setproctitle(f"orchestrator: replica {replica_id}")
+        os.close(ready_w)
+        ready_w = -1
+        code = _run_python(run)  # type: ignore[arg-type]
+    except BaseException as err:
+        if ready_w >= 0:
+            msg = f"{type(err).__name__}: {err}".replace("\n", " ")[:1000]
+            try:
+                os.write(ready_w, msg.encode("utf-8", "replace"))
+            except OSError:
+                pass
+        else:
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _run_python(run: Callable[[], Any]) -> int:
+    """Run a Python target; its exit code as a process would have it."""
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code & 0xFF
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def unpickle_target(data: bytes) -> Callable[[], Any]:
+    """Runs in the worker: only the worker ever unpickles a user's callable."""
+    import dill
+
+    return dill.loads(data)

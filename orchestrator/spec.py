@@ -1,0 +1,135 @@
+"""What a replica runs: a command (argv) or a Python callable.
+
+A spec crosses the command channel as plain data (:meth:`WorkerSpec.to_wire`): a command
+is a list of strings, a target is ``"module:function"``, and a callable from the Python
+API travels pickled (multiprocess's dill) as opaque base64 text that only the worker
+unpickles, so neither the Manager server nor the daemon ever runs user code to read it.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import InvalidSpec
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerSpec:
+    """One of ``command``, ``target`` (``"module:function"``), ``func`` or ``pickled``."""
+
+    command: tuple[str, ...] | None = None
+    target: str | None = None
+    func: Callable[[], Any] | None = None
+    pickled: bytes | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.command, self.target, self.func, self.pickled)]
+        if sum(given) != 1:
+            raise InvalidSpec("a worker spec needs exactly one of: command, target, callable")
+        if self.command is not None:
+            if isinstance(self.command, str) or not all(isinstance(a, str) for a in self.command):
+                raise InvalidSpec("command must be a list of strings")
+            if not self.command or not self.command[0]:
+                raise InvalidSpec("empty command")
+            object.__setattr__(self, "command", tuple(self.command))
+        if self.target is not None:
+            mod, sep, fn = self.target.partition(":")
+            if not (mod and sep and fn):
+                raise InvalidSpec(f"target must be MODULE:FUNCTION, got {self.target!r}")
+        if self.func is not None and not callable(self.func):
+            raise InvalidSpec("target is not callable")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise InvalidSpec("env must map strings to strings")
+
+    @property
+    def kind(self) -> str:
+        return "command" if self.command is not None else "python"
+
+    def describe(self) -> str:
+        if self.command is not None:
+            return " ".join(self.command)
+        if self.target is not None:
+            return self.target
+        return getattr(self.func, "__qualname__", "<callable>") if self.func else "<pickled callable>"
+
+    # -- the wire -------------------------------------------------------------------
+
+    def to_wire(self) -> dict:
+        """Plain data for the channel; a live callable is pickled here, on the caller's side."""
+        wire: dict[str, Any] = {"env": dict(self.env)} if self.env else {}
+        if self.command is not None:
+            wire["command"] = list(self.command)
+        elif self.target is not None:
+            wire["target"] = self.target
+        else:
+            data = self.pickled
+            if data is None:
+                import dill  # only a client that sends a live callable pays for dill
+
+                data = dill.dumps(self.func, recurse=True)
+            wire["pickled"] = base64.b64encode(data).decode("ascii")
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "WorkerSpec":
+        if not isinstance(wire, dict):
+            raise InvalidSpec("spec must be an object")
+        unknown = set(wire) - {"command", "target", "pickled", "env"}
+        if unknown:
+            raise InvalidSpec(f"unknown spec field(s): {', '.join(sorted(unknown))}")
+        env = wire.get("env") or {}
+        if not isinstance(env, dict):
+            raise InvalidSpec("env must be an object")
+        pickled = wire.get("pickled")
+        if pickled is not None:
+            if not isinstance(pickled, str):
+                raise InvalidSpec("pickled target must be base64 text")
+            try:
+                pickled = base64.b64decode(pickled.encode("ascii"), validate=True)
+            except ValueError as err:
+                raise InvalidSpec(f"pickled target is not valid base64: {err}") from None
+        command = wire.get("command")
+        if command is not None and not isinstance(command, list):
+            raise InvalidSpec("command must be a list of strings")
+        target = wire.get("target")
+        if target is not None and not isinstance(target, str):
+            raise InvalidSpec("target must be MODULE:FUNCTION")
+        return cls(command=command, target=target, pickled=pickled, env=env)
+
+
+def resolve_target(target: str) -> Callable[[], Any]:
+    """Import ``module:function`` now, in the orchestrator, so a bad target is a clear error
+    at launch time and every forked worker finds the module already imported."""
+    mod_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise InvalidSpec(f"cannot import module {mod_name!r}: {err}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InvalidSpec(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise InvalidSpec(f"{target} is not callable")
+    return obj
+
+
+def resolve_executable(command: tuple[str, ...], env: dict[str, str]) -> str:
+    """The absolute path exec will run; resolved once per launch, not in every child."""
+    prog = command[0]
+    if os.sep in prog:
+        if not os.access(prog, os.X_OK):
+            raise InvalidSpec(f"not an executable file: {prog}")
+        return prog
+    path = shutil.which(prog, path=env.get("PATH", os.environ.get("PATH", os.defpath)))
+    if path is None:
+        raise InvalidSpec(f"command not found: {prog}")
+    return path

@@ -1,0 +1,124 @@
+"""Replica states and the one transition table.
+
+Every state change of a replica goes through :func:`transition`, which checks the edge
+against :data:`TRANSITIONS` and records when and why. An illegal edge is a bug in the
+caller and raises :class:`IllegalTransition`. Terminal states have no outgoing edges,
+so a terminal record can never change again (an INTERRUPTED cannot be overwritten by a
+late reap, the failure this table exists to rule out).
+
+This module imports nothing of ours.
+
+    PENDING ──► STARTING ──► RUNNING ──► STOPPING ──► TERMINATED
+       │            │           ├──────────────────► EXITED   (exit code 0 on its own)
+       │            │           └──────────────────► FAILED   (non-zero exit or signal)
+       ├────────────┴──► INTERRUPTED  (terminate asked before RUNNING)
+       └────────────┴──► FAILED       (could not start)
+    any non-terminal ──► LOST  (its daemon died)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class ReplicaState(str, enum.Enum):
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"
+    TERMINATED = "TERMINATED"
+    EXITED = "EXITED"
+    FAILED = "FAILED"
+    INTERRUPTED = "INTERRUPTED"
+    LOST = "LOST"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+S = ReplicaState
+TERMINAL: frozenset[ReplicaState] = frozenset(
+    {S.TERMINATED, S.EXITED, S.FAILED, S.INTERRUPTED, S.LOST}
+)
+
+TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    S.PENDING: frozenset({S.STARTING, S.INTERRUPTED, S.FAILED, S.LOST}),
+    S.STARTING: frozenset({S.RUNNING, S.INTERRUPTED, S.FAILED, S.LOST}),
+    S.RUNNING: frozenset({S.STOPPING, S.EXITED, S.FAILED, S.LOST}),
+    # A replica being stopped that dies of our signal or exits on its own while we wait
+    # is TERMINATED either way: the user asked for it to end.
+    S.STOPPING: frozenset({S.TERMINATED, S.LOST}),
+    **{t: frozenset() for t in TERMINAL},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change that the table does not allow: always a bug in the caller."""
+
+    def __init__(self, replica_id: str, old: ReplicaState, new: ReplicaState) -> None:
+        super().__init__(f"replica {replica_id}: illegal transition {old} -> {new}")
+        self.replica_id, self.old, self.new = replica_id, old, new
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica's record. Mutated only by the control loop, through transition()."""
+
+    id: str
+    pool: str
+    n: int
+    state: ReplicaState = S.PENDING
+    pid: int | None = None
+    start_time: int | None = None  # kernel start time (ticks); with pid, the identity
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "pool": self.pool,
+            "state": self.state.value,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "created_at": self.created_at,
+            "ended_at": self.ended_at,
+        }
+
+    def to_record(self) -> dict:
+        """The store's row: to_dict plus what recovery needs."""
+        d = self.to_dict()
+        d["n"] = self.n
+        d["start_time"] = self.start_time
+        return d
+
+
+def transition(
+    replica: Replica,
+    new: ReplicaState,
+    reason: str | None = None,
+    *,
+    exit_code: int | None = None,
+    clock: Callable[[], float] = time.time,
+) -> ReplicaState:
+    """Move ``replica`` to ``new``; return the old state. Raises IllegalTransition."""
+    old = replica.state
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransition(replica.id, old, new)
+    replica.state = new
+    if reason is not None:
+        replica.reason = reason
+    if exit_code is not None:
+        replica.exit_code = exit_code
+    if new in TERMINAL:
+        replica.ended_at = clock()
+    return old
