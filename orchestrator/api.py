@@ -138,6 +138,7 @@ class Orchestrator:
             self._started.set()
             try:
                 engine.shutdown()
+                engine.stop_watchdog()
             finally:
                 engine.close()
 

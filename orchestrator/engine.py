@@ -139,7 +139,11 @@ class Engine:
         self._waiters: list[_Waiter] = []
         self._outbox: list[tuple[Reply, dict]] = []
         self._children: dict[int, tuple[int, Callable[[int | None], None]]] = {}
-        self._feed_fd: int | None = None
+        # Non-blocking pipe writers (the watchdog feed, the reply pipe): obj -> fd in EVENT_WRITE
+        self._writers: dict[Any, int | None] = {}
+        if watchdog is not None:
+            self._writers[watchdog] = None
+        self.extra_status: Callable[[], dict] | None = None
         self._dirty = False
         self.closing = False
         self.closed = False
@@ -162,6 +166,16 @@ class Engine:
 
     def remove_reader(self, fd: int) -> None:
         self._sel.unregister(fd)
+
+    def add_writer(self, writer: Any) -> None:
+        """A buffered non-blocking writer (pending/flush/fileno): flushed at the end of every
+        turn, and woken by EVENT_WRITE while it holds data the pipe could not take."""
+        self._writers[writer] = None
+
+    def remove_writer(self, writer: Any) -> None:
+        fd = self._writers.pop(writer, None)
+        if fd is not None:
+            self._sel.unregister(fd)
 
     def watch_child(self, pid: int, on_exit: Callable[[int | None], None]) -> None:
         """Reap ``pid`` (a child that is not a replica) when it exits, then call on_exit."""
@@ -217,7 +231,7 @@ class Engine:
             elif kind == _READER:
                 obj()
             elif kind == _FEED:
-                self.watchdog.flush()
+                obj.flush()
         while self._inbox:
             cmd, reply = self._inbox.popleft()
             self.handle(cmd, reply)
@@ -226,8 +240,9 @@ class Engine:
         self.settle()
 
     def shutdown(self, *, timeout: float | None = None) -> None:
-        """Stop every replica (TERM, grace, KILL), wait until all are reaped, stop the
-        watchdog quietly. Desired sizes are kept: the next start brings the pools back."""
+        """Stop every replica (TERM, grace, KILL) and wait until all are reaped; from now on
+        every command is refused. Desired sizes are kept: the next start brings the pools
+        back. The watchdog still runs: stop_watchdog() is the caller's last step."""
         if self.closed:
             return
         self.closing = True
@@ -241,7 +256,6 @@ class Engine:
                 self.os.signal_group(proc.pid, signal.SIGKILL)
             self._run_until(lambda: not self._procs, 5.0)
         self._fail_waiters("the orchestrator is shutting down")
-        self._stop_watchdog()
         self.settle()
 
     def close(self) -> None:
@@ -376,10 +390,13 @@ class Engine:
         reps = self._replicas.values()
         if not include_terminal:
             reps = [r for r in reps if not r.state.terminal]
-        return {
+        result = {
             "pools": [{"name": p.name, "desired": p.desired} for p in self._pools.values()],
             "replicas": [r.to_dict() for r in reps],
         }
+        if self.extra_status is not None:
+            result.update(self.extra_status())
+        return result
 
     def _cmd_wait(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         ids = args.get("ids")
@@ -458,6 +475,7 @@ class Engine:
             sp = self.os.spawn(rep.id, rt.run, rt.argv, rt.exe, env)
         except OSError as err:  # fork/pipe failed: EAGAIN, EMFILE, ENOMEM
             self._transition(rep, S.FAILED, f"could not start: {err.strerror or err}")
+            self._ended_on_its_own(rep)
             return
         rep.pid, rep.start_time = sp.pid, sp.start_time
         proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep)
@@ -480,6 +498,7 @@ class Engine:
             return  # interrupted while starting: its end is already recorded
         if data:
             self._transition(rep, S.FAILED, "could not start: " + data.decode("utf-8", "replace"))
+            self._ended_on_its_own(rep)
         else:
             self._transition(rep, S.RUNNING)
 
@@ -504,7 +523,7 @@ class Engine:
         if rep.state is S.RUNNING:
             new = S.EXITED if code == 0 else S.FAILED
             self._transition(rep, new, reason, exit_code=code)
-            self._pools[rep.pool].desired -= 1  # no restart policy yet: the size follows
+            self._ended_on_its_own(rep)
         elif rep.state is S.STOPPING:
             if proc.killed:
                 reason = f"{reason} after {self.config.grace:g}s grace"
@@ -526,8 +545,16 @@ class Engine:
         else:
             return False
         if lower_desired:
-            self._pools[rep.pool].desired -= 1
+            pool = self._pools[rep.pool]
+            pool.desired -= 1
+            self._save_pool(pool)
         return True
+
+    def _ended_on_its_own(self, rep: Replica) -> None:
+        """No restart policy yet: the pool's desired size follows the replica out."""
+        pool = self._pools[rep.pool]
+        pool.desired -= 1
+        self._save_pool(pool)
 
     def _signal_and_arm(self, rep: Replica) -> None:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
@@ -662,20 +689,16 @@ class Engine:
             out, self._outbox = self._outbox, []
             for reply, msg in out:
                 reply(msg)
-        if self.watchdog is not None:
-            self._sync_feed()
-
-    def _sync_feed(self) -> None:
-        wd = self.watchdog
-        if wd.pending():
-            wd.flush()
-        want = wd.fileno() if wd.pending() else None
-        if want != self._feed_fd:
-            if self._feed_fd is not None:
-                self._sel.unregister(self._feed_fd)
-            if want is not None:
-                self._sel.register(want, selectors.EVENT_WRITE, (_FEED, None))
-            self._feed_fd = want
+        for writer, registered in self._writers.items():
+            if writer.pending():
+                writer.flush()
+            want = writer.fileno() if writer.pending() else None
+            if want != registered:
+                if registered is not None:
+                    self._sel.unregister(registered)
+                if want is not None:
+                    self._sel.register(want, selectors.EVENT_WRITE, (_FEED, writer))
+                self._writers[writer] = want
 
     def _drain_wakeup(self) -> None:
         try:
@@ -703,10 +726,14 @@ class Engine:
         os.close(fd)
         on_exit(self.os.reap(pid))
 
+    def _forget_writer_fd(self, writer: Any) -> None:
+        fd = self._writers.get(writer)
+        if fd is not None:
+            self._sel.unregister(fd)
+            self._writers[writer] = None
+
     def _start_watchdog(self) -> None:
-        if self._feed_fd is not None:
-            self._sel.unregister(self._feed_fd)
-            self._feed_fd = None
+        self._forget_writer_fd(self.watchdog)  # a new watchdog comes with a new pipe
         pid = self.watchdog.start()
         self.watch_child(pid, self._on_watchdog_exit)
 
@@ -716,14 +743,14 @@ class Engine:
         log.warning("watchdog exited (%s); starting a new one", exit_reason(code) if code is not None else "?")
         self._start_watchdog()
 
-    def _stop_watchdog(self) -> None:
+    def stop_watchdog(self) -> None:
+        """Tell the watchdog to exit quietly (a clean stop is no crash) and reap it."""
         wd = self.watchdog
         if wd is None or wd.pid is None or wd.pid not in self._children:
             return
         pid = wd.pid
-        if self._feed_fd is not None:
-            self._sel.unregister(self._feed_fd)
-            self._feed_fd = None
+        self._forget_writer_fd(wd)
+        self.closing = True  # so its exit is not taken for a death to recover from
         wd.stop()
         self._run_until(lambda: pid not in self._children, 2.0)
         if pid in self._children:  # still our unreaped child, so the pid is pinned

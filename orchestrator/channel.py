@@ -1,0 +1,273 @@
+"""The command channel: a multiprocess Manager queue on a Unix socket, and the Client.
+
+    Client (CLI, API, any process)         Manager server process             daemon
+    ──────────────────────────────         ────────────────────────           ──────────────
+    commands.put({"id","op","args"}) ───►  commands: queue.Queue
+                                           forwarder thread: get(),
+                                           check plain data, frame ─── pipe ─►  control loop
+                                                                               applies it,
+    replies.take(id, timeout)  ◄────────   ReplyBoard ◄── router thread ◄ pipe ─ one reply/id
+
+Why the Manager server is a process of its own, not threads in the daemon: the daemon must
+stay single-threaded so that it can fork workers safely and fast (see spawner.py), and a
+Manager queue cannot be selected on, so whoever consumes it needs a blocked thread. Those
+threads live in the Manager server; the daemon sees two pipes in its epoll set. Cost: one
+extra pipe hop each way, ~30 µs against a ~0.5 ms Manager round trip
+(benchmarks/bench_channel.py).
+
+Commands and replies are plain data (dict, list, str, int, float, bool, None): the Manager
+server unpickles whatever a client sends, so nothing user-defined is ever in a command;
+a callable travels as base64 text that only the worker unpickles (spec.py). Every proxy
+call is bounded: the client's socket carries SO_RCVTIMEO/SO_SNDTIMEO, so a stopped or
+hung server gives a ChannelError instead of blocking forever.
+
+A state dir whose socket path exceeds the 108-byte sun_path limit is reached through
+``/proc/self/fd/<dirfd>/control.sock``, a short path to the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+from multiprocess import connection
+from multiprocess import managers
+
+from .errors import ChannelError, DaemonNotRunning, OrchestratorError
+from .api import make_spec, raise_reply
+
+SERIALIZER = "orchestrator"
+SOCKET_NAME = "control.sock"
+AUTHKEY_NAME = "authkey"
+_SUN_PATH_MAX = 107
+_FRAME = struct.Struct(">I")
+DEFAULT_TIMEOUT = 30.0
+
+
+# -- framing on the daemon <-> manager pipes ------------------------------------------
+
+
+def encode_frame(msg: Any) -> bytes:
+    data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    return _FRAME.pack(len(data)) + data
+
+
+class FrameReader:
+    """Splits a byte stream into JSON frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= 4:
+            (size,) = _FRAME.unpack_from(self._buf)
+            if len(self._buf) < 4 + size:
+                break
+            out.append(json.loads(bytes(self._buf[4 : 4 + size])))
+            del self._buf[: 4 + size]
+        return out
+
+
+class PipeWriter:
+    """The daemon's end of the reply pipe: never blocks the control loop. What the pipe
+    cannot take now (the manager is stalled) waits here; the loop flushes it on EVENT_WRITE."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self._buf = bytearray()
+
+    def write_frame(self, msg: Any) -> None:
+        self._buf += encode_frame(msg)
+        self.flush()
+
+    def pending(self) -> bool:
+        return bool(self._buf)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        try:
+            while self._buf:
+                del self._buf[: os.write(self.fd, self._buf)]
+        except BlockingIOError:
+            pass
+        except BrokenPipeError:
+            self._buf.clear()  # the manager is gone; its clients will time out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# -- addresses and keys ------------------------------------------------------------
+
+
+def socket_address(state_dir: Path) -> tuple[str, int | None]:
+    """(address to bind/connect, dirfd to keep open while it is used, or None)."""
+    path = str(state_dir / SOCKET_NAME)
+    if len(path.encode()) <= _SUN_PATH_MAX:
+        return path, None
+    dirfd = os.open(state_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{dirfd}/{SOCKET_NAME}", dirfd
+
+
+def read_authkey(state_dir: Path) -> bytes:
+    try:
+        return (state_dir / AUTHKEY_NAME).read_bytes()
+    except FileNotFoundError:
+        raise DaemonNotRunning(f"no daemon is running for {state_dir}") from None
+    except PermissionError:
+        raise ChannelError(f"cannot read the auth key {state_dir / AUTHKEY_NAME}: permission denied") from None
+
+
+def _set_timeouts(fd: int, seconds: float) -> None:
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    finally:
+        sock.close()
+
+
+def _bounded_client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
+    """multiprocess's Client, with every send and recv bounded by socket time-outs."""
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        _set_timeouts(sock.fileno(), _io_timeout)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    conn = connection.Connection(sock.detach())
+    if authkey is not None:
+        connection.answer_challenge(conn, authkey)
+        connection.deliver_challenge(conn, authkey)
+    return conn
+
+
+_io_timeout = DEFAULT_TIMEOUT
+managers.listener_client[SERIALIZER] = (connection.Listener, _bounded_client)
+
+
+class ChannelManager(managers.BaseManager):
+    """Typeids: ``commands`` (the command queue) and ``replies`` (a board keyed by id)."""
+
+
+ChannelManager.register("commands")
+ChannelManager.register("replies")
+
+
+# -- the client ------------------------------------------------------------------
+
+
+class Client:
+    """Talks to a running daemon over its Manager queue. Thread-safe; every call bounded."""
+
+    def __init__(self, state_dir: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT, authkey: bytes | None = None) -> None:
+        from .daemon import Paths, running_pid
+
+        self.paths = Paths(Path(state_dir))
+        self.timeout = timeout
+        if running_pid(self.paths) is None:
+            raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}")
+        self._authkey = authkey if authkey is not None else read_authkey(self.paths.state_dir)
+        self._address, self._dirfd = socket_address(self.paths.state_dir)
+        self._mgr: ChannelManager | None = None
+        self._commands: Any = None
+        self._replies: Any = None
+
+    def close(self) -> None:
+        self._mgr = self._commands = self._replies = None
+        if self._dirfd is not None:
+            os.close(self._dirfd)
+            self._dirfd = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connect(self) -> None:
+        global _io_timeout
+        _io_timeout = self.timeout + 5.0
+        mgr = ChannelManager(address=self._address, authkey=self._authkey, serializer=SERIALIZER)
+        try:
+            mgr.connect()
+            self._commands, self._replies = mgr.commands(), mgr.replies()
+        except connection.AuthenticationError:
+            raise ChannelError("authentication failed: wrong auth key for this daemon") from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonNotRunning(f"no daemon is accepting commands for {self.paths.state_dir}") from None
+        except (OSError, EOFError) as err:
+            raise ChannelError(f"cannot reach the daemon: {err}") from None
+        self._mgr = mgr
+
+    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+        """Send one command and wait, bounded, for its reply; raises its typed error."""
+        limit = self.timeout if timeout is None else timeout
+        if self._mgr is None:
+            self._connect()
+        cmd = {"id": uuid.uuid4().hex, "op": op, "args": args or {}}
+        try:
+            self._commands.put(cmd)
+            # The reply may take up to `limit` to come: bound this thread's socket just past it.
+            _set_timeouts(self._commands._tls.connection.fileno(), limit + 5.0)
+            msg = self._replies.take(cmd["id"], limit)
+        except (OSError, EOFError) as err:
+            self._mgr = None  # the connection may be mid-message: never reuse it
+            if isinstance(err, (BlockingIOError, TimeoutError)):
+                raise ChannelError(f"{op}: the daemon did not answer within {limit:g} s") from None
+            raise ChannelError(f"{op}: lost the connection to the daemon ({err})") from None
+        except managers.RemoteError as err:
+            raise ChannelError(f"{op}: the channel refused the command: {str(err).strip().splitlines()[-1]}") from None
+        if msg is None:
+            raise ChannelError(f"{op}: no reply from the daemon within {limit:g} s")
+        return raise_reply(msg)
+
+    # The same verbs as the embedded Orchestrator.
+
+    def launch(
+        self,
+        pool: str,
+        command: Sequence[str] | None = None,
+        *,
+        target: Any = None,
+        count: int = 1,
+        env: dict[str, str] | None = None,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> list[str]:
+        spec = make_spec(command, target, env).to_wire()
+        args = {"pool": pool, "count": count, "spec": spec, "wait": wait, "timeout": timeout}
+        result = self.call("launch", args, None if timeout is None else timeout + 5)
+        return list(result)
+
+    def terminate(self, *ids: str, wait: bool = False, timeout: float | None = None) -> list[str]:
+        args = {"ids": list(ids), "wait": wait, "timeout": timeout}
+        return list(self.call("terminate", args, None if timeout is None else timeout + 5))
+
+    def scale(self, pool: str, n: int, *, command: Sequence[str] | None = None, target: Any = None) -> dict:
+        spec = make_spec(command, target).to_wire() if command is not None or target is not None else None
+        return self.call("scale", {"pool": pool, "n": n, "spec": spec})
+
+    def status(self, all: bool = False) -> dict:  # noqa: A002
+        return self.call("status", {"all": all})
+
+    def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict:
+        return self.call("wait", {"ids": list(ids), "until": until, "timeout": timeout}, timeout + 5)
+
+    def ping(self) -> str:
+        return self.call("ping")
+
+
+__all__ = ["Client", "ChannelManager", "FrameReader", "encode_frame", "socket_address", "OrchestratorError"]
