@@ -14,11 +14,13 @@ from .errors import (
     ShuttingDown,
     UnknownReplica,
 )
+from .channel import Client
 from .spec import WorkerSpec
 from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
 
 __all__ = [
     "Orchestrator",
+    "Client",
     "WorkerSpec",
     "ReplicaState",
     "Replica",

@@ -207,7 +207,12 @@ class Client:
         except connection.AuthenticationError:
             raise ChannelError("authentication failed: wrong auth key for this daemon") from None
         except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonNotRunning(f"no daemon is accepting commands for {self.paths.state_dir}") from None
+            from .daemon import running_pid
+
+            pid = running_pid(self.paths)
+            if pid is None:
+                raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}") from None
+            raise ChannelError(f"the daemon (pid {pid}) is not accepting commands right now") from None
         except (OSError, EOFError) as err:
             raise ChannelError(f"cannot reach the daemon: {err}") from None
         self._mgr = mgr

@@ -195,6 +195,8 @@ class Daemon:
         self.store: Any = None
         self._manager_pid: int | None = None
         self._manager_ready = False
+        self._manager_started = 0.0
+        self._manager_backoff = 0.0
         self._cmd_fd: int | None = None
         self._reply: Any = None
         self._frames = FrameReader()
@@ -377,6 +379,10 @@ class Daemon:
         from .channel import PipeWriter
         from watchdog.identity import start_time
 
+        if self.engine.closing:
+            return
+        self.paths.socket.unlink(missing_ok=True)  # a killed manager leaves its socket behind
+        self._manager_started = time.monotonic()
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
         os.set_inheritable(cmd_w, True)
@@ -436,9 +442,14 @@ class Daemon:
             engine.watchdog.remove(pid)
         if engine.closing:
             return
-        log.warning("manager server exited (%s); starting a new one",
-                    exit_reason(code) if code is not None else "status unknown")
-        self._start_manager()
+        # A manager that dies young is restarted after a growing delay, not in a tight loop.
+        if time.monotonic() - self._manager_started < 10.0:
+            self._manager_backoff = min(max(2 * self._manager_backoff, 0.1), 30.0)
+        else:
+            self._manager_backoff = 0.0
+        log.warning("manager server exited (%s); starting a new one in %.1f s",
+                    exit_reason(code) if code is not None else "status unknown", self._manager_backoff)
+        engine.call_later(self._manager_backoff, self._start_manager)
 
     # -- shutdown -------------------------------------------------------------------
 

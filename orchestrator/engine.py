@@ -167,6 +167,10 @@ class Engine:
     def remove_reader(self, fd: int) -> None:
         self._sel.unregister(fd)
 
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` from the loop once ``delay`` seconds have passed."""
+        self._arm(self.os.monotonic() + delay, callback)
+
     def add_writer(self, writer: Any) -> None:
         """A buffered non-blocking writer (pending/flush/fileno): flushed at the end of every
         turn, and woken by EVENT_WRITE while it holds data the pipe could not take."""
@@ -387,12 +391,17 @@ class Engine:
 
     def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
         include_terminal = bool(args.get("all"))
-        reps = self._replicas.values()
-        if not include_terminal:
-            reps = [r for r in reps if not r.state.terminal]
+        if include_terminal:
+            rows = {r.id: r.to_dict() for r in self._replicas.values()}
+            if self.store is not None:  # older history, and replicas of earlier daemons
+                stored = {row["id"]: row for row in self.store.replicas(include_terminal=True)}
+                rows = {**stored, **rows}
+            replicas = sorted(rows.values(), key=lambda r: (r["created_at"], r["id"]))
+        else:
+            replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
         result = {
             "pools": [{"name": p.name, "desired": p.desired} for p in self._pools.values()],
-            "replicas": [r.to_dict() for r in reps],
+            "replicas": replicas,
         }
         if self.extra_status is not None:
             result.update(self.extra_status())
@@ -574,6 +583,8 @@ class Engine:
                 if not what.reaped and self._procs.get(what.pid) is what:
                     what.killed = True
                     self.os.signal_group(what.pid, signal.SIGKILL)
+            elif callable(what):
+                what()
             elif isinstance(what, _Waiter) and not what.done:
                 what.done = True
                 self._outbox.append((what.reply, {

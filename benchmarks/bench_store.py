@@ -1,0 +1,147 @@
+"""Benchmark of orchestrator.store under simulated replica churn.
+
+(1) Churn: per cycle one replica goes PENDING -> STARTING -> RUNNING -> STOPPING -> TERMINATED:
+    a save_replica + append_event at creation and at each transition (5 + 5 rows). Replicas move
+    in batches of 20, one commit() per batch step (the control loop commits once per turn), so a
+    commit carries 20 saves + 20 events. Reported: cycles/s and microseconds of store cost per
+    replica (all store calls, commits and the periodic pruning included). A second row commits
+    after every single transition (the worst case: one command per turn).
+(2) Size: state.db (+ -wal) after 100,000 churn cycles at default retention.
+Also: time of the reads the daemon / CLI make at default retention (load, events, reopen).
+
+Run: .venv/bin/python benchmarks/bench_store.py  (from the repo root; ~1 minute)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orchestrator.store import Store  # noqa: E402
+
+STATES = ("PENDING", "STARTING", "RUNNING", "STOPPING", "TERMINATED")
+
+
+def churn(store: Store, cycles: int, batch: int, *, pool: str = "web", start_n: int = 1,
+          per_transition_commit: bool = False) -> float:
+    """Run `cycles` replica lifecycles; return the elapsed seconds."""
+    store.save_pool(pool, {"cmd": ["sleep", "infinity"], "restart": "never"}, batch, start_n)
+    store.commit()
+    n = start_n
+    t0 = time.perf_counter()
+    done = 0
+    while done < cycles:
+        k = min(batch, cycles - done)
+        recs = []
+        for _ in range(k):
+            now = time.time()
+            recs.append({"id": f"{pool}-{n}", "pool": pool, "n": n, "state": "PENDING", "pid": None,
+                         "start_time": None, "exit_code": None, "reason": None,
+                         "created_at": now, "ended_at": None})
+            n += 1
+        prev = None
+        for state in STATES:
+            for r in recs:
+                r["state"] = state
+                if state == "RUNNING":
+                    r["pid"], r["start_time"] = 40000 + r["n"] % 20000, 123456 + r["n"]
+                elif state == "TERMINATED":
+                    r["pid"], r["exit_code"], r["reason"] = None, -15, "terminate requested"
+                    r["ended_at"] = time.time()
+                store.save_replica(r)
+                if prev is None:
+                    store.append_event("create", replica=r["id"], data={"pool": pool})
+                else:
+                    store.append_event("transition", replica=r["id"],
+                                       data={"from": prev, "to": state, "reason": r["reason"]})
+                if per_transition_commit:
+                    store.commit()
+            prev = state
+            store.commit()      # one loop turn
+        done += k
+    store.save_pool(pool, {"cmd": ["sleep", "infinity"], "restart": "never"}, batch, n)
+    store.commit()
+    return time.perf_counter() - t0
+
+
+def sizes(path: str) -> tuple[int, int]:
+    def sz(p: str) -> int:
+        try:
+            return os.path.getsize(p)
+        except FileNotFoundError:
+            return 0
+    return sz(path), sz(path + "-wal")
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        # warm-up (imports, page cache)
+        with Store(os.path.join(d, "warm.db")) as s:
+            churn(s, 2000, 20)
+
+        path = os.path.join(d, "a.db")
+        with Store(path) as s:
+            cycles = 20_000
+            dt = churn(s, cycles, 20)
+            rows.append(("churn, commit per 20-replica step", cycles, cycles / dt, dt / cycles * 1e6))
+
+        path = os.path.join(d, "b.db")
+        with Store(path) as s:
+            cycles = 5_000
+            dt = churn(s, cycles, 20, per_transition_commit=True)
+            rows.append(("churn, commit per transition", cycles, cycles / dt, dt / cycles * 1e6))
+
+        path = os.path.join(d, "c.db")
+        max_wal = 0
+        with Store(path) as s:
+            cycles, step, n = 100_000, 10_000, 1
+            total = 0.0
+            for _ in range(cycles // step):
+                total += churn(s, step, 20, start_n=n)
+                n += step
+                max_wal = max(max_wal, sizes(path)[1])
+            rows.append(("churn 100k cycles, default retention", cycles, cycles / total,
+                         total / cycles * 1e6))
+            db_open, wal_open = sizes(path)
+            n_rep = s._conn.execute("SELECT count(*) FROM replicas").fetchone()[0]
+            n_ev = s._conn.execute("SELECT count(*) FROM events").fetchone()[0]
+            free = s._conn.execute("PRAGMA freelist_count").fetchone()[0]
+            pages = s._conn.execute("PRAGMA page_count").fetchone()[0]
+            reads = []
+            t = time.perf_counter(); pools, live = s.load(); reads.append(("load()", time.perf_counter() - t))
+            t = time.perf_counter(); ev = s.events(); reads.append((f"events() all ({len(ev)})", time.perf_counter() - t))
+            t = time.perf_counter(); s.events(replica="web-99999"); reads.append(("events(replica=)", time.perf_counter() - t))
+            t = time.perf_counter(); s.events(after_seq=s.last_seq() - 100); reads.append(("events(after_seq=last-100)", time.perf_counter() - t))
+            t = time.perf_counter(); allr = s.replicas(include_terminal=True); reads.append((f"replicas(all) ({len(allr)})", time.perf_counter() - t))
+            t = time.perf_counter(); s.prune(); reads.append(("prune() at full retention", time.perf_counter() - t))
+        db_closed, wal_closed = sizes(path)
+        t = time.perf_counter()
+        with Store(path) as s:
+            reads.append(("open writer (quick_check+prune)", time.perf_counter() - t))
+            t = time.perf_counter(); ok = s.integrity_ok(); reads.append((f"integrity_ok()={ok}", time.perf_counter() - t))
+
+    print(f"{'scenario':40} {'cycles':>8} {'cycles/s':>10} {'us/replica':>11}")
+    for name, c, rate, us in rows:
+        print(f"{name:40} {c:>8} {rate:>10,.0f} {us:>11.1f}")
+    print()
+    print(f"after 100,000 cycles (keep_replicas=10,000, keep_events=50,000): "
+          f"{n_rep} replicas, {n_ev} events, {pages} pages ({free} free)")
+    print(f"{'file':40} {'bytes':>12}")
+    print(f"{'state.db (open)':40} {db_open:>12,}")
+    print(f"{'state.db-wal (open, at end)':40} {wal_open:>12,}")
+    print(f"{'state.db-wal (max seen, sampled)':40} {max_wal:>12,}")
+    print(f"{'state.db + -wal (open)':40} {db_open + wal_open:>12,}")
+    print(f"{'state.db after close (-wal: %d)' % wal_closed:40} {db_closed:>12,}")
+    print()
+    print(f"{'read / maintenance':40} {'ms':>8}")
+    for name, dt in reads:
+        print(f"{name:40} {dt * 1e3:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Shared by the daemon tests: drive the real CLI, and account for every process.
+
+Every process a test causes to exist is recorded as an identity (pid, create time); the
+teardown checks that none is left and kills (SIGCONT, SIGKILL) by identity what is. Nothing
+is ever matched by name or command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import psutil
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # tests/workers.py is importable by the daemon for --target tests.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("ORCH_TEST_TAG", f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}:{os.getpid()}")
+    env.update(extra or {})
+    return env
+
+
+def cli(state_dir: Path, *args: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``orchestrator --state-dir DIR ARGS`` like a user would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "--state-dir", str(state_dir), *args],
+        capture_output=True, text=True, timeout=timeout, env=cli_env(), stdin=subprocess.DEVNULL,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"orchestrator {' '.join(args)} -> {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def cli_json(state_dir: Path, *args: str) -> dict:
+    proc = cli(state_dir, *args, "--json")
+    assert proc.stdout, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def status(state_dir: Path, all: bool = False) -> dict:  # noqa: A002
+    return cli_json(state_dir, "status", *(["--all"] if all else []))
+
+
+class Ident(tuple):
+    """(pid, create_time): a process, not a number."""
+
+    @classmethod
+    def of(cls, pid: int) -> "Ident | None":
+        try:
+            return cls((pid, psutil.Process(pid).create_time()))
+        except psutil.NoSuchProcess:
+            return None
+
+    @property
+    def pid(self) -> int:
+        return self[0]
+
+    def alive(self) -> bool:
+        try:
+            p = psutil.Process(self[0])
+            return p.create_time() == self[1] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def tree(pid: int) -> set[Ident]:
+    """The process and all its descendants, right now."""
+    out = set()
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            out.add(Ident((p.pid, p.create_time())))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") -> float:
+    """Poll with backoff (5 ms .. 50 ms) until cond() is true; return the time it took."""
+    start = time.monotonic()
+    delay = 0.005
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return time.monotonic() - start
+
+
+def survivors(idents: Iterable[Ident]) -> list[Ident]:
+    return [i for i in idents if i.alive()]
+
+
+def kill_all(idents: Iterable[Ident]) -> None:
+    """Last-resort teardown: SIGCONT + SIGKILL each process that is still the one we saw."""
+    for ident in idents:
+        try:
+            p = psutil.Process(ident.pid)
+            if p.create_time() != ident[1]:
+                continue
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+class DaemonUnderTest:
+    """A daemon started through the CLI, and every process it is seen to own."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.pid: int | None = None
+        self.seen: set[Ident] = set()
+
+    def start(self, *extra: str) -> int:
+        proc = cli(self.state_dir, "start", *extra)
+        assert proc.returncode == 0, proc.stderr
+        self.pid = int(proc.stdout.strip())
+        self.snapshot()
+        return self.pid
+
+    def snapshot(self) -> set[Ident]:
+        """Record the daemon's whole tree now (for the final no-leftover check)."""
+        if self.pid is not None:
+            self.seen |= tree(self.pid)
+        return self.seen
+
+    def status(self, all: bool = False) -> dict:  # noqa: A002
+        data = status(self.state_dir, all)
+        for key in ("watchdog_pid", "manager_pid"):
+            pid = data["daemon"].get(key)
+            if pid and (ident := Ident.of(pid)):
+                self.seen.add(ident)
+        for rep in data["replicas"]:
+            if rep["pid"] and (ident := Ident.of(rep["pid"])):
+                self.seen.add(ident)
+        return data
+
+    def teardown(self) -> list[Ident]:
+        """Stop the daemon if it runs; kill whatever we saw that is left; return those."""
+        self.snapshot()
+        cli(self.state_dir, "stop", "--timeout", "30")
+        try:
+            wait_for(lambda: not survivors(self.seen), 5, "the daemon's processes to end")
+        except AssertionError:
+            pass
+        left = survivors(self.seen)
+        kill_all(left)
+        return left

@@ -1,0 +1,204 @@
+"""Entry point of the watchdog process: ``python -m watchdog ...``.
+
+Started by the orchestrator through ``WatchdogLink.start()``::
+
+    python -m watchdog --parent-pid P --parent-start S --state-dir D --feed-fd N
+                       [--token T] [--grace G] [--remove PATH ...]
+
+Flow:
+
+1. Set the title ``orchestrator: watchdog``; ignore SIGINT and SIGHUP (a Ctrl-C or hang-up
+   is for the parent to handle; SIGTERM keeps its default so the parent can stop us).
+2. Watch the parent ``(P, S)`` through a pidfd (``ParentWatch``). If it is already gone,
+   go straight to 4.
+3. Block in ONE ``poll`` on [parent pidfd, feed fd] with no timeout: an idle watchdog
+   never wakes up. Feed data updates the ledger. ``Q`` means a clean shutdown: exit 0 at
+   once, quietly. Feed EOF without ``Q`` is only a hint (forked workers may hold the write
+   end, or the parent closed it by mistake): if the parent is verifiably gone, go to 4,
+   otherwise keep watching the pidfd alone.
+4. Parent died: read what is left in the feed, ``sweep()`` the ledger (plus the token),
+   remove the ``--remove`` paths, write ``<state_dir>/watchdog-report.json`` atomically,
+   exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .identity import proc_stat
+from .ledger import Ledger
+from .parent import ParentWatch
+from .reaper import DEFAULT_GRACE, sweep
+
+TITLE = "orchestrator: watchdog"
+REPORT_NAME = "watchdog-report.json"
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m watchdog", description=__doc__.split("\n")[0])
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--parent-start", type=int, required=True, help="clock ticks since boot")
+    parser.add_argument("--state-dir", required=True, help=f"where {REPORT_NAME} is written")
+    parser.add_argument("--feed-fd", type=int, required=True, help="read end of the ledger pipe")
+    parser.add_argument("--token", default=None, help="also kill processes with this ORCHESTRATOR_DAEMON_TOKEN")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE, help="SIGTERM to SIGKILL, seconds")
+    parser.add_argument("--remove", action="append", default=[], metavar="PATH", help="stale file or dir")
+    return parser.parse_args(argv)
+
+
+def _set_title() -> None:
+    # SPT_NOENV: keep setproctitle from reusing the environ memory for a long title, so
+    # /proc/PID/environ stays readable (the token rule reads environments).
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        import setproctitle
+    except ImportError:  # cosmetic: the watchdog works without a title
+        return
+    setproctitle.setproctitle(TITLE)
+
+
+def _raise_fd_limit() -> None:
+    # The sweep holds one pidfd per target at once: hundreds of workers plus descendants
+    # would not fit a soft limit of 1024.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _drain(fd: int, ledger: Ledger) -> bool:
+    """Read everything available now into the ledger; True if the feed reached EOF."""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not data:
+            return True
+        ledger.feed(data)
+
+
+def _remove(paths: Sequence[str]) -> list[dict[str, str]]:
+    """Remove stale runtime files/dirs left by the dead parent (missing ones are fine)."""
+    results = []
+    for path in paths:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            status = "removed"
+        except FileNotFoundError:
+            status = "missing"
+        except OSError as exc:  # reported, not fatal: the processes matter more
+            status = f"error: {exc.strerror or exc}"
+        results.append({"path": path, "status": status})
+    return results
+
+
+def _write_report(state_dir: str, report: dict[str, Any]) -> str:
+    """Write the report atomically: readers see the old file, or the whole new one."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(state_dir, REPORT_NAME)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _watch(watch: ParentWatch, feed_fd: int, ledger: Ledger) -> str | None:
+    """Block until the parent dies (returns why) or asks us to quit (returns None)."""
+    poller = select.poll()
+    if watch.fileno() >= 0:
+        poller.register(watch.fileno(), select.POLLIN)
+    poller.register(feed_fd, select.POLLIN)
+    feed_open = True
+    while True:
+        events = dict(poller.poll(watch.poll_timeout_ms))
+        # The feed first: a Q written just before a clean exit must win over the pidfd.
+        if feed_open and feed_fd in events:
+            eof = _drain(feed_fd, ledger)
+            if ledger.quit_requested:
+                return None
+            if eof:
+                poller.unregister(feed_fd)  # POLLHUP would otherwise fire forever
+                feed_open = False
+                if watch.is_dead():
+                    return "feed-eof"
+                # Parent alive: the EOF came first because a dying process closes its
+                # files before it is marked exited, or the parent closed the pipe by
+                # mistake. Either way the pidfd decides.
+        if watch.fileno() in events or (watch.fileno() < 0 and watch.is_dead()):
+            return "parent-exited"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _set_title()
+    _raise_fd_limit()
+    os.set_blocking(args.feed_fd, False)
+
+    ledger = Ledger()
+    watch = ParentWatch(args.parent_pid, args.parent_start)
+    # Never kill the parent's own process group as a group (a worker entry naming it by
+    # mistake would otherwise take the parent's shell or test runner down with it).
+    protect = set()
+    parent = proc_stat(args.parent_pid)
+    if parent is not None and parent.start_time == args.parent_start:
+        protect.add(parent.pgrp)
+
+    if watch.dead_at_start:
+        reason = "parent-gone-at-start"
+    else:
+        reason = _watch(watch, args.feed_fd, ledger)
+        if reason is None:
+            return 0  # clean shutdown: no sweep, no report
+    detected_monotonic = time.monotonic()
+    detected_at = time.time()
+    # Lines the parent wrote just before dying may still sit in the pipe.
+    _drain(args.feed_fd, ledger)
+    if ledger.quit_requested:
+        return 0
+
+    report = sweep(
+        ledger.entries.values(),
+        args.token,
+        exclude={os.getpid(), args.parent_pid},
+        grace=args.grace,
+        protect_pgids=protect,
+    )
+    removed = _remove(args.remove)
+    report.update(
+        reason=reason,
+        parent={"pid": args.parent_pid, "start": args.parent_start},
+        watchdog_pid=os.getpid(),
+        detected_at=detected_at,
+        # CLOCK_MONOTONIC is system-wide on Linux: whoever killed the parent can subtract
+        # its own reading to get the detection latency. It is not known from in here.
+        detected_monotonic=detected_monotonic,
+        detect_latency_s=None,
+        ledger_entries=len(ledger.entries),
+        ledger_errors=ledger.errors,
+        removed=removed,
+    )
+    _write_report(args.state_dir, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
