@@ -455,6 +455,7 @@ class Daemon:
 
     def _shutdown(self, engine: Engine) -> None:
         engine.shutdown()
+        self._end_adopted(engine)
         pid = self._manager_pid
         if pid is not None:
             self._close_manager_pipes()  # EOF on its reply pipe: the manager exits by itself
@@ -469,6 +470,22 @@ class Daemon:
             self.store.close()
         engine.close()
         log.info("daemon %d stopped", os.getpid())
+
+    def _end_adopted(self, engine: Engine) -> None:
+        """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
+        setsid) outlive their replica; a clean stop ends them too, and their descendants."""
+        from watchdog.identity import scan
+        from watchdog.ledger import Entry
+        from watchdog.reaper import sweep
+
+        me = os.getpid()
+        system = {self._manager_pid, engine.watchdog.pid if engine.watchdog else None} - {None}
+        adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
+                   for st in scan().values() if st.ppid == me and st.pid not in system and st.state != "Z"]
+        if adopted:
+            report = sweep(adopted, None, exclude={me, *system}, grace=min(self.grace, 1.0))
+            log.info("ended %d adopted orphan(s) and their descendants", len(report.get("processes", adopted)))
+        engine.reap_orphans()
 
     def _remove_runtime_files(self) -> None:
         for path in (self.paths.socket, self.paths.authkey):
