@@ -56,7 +56,8 @@ class Orchestrator:
     """Runs the control loop in this process; a context manager.
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
-    and returns only when all are reaped. ``watchdog=True`` starts a watchdog process that
+    and returns only when all are reaped. ``db``: journal pools, replicas and events into
+    that SQLite file (orchestrator.store); ids then continue across runs. ``watchdog=True`` starts a watchdog process that
     kills every worker if this process dies without leaving the context (SIGKILL, OOM).
     """
 
@@ -70,12 +71,14 @@ class Orchestrator:
         spawn_batch: int = 64,
         call_timeout: float = 60.0,
         state_dir: str | None = None,
+        db: str | os.PathLike | None = None,
     ) -> None:
         self._token = secrets.token_hex(8)
         self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token)
         self._pdeathsig = pdeathsig
         self._use_watchdog = watchdog
         self._state_dir = state_dir
+        self._db = db
         self._own_dir: str | None = None
         self._call_timeout = call_timeout
         self._engine: Engine | None = None
@@ -101,7 +104,14 @@ class Orchestrator:
             if self._state_dir is None:
                 self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
             link = WatchdogLink(self._state_dir or self._own_dir, token=self._token)
-        self._engine = Engine(self._config, os_api=OSApi(pdeathsig=self._pdeathsig), watchdog=link)
+        store = None
+        if self._db is not None:
+            from .store import Store
+
+            store = Store(self._db)
+        self._engine = Engine(self._config, os_api=OSApi(pdeathsig=self._pdeathsig), watchdog=link, store=store)
+        if store is not None:
+            self._engine.restore(store.load()[0], relaunch=False)  # ids continue, never reused
         self._thread = threading.Thread(target=self._loop, name="orchestrator-loop", daemon=True)
         self._thread.start()
         if not self._started.wait(30):
@@ -141,6 +151,8 @@ class Orchestrator:
                 engine.stop_watchdog()
             finally:
                 engine.close()
+                if engine.store is not None:
+                    engine.store.close()
 
     # -- commands ---------------------------------------------------------------------
 

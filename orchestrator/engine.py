@@ -308,8 +308,9 @@ class Engine:
     def status(self, include_terminal: bool = False) -> dict:
         return self._cmd_status({"all": include_terminal}, None, None)
 
-    def restore(self, pools: Iterable[dict]) -> None:
-        """Recreate pools from the store at start-up and bring each to its desired size."""
+    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
+        """Recreate pools from the store at start-up (their ids continue where they
+        stopped) and, with ``relaunch``, bring each back to its desired size."""
         for row in pools:
             spec = WorkerSpec.from_wire(row["spec"]) if row.get("spec") else None
             runtime = None
@@ -320,7 +321,7 @@ class Engine:
                     log.error("pool %s: its spec no longer resolves: %s", row["name"], err)
             pool = Pool(row["name"], runtime, desired=0, next_n=int(row["next_n"]))
             self._pools[pool.name] = pool
-            if runtime is not None:
+            if relaunch and runtime is not None:
                 self._launch(pool, runtime, int(row["desired"]))
             self._save_pool(pool)
 
