@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--keep-replicas", type=int, default=10_000, help="ended replicas kept in state.db")
+    p.add_argument("--keep-events", type=int, default=50_000, help="journal events kept in state.db")
+    p.add_argument("--keep-days", type=float, default=7.0, help="history older than this is pruned")
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -106,9 +109,12 @@ def _client(paths: Any) -> Any:
 def cmd_start(args: argparse.Namespace, paths: Any) -> int:
     from . import daemon
 
+    retention = {"keep_replicas": args.keep_replicas, "keep_events": args.keep_events,
+                 "keep_seconds": args.keep_days * 86400}
     if args.foreground:
-        return daemon.run_foreground(paths, grace=args.grace, ready_fd=args.ready_fd)
-    pid = daemon.start_detached(paths, ["--grace", str(args.grace)])
+        return daemon.run_foreground(paths, grace=args.grace, ready_fd=args.ready_fd, retention=retention)
+    pid = daemon.start_detached(paths, ["--grace", str(args.grace), "--keep-replicas", str(args.keep_replicas),
+                                        "--keep-events", str(args.keep_events), "--keep-days", str(args.keep_days)])
     print(pid)
     return EXIT_OK
 

@@ -184,9 +184,11 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
 class Daemon:
     """Runs in the foreground of its process until SIGTERM/SIGINT; see the module doc."""
 
-    def __init__(self, paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None) -> None:
+    def __init__(self, paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None,
+                 retention: dict | None = None) -> None:
         self.paths = paths
         self.grace = grace
+        self.retention = retention or {}
         self.ready_fd = ready_fd
         self.started_at = time.time()
         self._signals: list[int] = []
@@ -307,7 +309,7 @@ class Daemon:
         from .store import Store, StoreError
 
         try:
-            store = Store(self.paths.db)
+            store = Store(self.paths.db, **self.retention)
         except StoreError as err:
             raise OrchestratorError(str(err)) from None
         for note in store.notes:
@@ -496,10 +498,11 @@ class Daemon:
             self._lock_fd = None
 
 
-def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None) -> int:
+def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None,
+                   retention: dict | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    return Daemon(paths, grace=grace, ready_fd=ready_fd).run()
+    return Daemon(paths, grace=grace, ready_fd=ready_fd, retention=retention).run()
 
 
 __all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",

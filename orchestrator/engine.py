@@ -145,6 +145,7 @@ class Engine:
             self._writers[watchdog] = None
         self.extra_status: Callable[[], dict] | None = None
         self._dirty = False
+        self._store_warned = -1e9
         self.closing = False
         self.closed = False
 
@@ -696,7 +697,7 @@ class Engine:
             if self._waiters:
                 self._check_waiters()
         if self.store is not None:
-            self.store.commit()  # before any reply: an acknowledged command is durable
+            self._commit()  # before any reply: an acknowledged command is durable
         if self._outbox:
             out, self._outbox = self._outbox, []
             for reply, msg in out:
@@ -711,6 +712,25 @@ class Engine:
                 if want is not None:
                     self._sel.register(want, selectors.EVENT_WRITE, (_FEED, writer))
                 self._writers[writer] = want
+
+    def _commit(self) -> None:
+        """Commit this turn's changes. A failing disk must not kill the loop (the replicas
+        still need supervising): the batch stays buffered for the next commit, and every
+        success this turn would have reported is reported as not saved instead."""
+        from .store import StoreError
+
+        try:
+            self.store.commit()
+        except StoreError as err:
+            now = self.os.monotonic()
+            if now - self._store_warned > 10.0:  # one line per 10 s, not one per turn
+                self._store_warned = now
+                log.error("state not saved (will retry): %s", err)
+            self._outbox = [
+                (reply, {"id": msg.get("id"), "ok": False, "code": "store",
+                         "error": f"applied, but the state could not be saved: {err}"} if msg.get("ok") else msg)
+                for reply, msg in self._outbox
+            ]
 
     def _drain_wakeup(self) -> None:
         try:
