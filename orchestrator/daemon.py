@@ -37,7 +37,7 @@ from typing import Any
 from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, encode_frame
 from .engine import Engine, EngineConfig
 from .errors import DaemonNotRunning, OrchestratorError, ShutdownRequested
-from .spawner import OSApi, exit_reason, set_child_subreaper
+from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
 
 log = logging.getLogger("orchestrator")
 TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
@@ -258,6 +258,7 @@ class Daemon:
     def _serve(self) -> int:
         paths = self.paths
         set_child_subreaper()
+        nofile = raise_fd_limit()
         token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
         for stale in (paths.socket, paths.report):
             stale.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
@@ -268,7 +269,7 @@ class Daemon:
         link = WatchdogLink(str(paths.state_dir), token=token,
                             remove_files=[str(paths.socket), str(paths.pidfile)])
         config = EngineConfig(grace=self.grace, token=token)
-        engine = self.engine = Engine(config, os_api=OSApi(), store=self.store, watchdog=link, subreaper=True)
+        engine = self.engine = Engine(config, os_api=OSApi(nofile=nofile), store=self.store, watchdog=link, subreaper=True)
         engine.extra_status = self._daemon_status
         engine.add_reader(self._sig_r, self._on_signal_wakeup)
         try:

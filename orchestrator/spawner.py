@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 import time
@@ -57,7 +58,6 @@ _RESET_SIGNALS = tuple(
 _ALL_SIGNALS = signal.valid_signals()
 # Python ignores these at start-up; a Python worker keeps that, a command must not.
 _PYTHON_IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
-_MAXFD = os.sysconf("SC_OPEN_MAX")
 
 
 def set_pdeathsig(sig: int) -> None:
@@ -71,6 +71,17 @@ def set_child_subreaper() -> None:
     if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def raise_fd_limit() -> tuple[int, int] | None:
+    """A daemon holds one pidfd per live replica: lift the soft fd limit to the hard one.
+    Returns the original limits, which workers get back (spawn(..., nofile=...))."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft >= want:
+        return None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return soft, hard
 
 
 def exit_reason(code: int) -> str:
@@ -94,8 +105,11 @@ class Spawned:
 class OSApi:
     """The real OS. Tests of the state machine substitute a fake with the same methods."""
 
-    def __init__(self, *, pdeathsig: int | None = signal.SIGKILL) -> None:
+    def __init__(self, *, pdeathsig: int | None = signal.SIGKILL,
+                 nofile: tuple[int, int] | None = None) -> None:
         self.pdeathsig = pdeathsig
+        self.nofile = nofile  # the fd limit workers get, if ours was raised
+        self.maxfd = os.sysconf("SC_OPEN_MAX")  # after any raise: every fd we may hold is below
         self.parent_pid = os.getpid()
 
     monotonic = staticmethod(time.monotonic)
@@ -117,7 +131,8 @@ class OSApi:
         try:
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child, never returns
-                _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig)
+                _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig, self.maxfd,
+                       self.nofile)
         finally:
             if pid != 0:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
@@ -167,6 +182,8 @@ def _child(
     ready_w: int,
     parent: int,
     pdeathsig: int | None,
+    maxfd: int,
+    nofile: tuple[int, int] | None = None,
 ) -> None:  # pragma: no cover - exercised through real processes only
     code = 127
     try:
@@ -183,7 +200,9 @@ def _child(
             for sig in _PYTHON_IGNORED:
                 signal.signal(sig, signal.SIG_IGN)
         os.closerange(3, ready_w)
-        os.closerange(ready_w + 1, _MAXFD)
+        os.closerange(ready_w + 1, maxfd)
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         if argv is not None:
             os.execve(exe, argv, env)  # type: ignore[arg-type]
