@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import struct
 import uuid
@@ -138,6 +139,29 @@ def _set_timeouts(fd: int, seconds: float) -> None:
         sock.close()
 
 
+class _PlainConnection(connection.Connection):
+    """A multiprocess Connection that pickles with the stdlib pickler. The channel carries
+    only plain data and the Manager's own protocol tuples, so dill's pure-Python pickler
+    (~46 µs a message against ~3 µs) buys nothing here; both ends use this class."""
+
+    def send(self, obj: Any) -> None:
+        self._check_closed()
+        self._check_writable()
+        self._send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        self._check_closed()
+        self._check_readable()
+        return pickle.loads(self._recv_bytes().getbuffer())
+
+
+class _PlainListener(connection.Listener):
+    def accept(self) -> _PlainConnection:
+        conn = super().accept()
+        conn.__class__ = _PlainConnection  # same object, stdlib pickling (no detach() to rewrap)
+        return conn
+
+
 def _bounded_client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
     """multiprocess's Client, with every send and recv bounded by socket time-outs."""
     sock = socket.socket(socket.AF_UNIX)
@@ -147,7 +171,7 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
     except BaseException:
         sock.close()
         raise
-    conn = connection.Connection(sock.detach())
+    conn = _PlainConnection(sock.detach())
     if authkey is not None:
         connection.answer_challenge(conn, authkey)
         connection.deliver_challenge(conn, authkey)
@@ -155,11 +179,13 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
 
 
 _io_timeout = DEFAULT_TIMEOUT
-managers.listener_client[SERIALIZER] = (connection.Listener, _bounded_client)
+managers.listener_client[SERIALIZER] = (_PlainListener, _bounded_client)
 
 
 class ChannelManager(managers.BaseManager):
-    """Typeids: ``commands`` (the command queue) and ``replies`` (a board keyed by id)."""
+    """Typeids: ``commands`` (the command queue) and ``replies`` (a board keyed by id,
+    whose ``call(cmd, timeout)`` puts a command on the queue and waits for its reply: one
+    round trip instead of a put and a take)."""
 
 
 ChannelManager.register("commands")
@@ -217,19 +243,30 @@ class Client:
             raise ChannelError(f"cannot reach the daemon: {err}") from None
         self._mgr = mgr
 
+    def _drop_connection(self) -> None:
+        tls = self._replies._tls if self._replies is not None else None
+        conn = getattr(tls, "connection", None)
+        if conn is not None:
+            del tls.connection
+            conn.close()
+        self._mgr = None
+
     def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""
         limit = self.timeout if timeout is None else timeout
         if self._mgr is None:
             self._connect()
         cmd = {"id": uuid.uuid4().hex, "op": op, "args": args or {}}
+        replies = self._replies
         try:
-            self._commands.put(cmd)
+            tls = replies._tls  # this thread's connection, shared by every proxy of ours
+            if not hasattr(tls, "connection"):
+                replies._connect()
             # The reply may take up to `limit` to come: bound this thread's socket just past it.
-            _set_timeouts(self._commands._tls.connection.fileno(), limit + 5.0)
-            msg = self._replies.take(cmd["id"], limit)
+            _set_timeouts(tls.connection.fileno(), limit + 5.0)
+            msg = replies.call(cmd, limit)
         except (OSError, EOFError) as err:
-            self._mgr = None  # the connection may be mid-message: never reuse it
+            self._drop_connection()  # it may be mid-message: never reuse it
             if isinstance(err, (BlockingIOError, TimeoutError)):
                 raise ChannelError(f"{op}: the daemon did not answer within {limit:g} s") from None
             raise ChannelError(f"{op}: lost the connection to the daemon ({err})") from None

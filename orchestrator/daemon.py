@@ -173,7 +173,13 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
             return 0
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        return 0 if poller.poll(timeout * 1000) else 1
+        if not poller.poll(timeout * 1000):
+            return 1
+        try:
+            os.waitpid(pid, os.WNOHANG)  # if we started it (start_detached), do not leave a zombie
+        except ChildProcessError:
+            pass
+        return 0
     finally:
         os.close(pidfd)
 

@@ -34,7 +34,8 @@ REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropp
 class ReplyBoard:
     """Replies by command id; ``take`` blocks (server side) until its reply is posted."""
 
-    def __init__(self) -> None:
+    def __init__(self, commands: queue.Queue) -> None:
+        self._commands = commands
         self._cond = threading.Condition()
         self._replies: dict[str, tuple[float, dict]] = {}
 
@@ -47,6 +48,14 @@ class ReplyBoard:
                     if now - t > REPLY_TTL:
                         del self._replies[key]
             self._cond.notify_all()
+
+    def call(self, cmd: Any, timeout: float) -> dict | None:
+        """Put ``cmd`` on the command queue and wait for its reply."""
+        cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
+        if not isinstance(cmd_id, str):
+            return {"id": cmd_id, "ok": False, "code": "invalid", "error": "malformed command: no 'id'"}
+        self._commands.put(cmd)
+        return self.take(cmd_id, timeout)
 
     def take(self, cmd_id: str, timeout: float) -> dict | None:
         deadline = time.monotonic() + max(0.0, float(timeout))
@@ -117,9 +126,9 @@ def serve(argv: list[str] | None = None) -> None:
     authkey = (state_dir / "authkey").read_bytes()
     address, _dirfd = socket_address(state_dir)
     commands: queue.Queue = queue.Queue()
-    board = ReplyBoard()
+    board = ReplyBoard(commands)
     ChannelManager.register("commands", callable=lambda: commands)
-    ChannelManager.register("replies", callable=lambda: board, exposed=("take",))
+    ChannelManager.register("replies", callable=lambda: board, exposed=("take", "call"))
     old_umask = os.umask(0o177)  # the socket is created 0600
     try:
         server = ChannelManager(address=address, authkey=authkey, serializer=SERIALIZER).get_server()

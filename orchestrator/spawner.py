@@ -30,6 +30,7 @@ turns it into FAILED("could not start: ...").
 
 from __future__ import annotations
 
+import _signal  # pthread_sigmask without the enum conversion: ~3 µs against ~60 µs a call
 import ctypes
 import os
 import resource
@@ -127,7 +128,7 @@ class OSApi:
         or ``argv`` + ``exe``."""
         ready_r, ready_w = os.pipe()
         parent = os.getpid()
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
+        old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
         try:
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child, never returns
@@ -135,7 +136,7 @@ class OSApi:
                        self.nofile)
         finally:
             if pid != 0:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.close(ready_w)
         try:
             os.setpgid(pid, pid)
