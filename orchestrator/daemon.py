@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, encode_frame
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, drain
 from .errors import DaemonNotRunning, OrchestratorError, ShutdownRequested
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
 
@@ -364,11 +364,7 @@ class Daemon:
     # -- signals --------------------------------------------------------------------
 
     def _on_signal_wakeup(self) -> None:
-        try:
-            while os.read(self._sig_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self._sig_r)
         signals, self._signals = self._signals, []
         engine = self.engine
         if signal.SIGCHLD in signals:
@@ -468,10 +464,7 @@ class Daemon:
         pid = self._manager_pid
         if pid is not None:
             self._close_manager_pipes()  # EOF on its reply pipe: the manager exits by itself
-            engine._run_until(lambda: self._manager_pid is None, 5.0)
-            if self._manager_pid is not None:  # still our unreaped child: the pid is pinned
-                os.kill(pid, signal.SIGKILL)
-                engine._run_until(lambda: self._manager_pid is None, 5.0)
+            engine.end_child(pid, 5.0)
         engine.stop_watchdog()
         if self.store is not None:
             self.store.append_event("stop", ts=time.time(), data={"pid": os.getpid()})

@@ -53,6 +53,15 @@ _DEFERRED = object()
 _WAKEUP, _EXIT, _READY, _CHILD, _READER, _FEED = range(6)
 
 
+def drain(fd: int) -> None:
+    """Empty a non-blocking wakeup pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 @dataclass
 class EngineConfig:
     grace: float = 5.0  # SIGTERM -> SIGKILL, per replica
@@ -733,11 +742,7 @@ class Engine:
             ]
 
     def _drain_wakeup(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self._wake_r)
 
     def _run_until(self, done: Callable[[], bool], limit: float) -> None:
         deadline = self.os.monotonic() + limit
@@ -784,7 +789,12 @@ class Engine:
         self._forget_writer_fd(wd)
         self.closing = True  # so its exit is not taken for a death to recover from
         wd.stop()
-        self._run_until(lambda: pid not in self._children, 2.0)
-        if pid in self._children:  # still our unreaped child, so the pid is pinned
+        self.end_child(pid, 2.0)
+
+    def end_child(self, pid: int, timeout: float) -> None:
+        """Wait up to ``timeout`` for a watched child that was told to exit, then SIGKILL
+        it (still our unreaped child, so the pid is pinned) and wait again, bounded."""
+        self._run_until(lambda: pid not in self._children, timeout)
+        if pid in self._children:
             os.kill(pid, signal.SIGKILL)
             self._run_until(lambda: pid not in self._children, 2.0)
