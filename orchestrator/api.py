@@ -111,6 +111,9 @@ class Orchestrator:
             store = Store(self._db)
         self._engine = Engine(self._config, os_api=OSApi(pdeathsig=self._pdeathsig), watchdog=link, store=store)
         if store is not None:
+            from .daemon import recover_leftovers
+
+            recover_leftovers(store, grace=min(self._config.grace, 1.0))  # a killed earlier run
             self._engine.restore(store.load()[0], relaunch=False)  # ids continue, never reused
         self._thread = threading.Thread(target=self._loop, name="orchestrator-loop", daemon=True)
         self._thread.start()
@@ -124,8 +127,11 @@ class Orchestrator:
         if self._thread is None:
             return
         self._stop = True
-        if self._engine is not None and not self._engine.closed:
-            self._engine.submit({"op": "ping"}, lambda _msg: None)  # wake the loop
+        if self._engine is not None:
+            try:
+                self._engine.submit({"op": "ping"}, lambda _msg: None)  # wake the loop
+            except ShuttingDown:
+                pass  # it has closed already
         self._thread.join()
         self._thread = None
         if self._own_dir is not None:

@@ -227,10 +227,10 @@ def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
 def cmd_events(args: argparse.Namespace, paths: Any) -> int:
     from .store import Store, StoreError
 
-    if not paths.db.exists():
+    if not paths.db.exists() and not args.follow:
         return EXIT_OK
     try:
-        store = Store(paths.db, readonly=True)
+        store = Store(paths.db, readonly=True)  # with --follow, picks the file up once it appears
     except StoreError as err:
         raise OrchestratorError(str(err)) from None
     try:

@@ -184,6 +184,43 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
         os.close(pidfd)
 
 
+# -- recovery -----------------------------------------------------------------------
+
+
+def recover_leftovers(store: Any, *, grace: float = 1.0) -> tuple[int, int]:
+    """The start-up layer against orphans. Every replica the store still calls live belongs
+    to a run that ended uncleanly: kill its process (and group, and descendants) if it is
+    still alive with the recorded identity, never a reused pid, then record it LOST.
+    Returns (lost, killed)."""
+    from watchdog.identity import is_alive
+    from watchdog.ledger import Entry
+    from watchdog.reaper import sweep
+
+    _, live = store.load()
+    if not live:
+        return 0, 0
+    entries = [
+        Entry(r["pid"], r["start_time"], r["pid"], "worker", r["id"])
+        for r in live
+        if r.get("pid") and r.get("start_time") is not None and is_alive(r["pid"], r["start_time"])
+    ]
+    killed = {e.pid for e in entries}
+    if entries:
+        sweep(entries, None, exclude={os.getpid()}, grace=grace)
+    now = time.time()
+    for rec in live:
+        found = "killed at recovery" if rec.get("pid") in killed else "found dead"
+        old = rec["state"]
+        rec.update(state="LOST", pid=None, ended_at=now, reason=f"daemon ended uncleanly; {found}")
+        store.save_replica(rec)
+        store.append_event("transition", replica=rec["id"], ts=now,
+                           data={"from": old, "to": "LOST", "reason": rec["reason"]})
+    store.append_event("recovery", ts=now, data={"lost": len(live), "killed": len(killed)})
+    store.commit()
+    log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed", len(live), len(killed))
+    return len(live), len(killed)
+
+
 # -- the daemon itself --------------------------------------------------------------
 
 
@@ -279,18 +316,17 @@ class Daemon:
         engine.extra_status = self._daemon_status
         engine.add_reader(self._sig_r, self._on_signal_wakeup)
         try:
-            if self.store is not None:
-                self._recover(engine)
+            recover_leftovers(self.store, grace=min(self.grace, 1.0))
             engine.start()
+            # Pools first, then the channel: no command may see a half-restored table.
+            engine.restore(self.store.load()[0])
+            engine.settle()
             self._start_manager()
             deadline = time.monotonic() + 30
             while not self._manager_ready:
                 if time.monotonic() > deadline:
                     raise OrchestratorError("the manager server did not start within 30 s")
                 engine.run_once(1.0)
-            if self.store is not None:
-                engine.restore(self.store.load()[0])
-                engine.settle()
             log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
             self._notify(f"READY {os.getpid()}")
             if self.ready_fd is None and sys.stdout.isatty():
@@ -322,36 +358,6 @@ class Daemon:
         for note in store.notes:
             log.warning("%s", note)
         return store
-
-    def _recover(self, engine: Engine) -> None:
-        """Leftovers of an unclean end: reap any still-live process (identity-checked), then
-        record every replica that was live as LOST, before `start` returns."""
-        from watchdog.identity import is_alive
-        from watchdog.ledger import Entry
-        from watchdog.reaper import sweep
-
-        _, live = self.store.load()
-        if not live:
-            return
-        entries = [
-            Entry(r["pid"], r["start_time"], r["pid"], "worker", r["id"])
-            for r in live
-            if r.get("pid") and r.get("start_time") is not None and is_alive(r["pid"], r["start_time"])
-        ]
-        killed = {e.pid for e in entries}
-        if entries:
-            sweep(entries, None, exclude={os.getpid()}, grace=min(self.grace, 1.0))
-        now = time.time()
-        for rec in live:
-            found = "killed at recovery" if rec.get("pid") in killed else "found dead"
-            old = rec["state"]
-            rec.update(state="LOST", pid=None, ended_at=now, reason=f"daemon ended uncleanly; {found}")
-            self.store.save_replica(rec)
-            self.store.append_event("transition", replica=rec["id"], ts=now,
-                                    data={"from": old, "to": "LOST", "reason": rec["reason"]})
-        self.store.append_event("recovery", ts=now, data={"lost": len(live), "killed": len(killed)})
-        self.store.commit()
-        log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed", len(live), len(killed))
 
     def _daemon_status(self) -> dict:
         wd = self.engine.watchdog if self.engine else None

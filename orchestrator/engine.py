@@ -29,10 +29,12 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 import os
 import re
 import selectors
 import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -51,6 +53,22 @@ _DEFERRED = object()
 
 # selector key kinds
 _WAKEUP, _EXIT, _READY, _CHILD, _READER, _FEED = range(6)
+
+
+MAX_COUNT = 10_000  # replicas one launch may add
+
+
+def _wait_timeout(args: dict) -> float:
+    """A wait's bound, checked before the command does anything (a NaN would stall the
+    timer heap; a bool is no number of seconds)."""
+    timeout = args.get("timeout")
+    if timeout is None:
+        return 3600.0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+        math.isfinite(timeout) and timeout >= 0
+    ):
+        raise InvalidSpec(f"timeout must be a finite non-negative number, got {timeout!r}")
+    return float(timeout)
 
 
 def drain(fd: int) -> None:
@@ -138,6 +156,7 @@ class Engine:
         os.set_blocking(self._wake_w, False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, (_WAKEUP, None))
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
+        self._submit_lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
         self._replicas: dict[str, Replica] = {}
         self._ended: collections.deque[str] = collections.deque()
@@ -155,6 +174,7 @@ class Engine:
         self.extra_status: Callable[[], dict] | None = None
         self._dirty = False
         self._store_warned = -1e9
+        self._spawn_hold = -1e9
         self.closing = False
         self.closed = False
 
@@ -162,14 +182,14 @@ class Engine:
 
     def submit(self, cmd: dict, reply: Reply) -> None:
         """Queue a command from any thread; ``reply`` is called once, from the loop."""
-        self._inbox.append((cmd, reply))
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wakeups already: the loop will run
-        except OSError:
-            if not self.closed:
-                raise
+        with self._submit_lock:  # against close(): never write to a closed (or reused) fd
+            if self.closed:
+                raise ShuttingDown("the orchestrator is not running")
+            self._inbox.append((cmd, reply))
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wakeups already: the loop will run
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         self._sel.register(fd, selectors.EVENT_READ, (_READER, callback))
@@ -221,13 +241,13 @@ class Engine:
             self._journal_command(op, cmd_id, err)
             self._outbox.append((reply, {"id": cmd_id, "ok": False, "error": str(err), "code": err.code}))
             return
+        self._journal_command(op, cmd_id, None)  # applied now, even if its reply waits
         if result is not _DEFERRED:
-            self._journal_command(op, cmd_id, None)
             self._outbox.append((reply, {"id": cmd_id, "ok": True, "result": result}))
 
     def run_once(self, timeout: float | None = None) -> None:
         """One turn of the loop; ``timeout`` bounds the wait (None: until an event)."""
-        if self._inbox or self._pending:
+        if self._inbox or (self._pending and self.os.monotonic() >= self._spawn_hold):
             timeout = 0
         elif self._timers:
             due = max(0.0, self._timers[0][0] - self.os.monotonic())
@@ -274,9 +294,10 @@ class Engine:
 
     def close(self) -> None:
         """Release the loop's own fds. Call after shutdown()."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._submit_lock:
+            if self.closed:
+                return
+            self.closed = True
         for pid, (fd, _) in list(self._children.items()):
             self._sel.unregister(fd)
             os.close(fd)
@@ -342,8 +363,9 @@ class Engine:
         if not isinstance(name, str) or not _POOL_NAME.match(name):
             raise InvalidSpec(f"invalid pool name {name!r} (letters, digits, '_', '.', '-')")
         count = args.get("count", 1)
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise InvalidSpec(f"count must be a positive integer, got {count!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
+            raise InvalidSpec(f"count must be an integer from 1 to {MAX_COUNT}, got {count!r}")
+        timeout = _wait_timeout(args) if args.get("wait") else None
         spec = args.get("spec")
         if not isinstance(spec, WorkerSpec):
             spec = WorkerSpec.from_wire(spec)
@@ -355,7 +377,7 @@ class Engine:
         ids = self._launch(pool, runtime, count)
         self._save_pool(pool)
         if args.get("wait"):
-            return self._add_waiter(ids, "running", reply, cmd_id, args.get("timeout"))
+            return self._add_waiter(ids, "running", reply, cmd_id, timeout)
         return ids
 
     def _cmd_terminate(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
@@ -364,10 +386,11 @@ class Engine:
             ids = [ids]
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise InvalidSpec("terminate needs a list of replica ids")
+        timeout = _wait_timeout(args) if args.get("wait") else None
         reps = [self._lookup(i) for i in ids]  # all or nothing: an unknown id changes nothing
         stopped = [r.id for r in reps if r is not None and self._stop(r, reason="terminated")]
         if args.get("wait"):
-            return self._add_waiter(tuple(ids), "ended", reply, cmd_id, args.get("timeout"))
+            return self._add_waiter(tuple(ids), "ended", reply, cmd_id, timeout)
         return stopped
 
     def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
@@ -425,9 +448,10 @@ class Engine:
         until = args.get("until", "running")
         if until not in ("running", "ended"):
             raise InvalidSpec("until must be 'running' or 'ended'")
+        timeout = _wait_timeout(args)
         for i in ids:
             self._lookup(i)
-        return self._add_waiter(tuple(ids), until, reply, cmd_id, args.get("timeout"))
+        return self._add_waiter(tuple(ids), until, reply, cmd_id, timeout)
 
     def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         return "pong"
@@ -477,6 +501,15 @@ class Engine:
         return ids
 
     def _spawn_pending(self) -> None:
+        if not self._pending or self.os.monotonic() < self._spawn_hold:
+            return
+        if self.store is not None and self.store.pending:
+            # A replica's id must be durable before its process exists: after a kill -9
+            # between fork and commit, the next daemon would hand the id out again.
+            if not self._commit():
+                self._spawn_hold = self.os.monotonic() + 1.0  # the disk fails: retry, not spin
+                self.call_later(1.0, lambda: None)
+                return
         for _ in range(min(len(self._pending), self.config.spawn_batch)):
             rep, rt = self._pending.popleft()
             if rep.state is not S.PENDING:
@@ -654,11 +687,8 @@ class Engine:
 
     # -- waiting ------------------------------------------------------------------
 
-    def _add_waiter(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: Any) -> Any:
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidSpec("timeout must be a non-negative number")
-        limit = 3600.0 if timeout is None else float(timeout)
-        waiter = _Waiter(tuple(ids), until, reply, cmd_id, self.os.monotonic() + limit)
+    def _add_waiter(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float) -> Any:
+        waiter = _Waiter(tuple(ids), until, reply, cmd_id, self.os.monotonic() + timeout)
         self._waiters.append(waiter)
         self._arm(waiter.deadline, waiter)
         self._dirty = True
@@ -722,7 +752,7 @@ class Engine:
                     self._sel.register(want, selectors.EVENT_WRITE, (_FEED, writer))
                 self._writers[writer] = want
 
-    def _commit(self) -> None:
+    def _commit(self) -> bool:
         """Commit this turn's changes. A failing disk must not kill the loop (the replicas
         still need supervising): the batch stays buffered for the next commit, and every
         success this turn would have reported is reported as not saved instead."""
@@ -730,6 +760,7 @@ class Engine:
 
         try:
             self.store.commit()
+            return True
         except StoreError as err:
             now = self.os.monotonic()
             if now - self._store_warned > 10.0:  # one line per 10 s, not one per turn
@@ -740,6 +771,7 @@ class Engine:
                          "error": f"applied, but the state could not be saved: {err}"} if msg.get("ok") else msg)
                 for reply, msg in self._outbox
             ]
+            return False
 
     def _drain_wakeup(self) -> None:
         drain(self._wake_r)

@@ -41,6 +41,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from setproctitle import setproctitle
+
 from watchdog.identity import start_time
 
 _PR_SET_PDEATHSIG = 1
@@ -131,18 +133,26 @@ class OSApi:
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
         try:
             pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child, never returns
-                _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig, self.maxfd,
-                       self.nofile)
-        finally:
-            if pid != 0:
-                _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        except OSError:  # EAGAIN, ENOMEM: no child; the caller records FAILED
+            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            os.close(ready_r)
+            os.close(ready_w)
+            raise
+        if pid == 0:  # pragma: no cover - runs in the child, never returns
+            _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig, self.maxfd, self.nofile)
+        _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.close(ready_w)
         try:
             os.setpgid(pid, pid)
         except (PermissionError, ProcessLookupError):
             pass  # the child already exec'd (it set its group itself) or already died
-        exit_fd = os.pidfd_open(pid)
+        try:
+            exit_fd = os.pidfd_open(pid)
+        except OSError:  # EMFILE: we could not watch it, so it must not run untracked
+            os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is pinned
+            os.waitpid(pid, 0)
+            os.close(ready_r)
+            raise
         return Spawned(pid, exit_fd, ready_r, start_time(pid))
 
     def signal_group(self, pgid: int, sig: int) -> bool:
@@ -210,8 +220,6 @@ def _child(
         os.environ.update(env)
         if isinstance(run, bytes):
             run = unpickle_target(run)
-        from setproctitle import setproctitle
-
         setproctitle(f"orchestrator: replica {replica_id}")
         os.close(ready_w)
         ready_w = -1

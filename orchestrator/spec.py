@@ -107,16 +107,22 @@ def resolve_target(target: str) -> Callable[[], Any]:
     """Import ``module:function`` now, in the orchestrator, so a bad target is a clear error
     at launch time and every forked worker finds the module already imported."""
     mod_name, _, attr = target.partition(":")
+    # The boundary to user code: whatever its import raises (SyntaxError, SystemExit, a
+    # RuntimeError of its own) is a bad target for this launch, not a crash of the loop.
     try:
         module = importlib.import_module(mod_name)
     except ImportError as err:
         raise InvalidSpec(f"cannot import module {mod_name!r}: {err}") from None
+    except (Exception, SystemExit) as err:
+        raise InvalidSpec(f"cannot import module {mod_name!r}: {type(err).__name__}: {err}") from None
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise InvalidSpec(f"module {mod_name!r} has no attribute {attr!r}") from None
+        except (Exception, SystemExit) as err:  # a module __getattr__ of the user's
+            raise InvalidSpec(f"{target}: {type(err).__name__}: {err}") from None
     if not callable(obj):
         raise InvalidSpec(f"{target} is not callable")
     return obj

@@ -1,0 +1,146 @@
+"""Shared fixtures: an account of every process a test starts, and embedded orchestrators.
+
+Rules they exist to keep (RELIABILITY.md sections 2 and 3): a test tears down what it
+started by identity (pid + create time; helpers.Ident), never by name; SIGCONT then SIGKILL
+for leftovers, then a bounded wait; every process an Orchestrator from
+``make_orchestrator`` starts carries ``ORCH_TEST_TAG`` (command workers and whatever they
+start), so a leftover is found even when the test never saw its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from helpers import Ident, kill_all
+
+TAG_VAR = "ORCH_TEST_TAG"
+
+
+class ProcessTracker:
+    """The processes one test started: pids it recorded, new descendants of the test
+    process, and processes carrying its tag."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.seen: set[Ident] = set()
+        self._me = psutil.Process()
+        self._before = self._descendants()
+
+    def _descendants(self) -> set[Ident]:
+        out = set()
+        for p in self._me.children(recursive=True):
+            if ident := Ident.of(p.pid):
+                out.add(ident)
+        return out
+
+    def track(self, pid: int | None) -> Ident | None:
+        """Record ``pid``'s identity now; None if it is already gone."""
+        ident = Ident.of(pid) if pid else None
+        if ident is not None:
+            self.seen.add(ident)
+        return ident
+
+    def track_status(self, status: dict) -> None:
+        for rep in status.get("replicas", ()):
+            self.track(rep.get("pid"))
+
+    def new_descendants(self) -> set[Ident]:
+        """Descendants of the test process made since the tracker was, zombies included."""
+        return self._descendants() - self._before
+
+    def tagged(self) -> set[Ident]:
+        """Processes with this test's tag in their environment (a Python worker that set
+        its title has overwritten its environment: it is found as a descendant instead)."""
+        found = set()
+        for p in psutil.process_iter():
+            try:
+                if p.pid != self._me.pid and p.environ().get(TAG_VAR) == self.tag:
+                    found.add(Ident((p.pid, p.create_time())))
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    def survivors(self) -> list[Ident]:
+        """Every process this test started that is still alive (zombies do not count)."""
+        return sorted(i for i in self.seen | self.new_descendants() | self.tagged() if i.alive())
+
+    def zombies(self) -> list[Ident]:
+        """Children of the test process that exited and nobody reaped."""
+        out = []
+        for ident in self.new_descendants():
+            try:
+                p = psutil.Process(ident.pid)
+                if p.ppid() == self._me.pid and p.status() == psutil.STATUS_ZOMBIE:
+                    out.append(ident)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def cleanup(self, timeout: float = 5.0) -> None:
+        """SIGCONT + SIGKILL survivors, then wait for them (bounded); psutil reaps children
+        of ours, zombies included."""
+        left = self.survivors()
+        kill_all(left)
+        procs = []
+        for ident in [*left, *self.zombies()]:
+            try:
+                p = psutil.Process(ident.pid)
+                if p.create_time() == ident[1]:
+                    procs.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=timeout)
+
+
+@pytest.fixture
+def orch_test_tag(request: pytest.FixtureRequest) -> str:
+    """A value unique to this test, for ORCH_TEST_TAG."""
+    return f"{uuid.uuid4().hex[:12]}:{request.node.nodeid}"
+
+
+@pytest.fixture
+def procs(orch_test_tag: str) -> Iterator[ProcessTracker]:
+    """A ProcessTracker whose teardown ends whatever the test left alive."""
+    tracker = ProcessTracker(orch_test_tag)
+    try:
+        yield tracker
+    finally:
+        tracker.cleanup()
+
+
+@pytest.fixture
+def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
+    """Factory of started embedded ``Orchestrator``s: state dir under tmp_path, the test's
+    tag in the workers' environment, the watchdog tracked. Teardown closes each (terminate,
+    grace, reap; a second close is a no-op), then ``procs`` sweeps."""
+    from orchestrator import Orchestrator
+
+    made: list[Orchestrator] = []
+
+    def make(**kwargs: Any) -> Orchestrator:
+        state_dir = tmp_path / f"orchestrator-{len(made)}"
+        state_dir.mkdir()
+        kwargs.setdefault("state_dir", str(state_dir))
+        kwargs.setdefault("env", {**os.environ, TAG_VAR: orch_test_tag})
+        orch = Orchestrator(**kwargs)
+        made.append(orch)
+        orch.start()
+        procs.track(orch.watchdog_pid)
+        return orch
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for orch in reversed(made):
+            try:
+                orch.close()
+            except BaseException as err:  # close every one, then report the first failure
+                errors.append(err)
+        if errors:
+            raise errors[0]
