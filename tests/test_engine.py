@@ -1085,3 +1085,21 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
     fake.spawn = checking_spawn
     h.launch(count=5)
     assert durable_at_fork == [True] * 5
+
+
+def test_spawned_start_time_is_the_kernels(tmp_path):
+    """The spawner derives a worker's start time from the clock around fork; it must be
+    exactly what /proc says, or identity checks would spare or hit the wrong process."""
+    from orchestrator.spawner import OSApi
+    from watchdog.identity import start_time
+
+    api = OSApi(pdeathsig=None)
+    for _ in range(50):
+        sp = api.spawn("t-1", None, ("sleep", "1000"), "/bin/sleep", {})
+        try:
+            assert sp.start_time == start_time(sp.pid)
+        finally:
+            api.signal_group(sp.pid, 9)
+            os.close(sp.ready_fd)
+            os.close(sp.exit_fd)
+            os.waitpid(sp.pid, 0)
