@@ -1,13 +1,14 @@
 """Benchmark the watchdog: how fast it cleans up after its parent is SIGKILLed, and what it
 costs while idle.
 
-Run: ``.venv/bin/python benchmarks/bench_watchdog.py [--quick]`` (about a minute).
+Run: ``.venv/bin/python benchmarks/bench_watchdog.py [--quick]`` (30-60 s; --quick ~6 s).
 
 Each trial starts a stand-in orchestrator (this file, ``--parent N``) that starts a real
-watchdog through ``WatchdogLink``, forks N sleeping workers (each in its own process
-group, no PR_SET_PDEATHSIG: only the watchdog can kill them), registers them and reports
-ready. The benchmark opens a pidfd per worker, takes ``time.monotonic()`` (CLOCK_MONOTONIC
-is system-wide on Linux), SIGKILLs the parent and waits on the pidfds:
+watchdog through ``WatchdogLink`` (with a token, as the daemon does), forks N sleeping
+workers (each in its own process group, no PR_SET_PDEATHSIG: only the watchdog can kill
+them), registers them and reports ready. The benchmark opens a pidfd per worker, takes
+``time.monotonic()`` (CLOCK_MONOTONIC is system-wide on Linux), SIGKILLs the parent and
+waits on the pidfds:
 
 * kill -> last worker gone: until the last worker pidfd is readable (the process exited);
 * detection: the report's ``detected_monotonic`` minus the kill time;
@@ -15,6 +16,11 @@ is system-wide on Linux), SIGKILLs the parent and waits on the pidfds:
 
 Idle: the watchdog of a parent with 10 workers, over 10 s: CPU time and context switches
 from /proc (0 wakeups/s expected: it blocks in one poll with no timeout).
+
+Worker exits are real work (tearing down a forked interpreter's memory: ~0.5 ms of CPU
+each on the VM this was written on), so on a 2-CPU machine 200 exits need ~50 ms however
+fast the watchdog is, and other load on the machine shows up directly in the tails: the
+header prints the load average and the CPU pressure (PSI) at the start.
 
 This process makes itself a child subreaper so the orphaned workers and watchdogs are
 reparented to it and reaped here, instead of piling up as zombies under PID 1.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 # Only what the stand-in parent needs is imported at module level: its workers are forks
 # of it, and a smaller parent means cheaper worker exits, so the watchdog dominates what is
-# measured. The benchmark driver imports the rest in main().
+# measured. The driver's own modules (subprocess, tempfile, ctypes) are imported locally.
 import argparse
 import fcntl
 import json
@@ -34,11 +40,16 @@ import signal
 import sys
 import termios
 import time
+from typing import TYPE_CHECKING
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from watchdog import WatchdogLink, open_verified, start_time  # noqa: E402
+from watchdog.reaper import TOKEN_VARIABLE  # noqa: E402
+
+if TYPE_CHECKING:
+    import subprocess
 
 PR_SET_CHILD_SUBREAPER = 36
 TARGETS = {50: 0.025, 200: 0.080}  # kill -> last gone, p99 (seconds)
@@ -57,7 +68,9 @@ def _wchan(pid: int) -> str:
 
 
 def run_parent(workers: int, state_dir: str) -> None:
-    link = WatchdogLink(state_dir, grace=0.2)
+    # Like the daemon: a token in the environment it was started with, so its workers
+    # carry it too, and the watchdog's sweep runs its token rule (reading environments).
+    link = WatchdogLink(state_dir, token=os.environ[TOKEN_VARIABLE], grace=0.2)
     wd = link.start()
     pids = []
     for _ in range(workers):
@@ -130,10 +143,13 @@ def _wait_all(fds: list[int], timeout: float) -> float | None:
 
 
 def _start_parent(workers: int, state_dir: str) -> tuple[subprocess.Popen, dict]:
+    import subprocess
+
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--parent", str(workers), state_dir],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        env=dict(os.environ, **{TOKEN_VARIABLE: os.urandom(8).hex()}),
     )
     ready, _, _ = select.select([proc.stdout], [], [], 20)
     if not ready:
@@ -143,6 +159,8 @@ def _start_parent(workers: int, state_dir: str) -> tuple[subprocess.Popen, dict]
 
 
 def trial(workers: int) -> dict:
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="bench-watchdog-") as state_dir:
         proc, info = _start_parent(workers, state_dir)
         fds = [open_verified(pid, start) for pid, start in info["workers"]]
@@ -183,6 +201,8 @@ def _kill_if_alive(fd: int) -> None:
 
 
 def idle(seconds: float) -> dict:
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="bench-watchdog-") as state_dir:
         proc, info = _start_parent(10, state_dir)
         wd = info["watchdog"][0]
@@ -223,6 +243,20 @@ def _usage(pid: int) -> tuple[int, int, int]:
     return cpu, vol, invol
 
 
+def _loadavg() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+def _cpu_pressure() -> str:
+    """PSI "some avg10": % of the last 10 s in which some task waited for a CPU."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().split()[1].split("=")[1] + "%"
+    except (FileNotFoundError, OSError, IndexError):
+        return "n/a"
+
+
 def _pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     ordered = sorted(values)
@@ -238,17 +272,16 @@ def main() -> int:
         run_parent(int(args.parent[0]), args.parent[1])
         return 0
 
-    global ctypes, subprocess, tempfile
     import ctypes
-    import subprocess
-    import tempfile
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
     plan = {10: 30, 50: 30, 200: 20} if not args.quick else {10: 5, 50: 5, 200: 3}
-    print(f"watchdog benchmark: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    # Other work on the machine shows up in every latency below: print the load with them.
+    print(f"watchdog benchmark: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+          f"load average {' '.join(_loadavg())}, CPU pressure (PSI some avg10) {_cpu_pressure()}")
     print(f"{'workers':>7} {'trials':>6} | {'kill->last gone ms':^23} | {'detect ms':^15} | {'sweep ms':^9}")
     print(f"{'':>7} {'':>6} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} | {'p50':>9}")
     failed = False
@@ -278,6 +311,10 @@ def main() -> int:
     rate = usage["switches"] / usage["seconds"]
     print(f"idle watchdog over {seconds:.0f} s: CPU {usage['cpu_ms']:.1f} ms, "
           f"{usage['switches']} context switches ({rate:.1f} wakeups/s; target 0: {'ok' if rate == 0 else 'MISSED'})")
+    end_load = _loadavg()
+    print(f"load average at the end: {' '.join(end_load)}")
+    if float(end_load[0]) > (os.cpu_count() or 1):
+        print("note: more runnable work than CPUs during the run; the tails include that contention")
     return 1 if failed or rate else 0
 
 

@@ -103,7 +103,7 @@ class Orchestrator:
 
             if self._state_dir is None:
                 self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
-            link = WatchdogLink(self._state_dir or self._own_dir, token=self._token)
+            link = WatchdogLink(self._state_dir or self._own_dir, token=self._token, batch=True)
         store = None
         if self._db is not None:
             from .store import Store

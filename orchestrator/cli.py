@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.own_argv = argv is None  # sys.argv is ours: a re-exec of this command line is possible
     from .daemon import Paths, default_state_dir
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
@@ -112,6 +113,8 @@ def cmd_start(args: argparse.Namespace, paths: Any) -> int:
     retention = {"keep_replicas": args.keep_replicas, "keep_events": args.keep_events,
                  "keep_seconds": args.keep_days * 86400}
     if args.foreground:
+        if args.own_argv:
+            daemon.reexec_with_token()  # returns only if the token is there already
         return daemon.run_foreground(paths, grace=args.grace, ready_fd=args.ready_fd, retention=retention)
     pid = daemon.start_detached(paths, ["--grace", str(args.grace), "--keep-replicas", str(args.keep_replicas),
                                         "--keep-events", str(args.keep_events), "--keep-days", str(args.keep_days)])

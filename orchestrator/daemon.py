@@ -100,6 +100,21 @@ def _take_lock(paths: Paths) -> int | None:
 # -- start / stop, as the CLI uses them ---------------------------------------------
 
 
+def reexec_with_token() -> None:
+    """Make sure the daemon's exec-time environment carries its token: /proc/PID/environ
+    shows only that environment, and it is what forked Python workers show too, so the
+    watchdog's token sweep can find them. `start` sets it; a bare `start --foreground`
+    (systemd, a container) re-executes itself once with it."""
+    if os.environ.get(TOKEN_ENV):
+        return
+    env = dict(os.environ)
+    env[TOKEN_ENV] = secrets.token_hex(8)
+    env["SPT_NOENV"] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "orchestrator", *sys.argv[1:]], env)
+
+
 def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: float = 60.0) -> int:
     """Start a daemon in its own session; return its pid once it accepts commands."""
     pid = running_pid(paths)
@@ -309,7 +324,7 @@ class Daemon:
         self.store = self._open_store()
         from watchdog import WatchdogLink
 
-        link = WatchdogLink(str(paths.state_dir), token=token,
+        link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)])
         config = EngineConfig(grace=self.grace, token=token)
         engine = self.engine = Engine(config, os_api=OSApi(nofile=nofile), store=self.store, watchdog=link, subreaper=True)

@@ -42,6 +42,7 @@ from .reaper import DEFAULT_GRACE, sweep
 
 TITLE = "orchestrator: watchdog"
 REPORT_NAME = "watchdog-report.json"
+WANTED_FDS = 65536
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -71,20 +72,36 @@ def _raise_fd_limit() -> None:
     # The sweep holds one pidfd per target at once: hundreds of workers plus descendants
     # would not fit a soft limit of 1024.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    want = WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, WANTED_FDS)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def _drain(fd: int, ledger: Ledger) -> bool:
-    """Read everything available now into the ledger; True if the feed reached EOF."""
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return False
-        if not data:
-            return True
-        ledger.feed(data)
+class _Feed:
+    """The read end of the ledger pipe."""
+
+    def __init__(self, fd: int, ledger: Ledger) -> None:
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.ledger = ledger
+
+    def drain(self) -> bool:
+        """Read everything available now into the ledger; True once the feed is at EOF.
+
+        At EOF the fd is closed: nothing more can come, and an fd at EOF would make every
+        later poll return at once.
+        """
+        while self.fd >= 0:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return False
+            if not data:
+                os.close(self.fd)
+                self.fd = -1
+                break
+            self.ledger.feed(data)
+        return True
 
 
 def _remove(paths: Sequence[str]) -> list[dict[str, str]]:
@@ -119,30 +136,35 @@ def _write_report(state_dir: str, report: dict[str, Any]) -> str:
     return path
 
 
-def _watch(watch: ParentWatch, feed_fd: int, ledger: Ledger) -> str | None:
-    """Block until the parent dies (returns why) or asks us to quit (returns None)."""
+def _watch(watch: ParentWatch, feed: _Feed) -> str | None:
+    """Block until the parent dies or asks us to quit.
+
+    Returns how the death was detected ("pidfd", "feed-eof", "polling"), or None for a
+    clean shutdown ("Q").
+    """
     poller = select.poll()
     if watch.fileno() >= 0:
         poller.register(watch.fileno(), select.POLLIN)
-    poller.register(feed_fd, select.POLLIN)
-    feed_open = True
+    poller.register(feed.fd, select.POLLIN)
     while True:
         events = dict(poller.poll(watch.poll_timeout_ms))
+        feed_eof = False
         # The feed first: a Q written just before a clean exit must win over the pidfd.
-        if feed_open and feed_fd in events:
-            eof = _drain(feed_fd, ledger)
-            if ledger.quit_requested:
+        if feed.fd in events:
+            fd = feed.fd
+            feed_eof = feed.drain()
+            if feed_eof:
+                poller.unregister(fd)
+            if feed.ledger.quit_requested:
                 return None
-            if eof:
-                poller.unregister(feed_fd)  # POLLHUP would otherwise fire forever
-                feed_open = False
-                if watch.is_dead():
-                    return "feed-eof"
-                # Parent alive: the EOF came first because a dying process closes its
-                # files before it is marked exited, or the parent closed the pipe by
-                # mistake. Either way the pidfd decides.
-        if watch.fileno() in events or (watch.fileno() < 0 and watch.is_dead()):
-            return "parent-exited"
+        if watch.fileno() >= 0 and watch.fileno() in events:
+            return "pidfd"
+        # EOF with the parent alive: a dying process closes its files a moment before it
+        # is marked exited, or the parent closed the pipe by mistake. The pidfd decides.
+        if feed_eof and watch.is_dead():
+            return "feed-eof"
+        if watch.fileno() < 0 and watch.is_dead():
+            return "polling"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,9 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _set_title()
     _raise_fd_limit()
-    os.set_blocking(args.feed_fd, False)
 
     ledger = Ledger()
+    feed = _Feed(args.feed_fd, ledger)
     watch = ParentWatch(args.parent_pid, args.parent_start)
     # Never kill the parent's own process group as a group (a worker entry naming it by
     # mistake would otherwise take the parent's shell or test runner down with it).
@@ -163,15 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect.add(parent.pgrp)
 
     if watch.dead_at_start:
-        reason = "parent-gone-at-start"
+        reason, detected_by = "parent-gone-at-start", "identity"
     else:
-        reason = _watch(watch, args.feed_fd, ledger)
-        if reason is None:
+        detected_by = _watch(watch, feed)
+        if detected_by is None:
             return 0  # clean shutdown: no sweep, no report
+        reason = "parent-exited"
     detected_monotonic = time.monotonic()
     detected_at = time.time()
     # Lines the parent wrote just before dying may still sit in the pipe.
-    _drain(args.feed_fd, ledger)
+    feed.drain()
     if ledger.quit_requested:
         return 0
 
@@ -185,13 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     removed = _remove(args.remove)
     report.update(
         reason=reason,
+        detected_by=detected_by,
         parent={"pid": args.parent_pid, "start": args.parent_start},
         watchdog_pid=os.getpid(),
         detected_at=detected_at,
-        # CLOCK_MONOTONIC is system-wide on Linux: whoever killed the parent can subtract
-        # its own reading to get the detection latency. It is not known from in here.
+        # The detection latency is not known from in here (nothing records when the
+        # parent died), so there is no detect_latency_s. CLOCK_MONOTONIC is system-wide on
+        # Linux: whoever killed the parent subtracts its own reading from this one.
         detected_monotonic=detected_monotonic,
-        detect_latency_s=None,
         ledger_entries=len(ledger.entries),
         ledger_errors=ledger.errors,
         removed=removed,

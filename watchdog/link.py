@@ -22,8 +22,9 @@ children itself, and Popen's own waitpid bookkeeping would race with it. The chi
 * an empty signal mask and default dispositions for the signals it cares about (a mask
   inherited from a thread that blocked SIGTERM would otherwise survive exec);
 * its own process group, so a Ctrl-C/Ctrl-Z aimed at the parent's group does not stop it;
-* ``PYTHONPATH`` led by the directory holding this package, so ``-m watchdog`` finds this
-  package and never the PyPI library of the same name.
+* ``PYTHONPATH`` led by the directory holding this package, and ``PYTHONSAFEPATH=1`` so
+  the current directory is not searched first: ``-m watchdog`` finds this package, never
+  the PyPI library of the same name or a stray ``watchdog/`` in the caller's cwd.
 
 Caveat: a write to the pipe of a dead watchdog fails with EPIPE. Python ignores SIGPIPE by
 default; a parent that restores SIGPIPE's default action would be killed by it.
@@ -63,12 +64,18 @@ class WatchdogLink:
         grace: float = 0.2,
         remove_files: Sequence[str] = (),
         python: str = sys.executable,
+        batch: bool = False,
     ) -> None:
         self.state_dir = os.fspath(state_dir)
         self.token = token
         self.grace = grace
         self.remove_files = [os.fspath(p) for p in remove_files]
         self.python = python
+        # batch: add()/remove() only buffer, and the caller flush()es once per loop turn.
+        # Each write wakes the watchdog; one per turn instead of two per replica is what
+        # keeps it off a churning daemon's back. The ledger then lags by at most a turn,
+        # a window that PR_SET_PDEATHSIG, the token and identity checks already cover.
+        self.batch = batch
         self.pid: int | None = None
         self._entries: dict[int, bytes] = {}  # pid -> its encoded "A" line, for replays
         self._fd = -1  # write end of the current feed pipe
@@ -105,6 +112,9 @@ class WatchdogLink:
                 pass
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+            # `-m` would put the current directory first on sys.path, where some other
+            # `watchdog` package may live: PYTHONSAFEPATH (3.11+) leaves it out.
+            env["PYTHONSAFEPATH"] = "1"
             actions = [
                 # dup2 first: if stdin/stdout were closed, the pipe may sit on fd 0 or 1.
                 (os.POSIX_SPAWN_DUP2, read_fd, FEED_FD),
@@ -191,7 +201,8 @@ class WatchdogLink:
         if self._fd < 0:
             return  # no watchdog yet: start() replays the ledger
         self._buffer += data
-        self.flush()
+        if not self.batch:
+            self.flush()
 
     # -- non-blocking output ----------------------------------------------------------
 

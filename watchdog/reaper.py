@@ -13,7 +13,9 @@
    Never the watchdog itself, pid 1, or anything in ``exclude``.
 2. **Terminate.** For each target: open a pidfd, verify the start time (see
    ``identity.open_verified``), send SIGCONT (a stopped process cannot act on SIGTERM)
-   then SIGTERM through the pidfd.
+   then SIGTERM through the pidfd. The token rule reads every environment, the slow
+   part: it runs (on the same scan) after the other targets were signalled, while they
+   die.
 3. **Wait, then kill.** Poll all pidfds until every process exited or ``grace`` passed;
    SIGKILL the rest through their pidfds; wait again, bounded by ``kill_wait``.
 4. **Stragglers.** Scan again for processes forked meanwhile (same rules, plus members of
@@ -177,16 +179,21 @@ def _still_trusted(groups: dict[int, int | None], procs: dict[int, ProcStat]) ->
     return result
 
 
+Chosen = dict[int, tuple[ProcStat, str, Entry | None]]  # pid -> (stat, how found, entry)
+
+
 def _select(
     procs: dict[int, ProcStat],
     entries: Iterable[Entry],
     groups: Collection[int],
-    token: str | None,
     exclude: Collection[int],
     roots: Collection[int] = (),
-) -> dict[int, tuple[ProcStat, str, Entry | None]]:
-    """Apply the target rules to one scan: pid -> (stat, how found, ledger entry)."""
-    chosen: dict[int, tuple[ProcStat, str, Entry | None]] = {}
+) -> Chosen:
+    """The rules that need nothing but the scan: ledger, process groups, descendants.
+
+    ``roots``: pids whose descendants are wanted too (earlier targets, on a re-scan).
+    """
+    chosen: Chosen = {}
     for entry in entries:
         st = procs.get(entry.pid)
         if st is not None and st.start_time == entry.start and entry.pid not in exclude:
@@ -195,22 +202,42 @@ def _select(
         for st in procs.values():
             if st.pgrp in groups and st.pid not in chosen and st.pid not in exclude:
                 chosen[st.pid] = (st, "pgid", None)
-    if token:
-        needle = f"{TOKEN_VARIABLE}={token}".encode()
-        uid = os.getuid()
-        for st in procs.values():
-            if st.pid not in chosen and st.pid not in exclude and _has_token(st.pid, needle, uid):
-                chosen[st.pid] = (st, "token", None)
+    _add_descendants(procs, chosen, [*chosen, *roots], exclude)
+    return chosen
+
+
+def _select_by_token(procs: dict[int, ProcStat], token: str, exclude: Collection[int], taken: Chosen) -> Chosen:
+    """Processes not in ``taken`` that carry the token, and their descendants.
+
+    Reads /proc/PID/environ of every process of our uid: the slow rule, so the sweep runs
+    it after the others' targets have been signalled (on the same scan).
+    """
+    needle = f"{TOKEN_VARIABLE}={token}".encode()
+    uid = os.getuid()
+    found: Chosen = {}
+    for st in procs.values():
+        if st.pid not in taken and st.pid not in exclude and _has_token(st.pid, needle, uid):
+            found[st.pid] = (st, "token", None)
+    _add_descendants(procs, found, list(found), {*exclude, *taken})
+    return found
+
+
+def _add_descendants(procs: dict[int, ProcStat], chosen: Chosen, roots: list[int], exclude: Collection[int]) -> None:
+    """Add every descendant (by ppid, in this scan) of ``roots`` to ``chosen``."""
     children: dict[int, list[int]] = {}
     for st in procs.values():
         children.setdefault(st.ppid, []).append(st.pid)
-    stack = list(chosen) + [pid for pid in roots if pid in procs]
+    stack = [pid for pid in roots if pid in procs]
     while stack:
         for child in children.get(stack.pop(), ()):
             if child not in chosen and child not in exclude:
                 chosen[child] = (procs[child], "descendant", None)
                 stack.append(child)
-    return chosen
+
+
+def _chosen_from_ledger(entry: Entry, chosen: Chosen) -> bool:
+    hit = chosen.get(entry.pid)
+    return hit is not None and hit[2] is entry
 
 
 def _send(fd: int, sig: int) -> bool:
@@ -227,15 +254,43 @@ def _open(target: _Target) -> int | None:
     try:
         fd = open_verified(target.stat.pid, target.stat.start_time)
     except OSError as exc:
-        # Out of file descriptors (hundreds of targets): report it; the straggler scan
-        # retries once earlier pidfds are closed.
-        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        # EMFILE/ENFILE: out of file descriptors (hundreds of targets); the straggler scan
+        # retries once earlier pidfds are closed. ENOSYS/EPERM: no pidfds here (old kernel,
+        # seccomp): without one the identity cannot be pinned, so the process is reported
+        # and left alone rather than signalled by a bare pid.
+        if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOSYS, errno.EPERM):
             raise
         target.outcome = "error:" + errno.errorcode[exc.errno]
         return None
     if fd is None:
         target.outcome = "gone"
     return fd
+
+
+def _terminate(targets: list[_Target], waiting: dict[int, _Target]) -> None:
+    """SIGCONT + SIGTERM each target through a verified pidfd; add the pidfds to ``waiting``.
+
+    All pidfds are opened and verified first, then signalled in one tight loop: each
+    signal wakes a process that may preempt us (on a small machine), so interleaving the
+    /proc reads would stretch the release of the last target over the whole loop instead
+    of letting them all die in parallel. SIGCONT first: a stopped process cannot act on
+    SIGTERM.
+    """
+    opened: list[tuple[int, _Target]] = []
+    for target in targets:
+        if target.state == "zombie":
+            target.outcome = "gone"  # already exited; its parent or init reaps it
+            continue
+        fd = _open(target)
+        if fd is not None:
+            opened.append((fd, target))
+    for fd, target in opened:
+        target.action = "term"
+        if _send(fd, signal.SIGCONT) and _send(fd, signal.SIGTERM):
+            waiting[fd] = target
+        else:
+            os.close(fd)
+            target.outcome = "exited"
 
 
 def _wait(waiting: dict[int, _Target], timeout: float, outcome: str) -> None:
@@ -298,37 +353,29 @@ def sweep(
     excluded = {os.getpid(), 0, 1, *exclude}
     protect = {0, 1, os.getpgrp(), *protect_pgids}
 
-    # 1. Select from one scan.
+    # 1. Select from one scan. Every rule below works on this snapshot, taken before any
+    # signal: once a worker dies its children are re-parented and the ppid links are gone.
     procs = scan()
     t_scan = time.monotonic()
     groups = _trusted_groups(entries, procs, protect)
-    chosen = _select(procs, entries, groups, token, excluded)
+    chosen = _select(procs, entries, groups, excluded)
     targets = [_Target(st, found, entry) for st, found, entry in chosen.values()]
-    records = [_missing_record(e, procs) for e in entries if chosen.get(e.pid, (None, "", None))[2] is not e]
+    # Entries that are not targets themselves: gone, pid reused, or excluded.
+    records = [_missing_record(e, procs) for e in entries if not _chosen_from_ledger(e, chosen)]
     t_select = time.monotonic()
 
-    # 2. SIGCONT + SIGTERM through verified pidfds. Open and verify them all first, then
-    # signal them in one tight loop: each signal wakes a process that may preempt us (on
-    # a small machine), so interleaving the /proc reads would stretch the release of the
-    # last target over the whole loop instead of letting them all die in parallel.
-    opened: list[tuple[int, _Target]] = []
-    for target in targets:
-        if target.state == "zombie":
-            target.outcome = "gone"
-            continue
-        fd = _open(target)
-        if fd is not None:
-            opened.append((fd, target))
-    t_open = time.monotonic()
+    # 2. SIGCONT + SIGTERM through verified pidfds.
     waiting: dict[int, _Target] = {}
-    for fd, target in opened:
-        target.action = "term"
-        if _send(fd, signal.SIGCONT) and _send(fd, signal.SIGTERM):
-            waiting[fd] = target
-        else:
-            os.close(fd)
-            target.outcome = "exited"
+    _terminate(targets, waiting)
     t_signal = time.monotonic()
+    if token:
+        # The token rule reads environments: the slow part, done while the rest die.
+        by_token = _select_by_token(procs, token, excluded, chosen)
+        chosen.update(by_token)
+        more = [_Target(st, found, entry) for st, found, entry in by_token.values()]
+        _terminate(more, waiting)
+        targets += more
+    t_token = time.monotonic()
 
     # 3. Grace period, then SIGKILL.
     _wait(waiting, grace, "exited")
@@ -345,7 +392,9 @@ def sweep(
     stragglers: list[_Target] = []
     for _round in range(STRAGGLER_ROUNDS):
         procs = scan()
-        chosen = _select(procs, entries, _still_trusted(groups, procs), token, excluded, roots)
+        chosen = _select(procs, entries, _still_trusted(groups, procs), excluded, roots)
+        if token:
+            chosen.update(_select_by_token(procs, token, excluded, chosen))
         fresh = [
             _Target(st, found, entry, straggler=True)
             for st, found, entry in chosen.values()
@@ -379,13 +428,16 @@ def sweep(
         "duration_s": t_end - t0,
         "grace_s": grace,
         "timings_ms": {
-            "scan": (t_scan - t0) * 1e3,
-            "select": (t_select - t_scan) * 1e3,
-            "open": (t_open - t_select) * 1e3,
-            "signal": (t_signal - t_open) * 1e3,
-            "term_wait": (t_term - t_signal) * 1e3,
-            "kill": (t_kill - t_term) * 1e3,
-            "stragglers": (t_end - t_kill) * 1e3,
+            name: round((end - begin) * 1e3, 3)
+            for name, begin, end in (
+                ("scan", t0, t_scan),
+                ("select", t_scan, t_select),
+                ("signal", t_select, t_signal),
+                ("token", t_signal, t_token),
+                ("term_wait", t_token, t_term),
+                ("kill", t_term, t_kill),
+                ("stragglers", t_kill, t_end),
+            )
         },
         "outcomes": outcomes,
         "processes": processes,
