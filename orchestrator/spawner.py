@@ -12,8 +12,8 @@ embedding process that runs other threads carries the usual fork caveats, exactl
 multiprocessing's default 'fork' context on Linux.
 
 What the child does before it runs anything of the user's, in this order and why:
-  * its own process group (set by the parent too, so a terminate that arrives before the
-    child runs still reaches the group);
+  * its own process group (a terminate that comes before the child has set it reaches
+    the child alone, see OSApi.signal_group, and the child has forked nothing yet);
   * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
     third layer against orphans, and the check closes the race where the parent died before
     the signal was armed;
@@ -48,6 +48,10 @@ from watchdog.identity import start_time
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
+# Resolved once here: a forked child that looked the symbol up itself paid ~150 µs for it.
+_prctl = _libc.prctl
+_prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+_prctl.restype = ctypes.c_int
 
 # Signals whose disposition the orchestrator (or an embedding program) may have changed
 # and a worker must not inherit.
@@ -65,14 +69,14 @@ _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def set_pdeathsig(sig: int) -> None:
-    if _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
 def set_child_subreaper() -> None:
     """Orphaned descendants are re-parented to us, and we reap them (PID 1 may not)."""
-    if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -146,10 +150,6 @@ class OSApi:
         _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.close(ready_w)
         try:
-            os.setpgid(pid, pid)
-        except (PermissionError, ProcessLookupError):
-            pass  # the child already exec'd (it set its group itself) or already died
-        try:
             exit_fd = os.pidfd_open(pid)
         except OSError:  # EMFILE: we could not watch it, so it must not run untracked
             os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is pinned
@@ -164,12 +164,17 @@ class OSApi:
         return Spawned(pid, exit_fd, ready_r, start)
 
     def signal_group(self, pgid: int, sig: int) -> bool:
-        """Signal the group of one of OUR unreaped children: its zombie pins the pgid, so
-        the number cannot have been reused. False if the group is already empty."""
+        """Signal the group led by one of OUR unreaped children: the child (a zombie at
+        worst) pins the number, so it cannot have been reused. A child that has not run
+        its setpgid yet has no group: it alone gets the signal, which stays blocked until
+        it has dropped our handlers, so nothing is lost. False if nothing was there."""
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
-            return False
+            try:
+                os.kill(pgid, sig)
+            except ProcessLookupError:
+                return False
         return True
 
     def reap(self, pid: int) -> int | None:
