@@ -77,7 +77,9 @@ class Orchestrator:
         self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token)
         self._pdeathsig = pdeathsig
         self._use_watchdog = watchdog
-        self._state_dir = state_dir
+        # The watchdog writes its report into the state dir: beside the journal if there is
+        # one, else a temporary dir that close() removes.
+        self._state_dir = state_dir if state_dir is not None or db is None else os.path.dirname(os.path.abspath(db))
         self._db = db
         self._own_dir: str | None = None
         self._call_timeout = call_timeout
