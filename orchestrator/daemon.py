@@ -1,6 +1,6 @@
 """The host daemon: one per state dir.
 
-    orchestrator start ──posix_spawn──► daemon (own session, stdio -> logs/daemon.log)
+    orchestrator start ──spawns──► daemon (own session, stdio -> logs/daemon.log)
                                           │ holds a POSIX write lock on daemon.pid
                                           │ recovers leftovers of an unclean end (LOST)
                                           ├─► watchdog process   (python -m watchdog)
@@ -26,6 +26,7 @@ import fcntl
 import logging
 import os
 import secrets
+import select
 import signal
 import struct
 import subprocess
@@ -34,7 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, encode_frame
+from watchdog import WatchdogLink
+from watchdog.identity import is_alive, scan, start_time
+from watchdog.ledger import Entry
+from watchdog.reaper import sweep
+
+from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, PipeWriter
 from .engine import Engine, EngineConfig, drain
 from .errors import DaemonNotRunning, OrchestratorError, ShutdownRequested
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
@@ -149,8 +155,6 @@ def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: f
 
 
 def _read_until_eof(fd: int, timeout: float) -> str:
-    import select
-
     deadline = time.monotonic() + timeout
     chunks = []
     poller = select.poll()
@@ -170,7 +174,6 @@ def _read_until_eof(fd: int, timeout: float) -> str:
 
 def stop(paths: Paths, timeout: float = 30.0) -> int:
     """SIGTERM to the daemon (identity-checked), then wait. 0 stopped, 3 not running, 1 timed out."""
-    import select
 
     pid = running_pid(paths)
     if pid is None:
@@ -207,10 +210,6 @@ def recover_leftovers(store: Any, *, grace: float = 1.0) -> tuple[int, int]:
     to a run that ended uncleanly: kill its process (and group, and descendants) if it is
     still alive with the recorded identity, never a reused pid, then record it LOST.
     Returns (lost, killed)."""
-    from watchdog.identity import is_alive
-    from watchdog.ledger import Entry
-    from watchdog.reaper import sweep
-
     _, live = store.load()
     if not live:
         return 0, 0
@@ -322,8 +321,6 @@ class Daemon:
             stale.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
         self._write_authkey()
         self.store = self._open_store()
-        from watchdog import WatchdogLink
-
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)])
         config = EngineConfig(grace=self.grace, token=token)
@@ -402,8 +399,6 @@ class Daemon:
     # -- the manager server ---------------------------------------------------------
 
     def _start_manager(self) -> None:
-        from .channel import PipeWriter
-        from watchdog.identity import start_time
 
         if self.engine.closing:
             return
@@ -497,9 +492,6 @@ class Daemon:
     def _end_adopted(self, engine: Engine) -> None:
         """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
         setsid) outlive their replica; a clean stop ends them too, and their descendants."""
-        from watchdog.identity import scan
-        from watchdog.ledger import Entry
-        from watchdog.reaper import sweep
 
         me = os.getpid()
         system = {self._manager_pid, engine.watchdog.pid if engine.watchdog else None} - {None}

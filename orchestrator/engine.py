@@ -298,7 +298,11 @@ class Engine:
             if self.closed:
                 return
             self.closed = True
-        for pid, (fd, _) in list(self._children.items()):
+        while self._inbox:  # submitted after the last turn: answer, never leave a caller hanging
+            cmd, reply = self._inbox.popleft()
+            cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
+            reply({"id": cmd_id, "ok": False, "code": ShuttingDown.code, "error": "the orchestrator is shutting down"})
+        for fd, _ in list(self._children.values()):
             self._sel.unregister(fd)
             os.close(fd)
         self._children.clear()
@@ -331,10 +335,6 @@ class Engine:
                 log.debug("reaped orphan %d", pid)
 
     # -- facts for the daemon -------------------------------------------------------
-
-    @property
-    def live_pids(self) -> list[int]:
-        return list(self._procs)
 
     def status(self, include_terminal: bool = False) -> dict:
         return self._cmd_status({"all": include_terminal}, None, None)

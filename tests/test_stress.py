@@ -19,7 +19,7 @@ import traceback
 import pytest
 
 from orchestrator.states import TRANSITIONS, ReplicaState
-from test_engine import SPEC, FakeOS, Harness
+from test_engine import FakeOS, Harness
 
 pytestmark = pytest.mark.stress
 

@@ -1,6 +1,6 @@
 """Tests of the watchdog package: identity, ledger, link, reaper, and the process end to end.
 
-The end-to-end tests run ``tests/test_watchdog_helper.py`` as a stand-in orchestrator:
+The end-to-end tests run ``tests/watchdog_parent.py`` as a stand-in orchestrator:
 it starts a real watchdog through ``WatchdogLink``, forks workers (own process groups,
 grandchildren, one escaping with setsid, stopped ones), registers them and prints their
 identities. The test SIGKILLs it and checks that the watchdog cleaned up.
@@ -37,7 +37,7 @@ from watchdog.ledger import ENCODE_QUIT, Entry, Ledger, encode_add, encode_remov
 from watchdog.link import WatchdogLink  # noqa: E402
 from watchdog.reaper import sweep  # noqa: E402
 
-HELPER = Path(__file__).resolve().parent / "test_watchdog_helper.py"
+HELPER = Path(__file__).resolve().parent / "watchdog_parent.py"
 REPORT = "watchdog-report.json"
 TITLE = "orchestrator: watchdog"
 

@@ -3,7 +3,7 @@
 (It is named ``test_watchdog_*`` only to stay inside the files the watchdog work owns;
 pytest imports it, finds no tests, and moves on.)
 
-Run as ``python tests/test_watchdog_helper.py --state-dir D [options]``. It:
+Run as ``python tests/watchdog_parent.py --state-dir D [options]``. It:
 
 1. starts a watchdog through ``WatchdogLink`` (so it is the watchdog's parent);
 2. forks ``--workers`` workers, each in its own process group. With ``--tree``:
