@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from orchestrator.store import Store  # noqa: E402
+from orchestrator.store import KEEP_EVENTS, KEEP_REPLICAS, Store  # noqa: E402
 
 STATES = ("PENDING", "STARTING", "RUNNING", "STOPPING", "TERMINATED")
 
@@ -138,7 +138,7 @@ def main() -> None:
     for name, c, rate, us in rows:
         print(f"{name:40} {c:>8} {rate:>10,.0f} {us:>11.1f}")
     print()
-    print(f"after 100,000 cycles (keep_replicas=10,000, keep_events=50,000): "
+    print(f"after 100,000 cycles (keep_replicas={KEEP_REPLICAS:,}, keep_events={KEEP_EVENTS:,}): "
           f"{n_rep} replicas, {n_ev} events, {pages} pages ({free} free)")
     print(f"{'file':40} {'bytes':>12}")
     print(f"{'state.db (open)':40} {db_open:>12,}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import DaemonNotRunning, OrchestratorError
+from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 
@@ -31,9 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--keep-replicas", type=int, default=10_000, help="ended replicas kept in state.db")
-    p.add_argument("--keep-events", type=int, default=50_000, help="journal events kept in state.db")
-    p.add_argument("--keep-days", type=float, default=7.0, help="history older than this is pruned")
+    p.add_argument("--keep-replicas", type=int, default=KEEP_REPLICAS, help="ended replicas kept in state.db")
+    p.add_argument("--keep-events", type=int, default=KEEP_EVENTS, help="journal events kept in state.db")
+    p.add_argument("--keep-days", type=float, default=KEEP_SECONDS / 86400, help="history older than this is pruned")
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
     p.add_argument("--timeout", type=float, default=60.0)

@@ -71,8 +71,8 @@ deletes (plus one index walk of the kept terminal replicas). Space freed is reus
 file system when a large part of the file is free. ``wal_autocheckpoint`` and
 ``journal_size_limit`` keep the -wal file at about 1 MB as long as no reader keeps a read
 transaction open forever (readers here always fetch everything and end their statement).
-At the default limits the database settles at ~5.6 MB (50,000 events ~4.3 MB, 10,000 terminal
-replicas ~1.3 MB) plus the -wal; see benchmarks/bench_store.py.
+At the default limits (20,000 events, 5,000 ended replicas, 7 days) the database settles at
+~2.4 MB plus ~1 MB of -wal; see benchmarks/bench_store.py.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ SCHEMA_VERSION = 1
 _BUSY_TIMEOUT_S = 5.0
 _WAL_AUTOCHECKPOINT_PAGES = 256           # ~1 MB of WAL between automatic checkpoints
 _JOURNAL_SIZE_LIMIT = 1024 * 1024         # WAL truncated back to this after a checkpoint
+# Default retention: ~2 MB of state.db at steady state under endless churn (~80 B an event).
+KEEP_REPLICAS = 5_000
+KEEP_EVENTS = 20_000
+KEEP_SECONDS = 7 * 86400.0
 _PRUNE_INTERVAL_S = 600.0                 # prune at least this often when anything is written
 _VACUUM_MIN_FREE_PAGES = 256              # only give pages back when >= 1 MB is free ...
 _VACUUM_MAX_PAGES = 4096                  # ... and at most 16 MB per prune, to bound the pause
@@ -209,8 +213,8 @@ class Store:
 
     notes: list[str]
 
-    def __init__(self, path: str | os.PathLike[str], *, keep_replicas: int = 10_000,
-                 keep_events: int = 50_000, keep_seconds: float = 7 * 86400,
+    def __init__(self, path: str | os.PathLike[str], *, keep_replicas: int = KEEP_REPLICAS,
+                 keep_events: int = KEEP_EVENTS, keep_seconds: float = KEEP_SECONDS,
                  readonly: bool = False, prune_every: int = 1000) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.dir = os.path.dirname(self.path)
