@@ -158,6 +158,42 @@ def multiprocess_batch(ctx, res: Result) -> None:
     res.down.append(t2 - t1)
 
 
+def _mp_conn_target(conn) -> None:
+    conn.send_bytes(b"r")
+    time.sleep(1000)
+
+
+def multiprocess_conn_batch(ctx, res: Result) -> None:
+    """(b) for a start method whose children do not inherit fds (forkserver): the ready
+    signal travels over a multiprocess Pipe, passed to each child by the context."""
+    r, w = ctx.Pipe(duplex=False)
+    procs = []
+    try:
+        t0 = time.perf_counter()
+        for _ in range(BATCH):
+            p = ctx.Process(target=_mp_conn_target, args=(w,), daemon=True)
+            p.start()
+            procs.append(p)
+        for _ in range(BATCH):
+            r.recv_bytes()
+        t1 = time.perf_counter()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join()
+        t2 = time.perf_counter()
+    finally:
+        r.close()
+        w.close()
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    res.cycles.append(t2 - t0)
+    res.up.append(t1 - t0)
+    res.down.append(t2 - t1)
+
+
 # -- (c) raw fork: the floor ------------------------------------------------------------------
 
 
@@ -246,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="rounds run first and not counted")
     ap.add_argument("--no-watchdog", action="store_true", help="run the Orchestrator without its watchdog")
     ap.add_argument("--profile", action="store_true", help="cProfile the control loop thread; print the top entries")
+    ap.add_argument("--forkserver", action="store_true",
+                    help="add multiprocess.Process under forkserver (the start method not chosen; slow)")
     args = ap.parse_args(argv)
 
     ctx = multiprocess.get_context("fork")
@@ -281,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             names[3]: lambda res: fork_batch(res),
             names[4]: lambda res: fork_exec_batch(res, sleep_exe),
         }
+        if args.forkserver:
+            fs_ctx = multiprocess.get_context("forkserver")
+            fs_ctx.set_forkserver_preload(["time"])
+            name = "multiprocess.Process (forkserver)"
+            names.append(name)
+            results[name], scratch[name] = Result(name), Result(name)
+            runs[name] = lambda res: multiprocess_conn_batch(fs_ctx, res)
         started = time.monotonic()
         total = args.warmup + args.batches
         for rnd in range(total):
