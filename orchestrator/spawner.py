@@ -1,10 +1,12 @@
 """How a worker process is made, signalled and reaped: the OS seam under the engine.
 
 Start method: a plain ``os.fork()`` from the control loop's thread, then ``execve`` for a
-command or the callable for a Python target. Measured on the 2-core reference machine
-(benchmarks/bench_churn.py, PERFORMANCE.md): raw fork runs ~600+ cycles/s, a
-``multiprocess.Process`` ~330/s, forkserver ~55/s (~120/s preloaded), spawn ~15/s. Fork is
-the only one that reaches the targets; its hazard is forking a multi-threaded process. The
+command or the callable for a Python target. Measured side by side on the 2-core reference
+machine (``benchmarks/bench_churn.py --forkserver``, batches of 20): raw fork 930
+replicas/s, ``multiprocess.Process`` with fork 638/s, with forkserver 35/s (3.11's
+forkserver re-runs ``__main__`` in every child, gh-98552), this spawner 629/s for a Python
+target. Fork is the only one that reaches the targets; its hazard is forking a
+multi-threaded process. The
 daemon is single-threaded by construction (the Manager server and its bridge threads live
 in their own process), so the hazard does not arise there; in the embedded API the loop
 thread forks, and a command worker execs at once. A Python-target worker forked from an
@@ -118,7 +120,6 @@ class OSApi:
         self.pdeathsig = pdeathsig
         self.nofile = nofile  # the fd limit workers get, if ours was raised
         self.maxfd = os.sysconf("SC_OPEN_MAX")  # after any raise: every fd we may hold is below
-        self.parent_pid = os.getpid()
 
     monotonic = staticmethod(time.monotonic)
     time = staticmethod(time.time)
@@ -183,7 +184,7 @@ class OSApi:
             wpid, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             return None
-        if wpid == 0:  # the pidfd said it exited; a stopped-and-continued race at most
+        if wpid == 0:  # cannot last: we are only called once its pidfd (or waitid) said it exited
             wpid, status = os.waitpid(pid, 0)
         return os.waitstatus_to_exitcode(status)
 
