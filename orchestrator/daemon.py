@@ -492,7 +492,6 @@ class Daemon:
     def _end_adopted(self, engine: Engine) -> None:
         """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
         setsid) outlive their replica; a clean stop ends them too, and their descendants."""
-
         me = os.getpid()
         system = {self._manager_pid, engine.watchdog.pid if engine.watchdog else None} - {None}
         adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
