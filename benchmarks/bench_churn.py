@@ -130,52 +130,31 @@ def _read_exactly(fd: int, n: int) -> None:
         got += len(chunk)
 
 
-def multiprocess_batch(ctx, res: Result) -> None:
-    r, w = os.pipe()
-    procs = []
-    try:
-        t0 = time.perf_counter()
-        for _ in range(BATCH):
-            p = ctx.Process(target=_mp_target, args=(w,), daemon=True)
-            p.start()
-            procs.append(p)
-        _read_exactly(r, BATCH)
-        t1 = time.perf_counter()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.join()
-        t2 = time.perf_counter()
-    finally:
-        os.close(r)
-        os.close(w)
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-    res.cycles.append(t2 - t0)
-    res.up.append(t1 - t0)
-    res.down.append(t2 - t1)
-
-
 def _mp_conn_target(conn) -> None:
     conn.send_bytes(b"r")
     time.sleep(1000)
 
 
-def multiprocess_conn_batch(ctx, res: Result) -> None:
-    """(b) for a start method whose children do not inherit fds (forkserver): the ready
-    signal travels over a multiprocess Pipe, passed to each child by the context."""
-    r, w = ctx.Pipe(duplex=False)
+def multiprocess_batch(ctx, res: Result, *, fd_passing: bool = False) -> None:
+    """A batch of bare multiprocess.Process workers. ``fd_passing``: for a start method
+    whose children inherit no fds (forkserver), the ready signal travels over a
+    multiprocess Pipe that the context hands to each child."""
+    if fd_passing:
+        r, w = ctx.Pipe(duplex=False)
+        target, wait_ready = _mp_conn_target, lambda: [r.recv_bytes() for _ in range(BATCH)]
+        close = lambda: (r.close(), w.close())  # noqa: E731
+    else:
+        rfd, wfd = os.pipe()
+        w, target, wait_ready = wfd, _mp_target, lambda: _read_exactly(rfd, BATCH)
+        close = lambda: (os.close(rfd), os.close(wfd))  # noqa: E731
     procs = []
     try:
         t0 = time.perf_counter()
         for _ in range(BATCH):
-            p = ctx.Process(target=_mp_conn_target, args=(w,), daemon=True)
+            p = ctx.Process(target=target, args=(w,), daemon=True)
             p.start()
             procs.append(p)
-        for _ in range(BATCH):
-            r.recv_bytes()
+        wait_ready()
         t1 = time.perf_counter()
         for p in procs:
             p.terminate()
@@ -183,8 +162,7 @@ def multiprocess_conn_batch(ctx, res: Result) -> None:
             p.join()
         t2 = time.perf_counter()
     finally:
-        r.close()
-        w.close()
+        close()
         for p in procs:
             if p.exitcode is None:
                 p.kill()
@@ -325,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             name = "multiprocess.Process (forkserver)"
             names.append(name)
             results[name], scratch[name] = Result(name), Result(name)
-            runs[name] = lambda res: multiprocess_conn_batch(fs_ctx, res)
+            runs[name] = lambda res: multiprocess_batch(fs_ctx, res, fd_passing=True)
         started = time.monotonic()
         total = args.warmup + args.batches
         for rnd in range(total):
