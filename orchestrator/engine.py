@@ -55,7 +55,7 @@ _DEFERRED = object()
 _WAKEUP, _EXIT, _READY, _CHILD, _READER, _FEED = range(6)
 
 
-MAX_COUNT = 10_000  # replicas one launch may add
+MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
 
 
 def _wait_timeout(args: dict) -> float:
@@ -395,8 +395,8 @@ class Engine:
 
     def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         name, n = args.get("pool"), args.get("n")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidSpec(f"size must be a non-negative integer, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_COUNT:
+            raise InvalidSpec(f"size must be an integer from 0 to {MAX_COUNT}, got {n!r}")
         pool = self._pools.get(name) if isinstance(name, str) else None
         spec = args.get("spec")
         if spec is not None:

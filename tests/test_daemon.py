@@ -135,7 +135,7 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
         (("launch", "--pool", "web", "--count", "-2", "--", "true"), "count"),
         (("launch", "--pool", "bad pool!", "--", "true"), "pool name"),
         (("scale", "nosuchpool", "3"), "unknown pool"),
-        (("scale", "web", "-1"), "non-negative"),
+        (("scale", "web", "-1"), "size must be an integer from 0"),
     ]
     for args, message in cases:
         proc = cli(daemon.state_dir, *args)
