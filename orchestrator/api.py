@@ -56,9 +56,10 @@ class Orchestrator:
     """Runs the control loop in this process; a context manager.
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
-    and returns only when all are reaped. ``db``: journal pools, replicas and events into
-    that SQLite file (orchestrator.store); ids then continue across runs. ``watchdog=True`` starts a watchdog process that
+    and returns only when all are reaped. ``watchdog=True`` starts a watchdog process that
     kills every worker if this process dies without leaving the context (SIGKILL, OOM).
+    ``db``: journal pools, replicas and events into that SQLite file (orchestrator.store);
+    ids then continue across runs, and replicas of a run that was killed are recorded LOST.
     """
 
     def __init__(
