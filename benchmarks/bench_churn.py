@@ -175,6 +175,23 @@ def multiprocess_batch(ctx, res: Result, *, fd_passing: bool = False) -> None:
 # -- (c) raw fork: the floor ------------------------------------------------------------------
 
 
+def _terminate_and_reap(pids: list[int]) -> None:
+    """SIGTERM our children, then reap each; ``pids`` keeps only those not reaped yet."""
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    while pids:
+        os.waitpid(pids[0], 0)
+        pids.pop(0)
+
+
+def _kill_and_reap(pids: list[int]) -> None:
+    """After an error only: our unreaped children, so their pids are pinned."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    pids.clear()
+
+
 def fork_batch(res: Result) -> None:
     r, w = os.pipe()
     pids: list[int] = []
@@ -192,18 +209,12 @@ def fork_batch(res: Result) -> None:
             pids.append(pid)
         _read_exactly(r, BATCH)
         t1 = time.perf_counter()
-        for pid in pids:
-            os.kill(pid, signal.SIGTERM)
-        for pid in pids[:]:
-            os.waitpid(pid, 0)
-            pids.remove(pid)
+        _terminate_and_reap(pids)
         t2 = time.perf_counter()
     finally:
         os.close(r)
         os.close(w)
-        for pid in pids:  # only after an error: our unreaped children, pids pinned
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _kill_and_reap(pids)
     res.cycles.append(t2 - t0)
     res.up.append(t1 - t0)
     res.down.append(t2 - t1)
@@ -230,18 +241,12 @@ def fork_exec_batch(res: Result, exe: str) -> None:
             if os.read(r, 1):
                 raise RuntimeError("exec failed")
         t1 = time.perf_counter()
-        for pid in pids:
-            os.kill(pid, signal.SIGTERM)
-        for pid in pids[:]:
-            os.waitpid(pid, 0)
-            pids.remove(pid)
+        _terminate_and_reap(pids)
         t2 = time.perf_counter()
     finally:
         for r in readers:
             os.close(r)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _kill_and_reap(pids)
     res.cycles.append(t2 - t0)
     res.up.append(t1 - t0)
     res.down.append(t2 - t1)
