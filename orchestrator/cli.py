@@ -160,17 +160,22 @@ def cmd_status(args: argparse.Namespace, paths: Any) -> int:
 def _stored_status(paths: Any, include_terminal: bool) -> dict:
     if not paths.db.exists():
         return {"pools": [], "replicas": []}
-    from .store import Store, StoreError
-
-    try:
-        store = Store(paths.db, readonly=True)
-    except StoreError as err:
-        raise OrchestratorError(str(err)) from None
+    store = _open_store_readonly(paths)
     try:
         pools = [{"name": p["name"], "desired": p["desired"]} for p in store.pools()]
         return {"pools": pools, "replicas": store.replicas(include_terminal=include_terminal)}
     finally:
         store.close()
+
+
+def _open_store_readonly(paths: Any) -> Any:
+    """The journal for a reader (the daemon may be down); a bad file is a one-line error."""
+    from .store import Store, StoreError
+
+    try:
+        return Store(paths.db, readonly=True)
+    except StoreError as err:
+        raise OrchestratorError(str(err)) from None
 
 
 def _format_status(data: dict) -> str:
@@ -229,14 +234,9 @@ def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_events(args: argparse.Namespace, paths: Any) -> int:
-    from .store import Store, StoreError
-
     if not paths.db.exists() and not args.follow:
         return EXIT_OK
-    try:
-        store = Store(paths.db, readonly=True)  # with --follow, picks the file up once it appears
-    except StoreError as err:
-        raise OrchestratorError(str(err)) from None
+    store = _open_store_readonly(paths)  # with --follow, it picks the file up once it appears
     try:
         seq = 0
         rows = store.events(replica=args.replica, since=args.since, limit=args.limit)

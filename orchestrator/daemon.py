@@ -42,7 +42,7 @@ from watchdog.reaper import sweep
 
 from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, PipeWriter
 from .engine import Engine, EngineConfig, drain
-from .errors import DaemonNotRunning, OrchestratorError, ShutdownRequested
+from .errors import OrchestratorError, ShutdownRequested
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
 
 log = logging.getLogger("orchestrator")
@@ -106,6 +106,15 @@ def _take_lock(paths: Paths) -> int | None:
 # -- start / stop, as the CLI uses them ---------------------------------------------
 
 
+def daemon_env() -> dict[str, str]:
+    """The environment a daemon is exec'd with: a fresh token, so every descendant carries
+    it, and SPT_NOENV, so setproctitle does not clobber that environment in /proc."""
+    env = dict(os.environ)
+    env[TOKEN_ENV] = secrets.token_hex(8)
+    env["SPT_NOENV"] = "1"
+    return env
+
+
 def reexec_with_token() -> None:
     """Make sure the daemon's exec-time environment carries its token: /proc/PID/environ
     shows only that environment, and it is what forked Python workers show too, so the
@@ -113,9 +122,7 @@ def reexec_with_token() -> None:
     (systemd, a container) re-executes itself once with it."""
     if os.environ.get(TOKEN_ENV):
         return
-    env = dict(os.environ)
-    env[TOKEN_ENV] = secrets.token_hex(8)
-    env["SPT_NOENV"] = "1"
+    env = daemon_env()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "orchestrator", *sys.argv[1:]], env)
@@ -129,9 +136,7 @@ def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: f
     paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths.logs.mkdir(exist_ok=True)
     r, w = os.pipe()
-    env = dict(os.environ)
-    env[TOKEN_ENV] = secrets.token_hex(8)  # in the exec'd environment, so every descendant carries it
-    env["SPT_NOENV"] = "1"  # setproctitle must not clobber that environment in /proc
+    env = daemon_env()
     argv = [sys.executable, "-m", "orchestrator", "--state-dir", str(paths.state_dir),
             "start", "--foreground", "--ready-fd", str(w), *(extra_args or [])]
     with open(paths.log, "ab") as logf, open(os.devnull, "rb") as devnull:
@@ -324,7 +329,7 @@ class Daemon:
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)])
         config = EngineConfig(grace=self.grace, token=token)
-        engine = self.engine = Engine(config, os_api=OSApi(nofile=nofile), store=self.store, watchdog=link, subreaper=True)
+        engine = self.engine = Engine(config, os_api=OSApi(nofile=nofile), store=self.store, watchdog=link)
         engine.extra_status = self._daemon_status
         engine.add_reader(self._sig_r, self._on_signal_wakeup)
         try:
@@ -518,4 +523,4 @@ def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = N
 
 
 __all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",
-           "run_foreground", "DaemonNotRunning"]
+           "run_foreground", "recover_leftovers", "daemon_env"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from .channel import Client
-from .daemon import Paths, _read_until_eof
+from .daemon import Paths, _read_until_eof, daemon_env
 from .errors import OrchestratorError
 
 
@@ -41,7 +41,7 @@ class _Daemon:
     def __init__(self, paths: Paths) -> None:
         self.paths = paths
         r, w = os.pipe()
-        env = dict(os.environ, SPT_NOENV="1", ORCHESTRATOR_DAEMON_TOKEN=os.urandom(8).hex())
+        env = daemon_env()
         paths.logs.mkdir(parents=True, exist_ok=True)
         with open(paths.log, "ab") as log:
             self.proc = subprocess.Popen(

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
-from .spawner import OSApi, exit_reason, unpickle_target  # noqa: F401  (re-exported seam)
+from .spawner import OSApi, exit_reason
 from .spec import WorkerSpec, resolve_executable, resolve_target
 from .states import ReplicaState as S
 from .states import Replica, transition
@@ -52,7 +52,7 @@ _LIVE = (S.PENDING, S.STARTING, S.RUNNING)  # counted against a pool's desired s
 _DEFERRED = object()
 
 # selector key kinds
-_WAKEUP, _EXIT, _READY, _CHILD, _READER, _FEED = range(6)
+_WAKEUP, _EXIT, _READY, _CHILD, _READER, _WRITER = range(6)
 
 
 MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
@@ -108,9 +108,6 @@ class Pool:
     next_n: int = 1
     live: dict[str, Replica] = field(default_factory=dict)  # non-terminal, in id order
 
-    def live_count(self) -> int:
-        return sum(1 for r in self.live.values() if r.state in _LIVE)
-
 
 @dataclass(eq=False, slots=True)
 class _Proc:
@@ -142,13 +139,11 @@ class Engine:
         os_api: OSApi | None = None,
         store: Any = None,
         watchdog: Any = None,
-        subreaper: bool = False,
     ) -> None:
         self.config = config or EngineConfig()
         self.os = os_api or OSApi()
         self.store = store
         self.watchdog = watchdog
-        self.subreaper = subreaper
         self._base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self._sel = selectors.EpollSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -264,7 +259,7 @@ class Engine:
                 self._on_child_exit(obj)
             elif kind == _READER:
                 obj()
-            elif kind == _FEED:
+            elif kind == _WRITER:
                 obj.flush()
         while self._inbox:
             cmd, reply = self._inbox.popleft()
@@ -273,7 +268,7 @@ class Engine:
         self._fire_timers()
         self.settle()
 
-    def shutdown(self, *, timeout: float | None = None) -> None:
+    def shutdown(self) -> None:
         """Stop every replica (TERM, grace, KILL) and wait until all are reaped; from now on
         every command is refused. Desired sizes are kept: the next start brings the pools
         back. The watchdog still runs: stop_watchdog() is the caller's last step."""
@@ -282,8 +277,7 @@ class Engine:
         self.closing = True
         for rep in list(self._live_replicas()):
             self._stop(rep, reason="shutdown", lower_desired=False)
-        grace = self.config.grace if timeout is None else timeout
-        self._run_until(lambda: not self._procs, grace + 1.0)
+        self._run_until(lambda: not self._procs, self.config.grace + 1.0)
         if self._procs:
             for proc in list(self._procs.values()):
                 proc.killed = True
@@ -520,9 +514,7 @@ class Engine:
         env = {"ORCHESTRATOR_REPLICA_ID": rep.id, "ORCHESTRATOR_POOL": rep.pool}
         if self.config.token:
             env["ORCHESTRATOR_DAEMON_TOKEN"] = self.config.token
-        if rt.argv is not None:
-            env = {**rt.env, **env}
-        elif rt.env:
+        if rt.env:  # a command's whole environment, or a Python target's additions
             env = {**rt.env, **env}
         try:
             sp = self.os.spawn(rep.id, rt.run, rt.argv, rt.exe, env)
@@ -749,7 +741,7 @@ class Engine:
                 if registered is not None:
                     self._sel.unregister(registered)
                 if want is not None:
-                    self._sel.register(want, selectors.EVENT_WRITE, (_FEED, writer))
+                    self._sel.register(want, selectors.EVENT_WRITE, (_WRITER, writer))
                 self._writers[writer] = want
 
     def _commit(self) -> bool:

@@ -47,17 +47,6 @@ class WorkerSpec:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise InvalidSpec("env must map strings to strings")
 
-    @property
-    def kind(self) -> str:
-        return "command" if self.command is not None else "python"
-
-    def describe(self) -> str:
-        if self.command is not None:
-            return " ".join(self.command)
-        if self.target is not None:
-            return self.target
-        return getattr(self.func, "__qualname__", "<callable>") if self.func else "<pickled callable>"
-
     # -- the wire -------------------------------------------------------------------
 
     def to_wire(self) -> dict:
