@@ -23,7 +23,7 @@ ORCHESTRATOR_DAEMON_TOKEN, is checked gone with psutil afterwards):
    own channel connection (``replies.take`` of an unknown id with a 0 s wait), the
    per-call ``_set_timeouts``, against ``Client.ping()``, all interleaved.
 
-Targets (shared/PERFORMANCE.md): round trip p99 <= 5 ms; churn through the channel >= 0.7x
+Targets: round trip p99 <= 5 ms; churn through the channel >= 0.7x
 the embedded API. Figures drift +-20% between runs on shared 2-core machines: read the ratios.
 """
 
@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator import Orchestrator
     from orchestrator.channel import Client
-    from orchestrator.daemon import Paths, running_pid, start_detached, stop
+    from orchestrator.daemon import start_detached, stop
+    from orchestrator.paths import Paths, running_pid
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below still runs
     me = psutil.Process()

@@ -1,5 +1,5 @@
 """Churn benchmark: the embedded Orchestrator against a bare multiprocess loop and the raw
-fork floor, side by side in one process run (PERFORMANCE.md: compare ratios, not figures).
+fork floor, side by side in one process run (compare ratios, not figures: these machines drift).
 
 One batch cycle = start 20 workers, wait until all 20 run, stop all 20, wait until all are
 reaped. Variants:
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {ms(_pct(r.launch_lat, 0.5))} ms | {ms(_pct(r.launch_lat, 0.99))} ms | "
               f"{ms(_pct(r.term_lat, 0.5))} ms | {ms(_pct(r.term_lat, 0.99))} ms |")
     print()
-    print("Targets (PERFORMANCE.md): orchestrator ≥ 0.6x the raw fork floor and ≥ 1.0x bare multiprocess.")
+    print("Targets: orchestrator ≥ 0.6x the raw fork floor and ≥ 1.0x bare multiprocess.")
     exec_floor = results[names[4]].rate
     print()
     print("| variant | vs floor | target 0.6x | vs multiprocess | target 1.0x | vs fork+exec (info) |")

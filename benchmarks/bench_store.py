@@ -242,7 +242,8 @@ def daemon_bench() -> None:
     from pathlib import Path
 
     from orchestrator import Client
-    from orchestrator.daemon import Paths, running_pid, start_detached, stop
+    from orchestrator.daemon import start_detached, stop
+    from orchestrator.paths import Paths, running_pid
 
     with tempfile.TemporaryDirectory() as d:
         paths = Paths(Path(d) / "state")

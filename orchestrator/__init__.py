@@ -1,7 +1,7 @@
 """orchestrator: keeps pools of worker processes alive, and leaves no orphan behind.
 
-The public names; everything else is private. See DESIGN.md-level docstrings in
-``engine`` (the control loop), ``daemon`` (the host daemon) and ``channel`` (commands).
+The public names; everything else is private. How the house is built, module by module:
+docs/design.md.
 """
 
 from .api import Orchestrator

@@ -21,38 +21,20 @@ import shutil
 import signal
 import tempfile
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from .children import WatchdogChild
 from .engine import Engine, EngineConfig
-from .errors import ERROR_TYPES, ChannelError, OrchestratorError, ShuttingDown
+from .errors import ChannelError, ShuttingDown
+from .protocol import command, raise_reply
+from .recovery import recover_leftovers
 from .spawner import OSApi
-from .spec import WorkerSpec
+from .verbs import Verbs
 
 log = logging.getLogger("orchestrator")
 
 
-def make_spec(
-    command: Sequence[str] | None = None,
-    target: str | Callable[[], Any] | None = None,
-    env: dict[str, str] | None = None,
-) -> WorkerSpec:
-    """A WorkerSpec from the arguments the API and the CLI take."""
-    if callable(target):
-        return WorkerSpec(func=target, env=dict(env or {}))
-    return WorkerSpec(
-        command=tuple(command) if command is not None else None, target=target, env=dict(env or {})
-    )
-
-
-def raise_reply(msg: dict) -> Any:
-    """The result of a reply, or the typed error it carries."""
-    if msg.get("ok"):
-        return msg.get("result")
-    cls = ERROR_TYPES.get(msg.get("code", ""), OrchestratorError)
-    raise cls(msg.get("error", "unknown error"))
-
-
-class Orchestrator:
+class Orchestrator(Verbs):
     """Runs the control loop in this process; a context manager.
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
@@ -85,6 +67,7 @@ class Orchestrator:
         self._own_dir: str | None = None
         self._call_timeout = call_timeout
         self._engine: Engine | None = None
+        self._watchdog: WatchdogChild | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
         self._started = threading.Event()
@@ -115,14 +98,15 @@ class Orchestrator:
             link = WatchdogLink(self._state_dir or self._own_dir, token=self._token, batch=True)
         store = None
         if self._db is not None:
-            from .store import Store
+            from .store import Store  # sqlite3 only for a caller that asked for a journal
 
             store = Store(self._db)
-        self._engine = Engine(self._config, os_api=OSApi(pdeathsig=self._pdeathsig), watchdog=link, store=store)
+        os_api = OSApi(pdeathsig=self._pdeathsig)
+        self._engine = Engine(self._config, os_api=os_api, watchdog=link, store=store)
+        if link is not None:
+            self._watchdog = WatchdogChild(link, self._engine.reactor, os_api)
         if store is not None:
-            from .daemon import recover_leftovers
-
-            recover_leftovers(store, grace=min(self._config.grace, 1.0))  # a killed earlier run
+            recover_leftovers(store, os_api, grace=min(self._config.grace, 1.0))  # a killed earlier run
             self._engine.restore(store.load()[0], relaunch=False)  # ids continue, never reused
         self._thread = threading.Thread(target=self._loop, name="orchestrator-loop", daemon=True)
         self._thread.start()
@@ -152,7 +136,8 @@ class Orchestrator:
         engine = self._engine
         assert engine is not None
         try:
-            engine.start()
+            if self._watchdog is not None:
+                self._watchdog.start()
             self._started.set()
             while not self._stop:
                 engine.run_once(None)
@@ -163,7 +148,8 @@ class Orchestrator:
             self._started.set()
             try:
                 engine.shutdown()
-                engine.stop_watchdog()
+                if self._watchdog is not None:
+                    self._watchdog.stop_quietly()
             finally:
                 engine.close()
                 if engine.store is not None:
@@ -171,7 +157,7 @@ class Orchestrator:
 
     # -- commands ---------------------------------------------------------------------
 
-    def call(self, op: str, args: dict | None = None, bound: float | None = None) -> Any:
+    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command to the loop and wait (bounded) for its reply."""
         engine = self._engine
         if engine is None or self._thread is None or self._stop or engine.closing:
@@ -183,63 +169,17 @@ class Orchestrator:
             box.append(msg)
             done.set()
 
-        engine.submit({"id": None, "op": op, "args": args or {}}, reply)
-        limit = self._call_timeout if bound is None else bound
+        engine.submit(command(op, args), reply)
+        limit = self._call_timeout if timeout is None else timeout
         if not done.wait(limit):
             raise ChannelError(f"{op}: no reply from the control loop within {limit:g} s")
         return raise_reply(box[0])
 
-    def launch(
-        self,
-        pool: str,
-        command: Sequence[str] | None = None,
-        *,
-        target: str | Callable[[], Any] | None = None,
-        count: int = 1,
-        env: dict[str, str] | None = None,
-        wait: bool = False,
-        timeout: float | None = None,
-    ) -> list[str]:
-        """Add ``count`` replicas to ``pool``; returns their ids. ``wait``: until each runs."""
-        spec = make_spec(command, target, env)
-        result = self.call(
-            "launch", {"pool": pool, "count": count, "spec": spec, "wait": wait, "timeout": timeout}, _limit(timeout)
-        )
-        return list(result) if isinstance(result, dict) else result
-
-    def terminate(self, *ids: str, wait: bool = False, timeout: float | None = None) -> list[str]:
-        """Stop these replicas; already-ended ones are a no-op. ``wait``: until reaped."""
-        result = self.call("terminate", {"ids": list(ids), "wait": wait, "timeout": timeout}, _limit(timeout))
-        return list(result)
-
-    def scale(
-        self,
-        pool: str,
-        n: int,
-        *,
-        command: Sequence[str] | None = None,
-        target: str | Callable[[], Any] | None = None,
-    ) -> dict:
-        spec = make_spec(command, target) if command is not None or target is not None else None
-        return self.call("scale", {"pool": pool, "n": n, "spec": spec})
-
-    def status(self, all: bool = False) -> dict:  # noqa: A002 - mirrors `status --all`
-        return self.call("status", {"all": all})
-
-    def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict:
-        """Block until every replica is RUNNING (or ended), or ``until="ended"``: reaped."""
-        return self.call("wait", {"ids": list(ids), "until": until, "timeout": timeout}, _limit(timeout))
-
     @property
     def watchdog_pid(self) -> int | None:
-        link = self._engine.watchdog if self._engine else None
-        return link.pid if link is not None else None
+        return self._watchdog.pid if self._watchdog is not None else None
 
     @property
     def pid(self) -> int:
         return os.getpid()
 
-
-def _limit(timeout: float | None) -> float | None:
-    """The client-side bound for a command that itself waits up to ``timeout``."""
-    return None if timeout is None else timeout + 10.0

@@ -27,85 +27,26 @@ A state dir whose socket path exceeds the 108-byte sun_path limit is reached thr
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import socket
 import struct
+import threading
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from multiprocess import connection
 from multiprocess import managers
 
-from .errors import ChannelError, DaemonNotRunning, OrchestratorError
-from .api import make_spec, raise_reply
+from .errors import ChannelError, DaemonNotRunning
+from .paths import AUTHKEY_NAME, SOCKET_NAME, Paths, running_pid
+from .protocol import command, raise_reply
+from .verbs import Verbs
 
 SERIALIZER = "orchestrator"
-SOCKET_NAME = "control.sock"
-AUTHKEY_NAME = "authkey"
 _SUN_PATH_MAX = 107
-_FRAME = struct.Struct(">I")
 DEFAULT_TIMEOUT = 30.0
-
-
-# -- framing on the daemon <-> manager pipes ------------------------------------------
-
-
-def encode_frame(msg: Any) -> bytes:
-    data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
-    return _FRAME.pack(len(data)) + data
-
-
-class FrameReader:
-    """Splits a byte stream into JSON frames."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[Any]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= 4:
-            (size,) = _FRAME.unpack_from(self._buf)
-            if len(self._buf) < 4 + size:
-                break
-            out.append(json.loads(bytes(self._buf[4 : 4 + size])))
-            del self._buf[: 4 + size]
-        return out
-
-
-class PipeWriter:
-    """The daemon's end of the reply pipe: never blocks the control loop. What the pipe
-    cannot take now (the manager is stalled) waits here; the loop flushes it on EVENT_WRITE."""
-
-    def __init__(self, fd: int) -> None:
-        os.set_blocking(fd, False)
-        self.fd = fd
-        self._buf = bytearray()
-
-    def write_frame(self, msg: Any) -> None:
-        self._buf += encode_frame(msg)
-        self.flush()
-
-    def pending(self) -> bool:
-        return bool(self._buf)
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def flush(self) -> None:
-        try:
-            while self._buf:
-                del self._buf[: os.write(self.fd, self._buf)]
-        except BlockingIOError:
-            pass
-        except BrokenPipeError:
-            self._buf.clear()  # the manager is gone; its clients will time out
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 # -- addresses and keys ------------------------------------------------------------
@@ -162,11 +103,15 @@ class _PlainListener(connection.Listener):
         return conn
 
 
+_connect_bound = threading.local()  # per thread: Clients with other time-outs never race
+
+
 def _bounded_client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
-    """multiprocess's Client, with every send and recv bounded by socket time-outs."""
+    """multiprocess's Client, with every send and recv bounded by socket time-outs (the
+    handshake by the connecting Client's time-out; each call re-bounds its connection)."""
     sock = socket.socket(socket.AF_UNIX)
     try:
-        _set_timeouts(sock.fileno(), _io_timeout)
+        _set_timeouts(sock.fileno(), getattr(_connect_bound, "seconds", DEFAULT_TIMEOUT))
         sock.connect(address)
     except BaseException:
         sock.close()
@@ -176,10 +121,6 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
         connection.answer_challenge(conn, authkey)
         connection.deliver_challenge(conn, authkey)
     return conn
-
-
-_io_timeout = DEFAULT_TIMEOUT
-managers.listener_client[SERIALIZER] = (_PlainListener, _bounded_client)
 
 
 class ChannelManager(managers.BaseManager):
@@ -192,15 +133,19 @@ ChannelManager.register("commands")
 ChannelManager.register("replies")
 
 
+def use_plain_pickling() -> None:
+    """Teach multiprocess our serializer name (idempotent; called by whoever connects or
+    serves, not as a side effect of importing this module)."""
+    managers.listener_client.setdefault(SERIALIZER, (_PlainListener, _bounded_client))
+
+
 # -- the client ------------------------------------------------------------------
 
 
-class Client:
+class Client(Verbs):
     """Talks to a running daemon over its Manager queue. Thread-safe; every call bounded."""
 
     def __init__(self, state_dir: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT, authkey: bytes | None = None) -> None:
-        from .daemon import Paths, running_pid
-
         self.paths = Paths(Path(state_dir))
         self.timeout = timeout
         if running_pid(self.paths) is None:
@@ -224,8 +169,8 @@ class Client:
         self.close()
 
     def _connect(self) -> None:
-        global _io_timeout
-        _io_timeout = self.timeout + 5.0
+        use_plain_pickling()
+        _connect_bound.seconds = self.timeout + 5.0
         mgr = ChannelManager(address=self._address, authkey=self._authkey, serializer=SERIALIZER)
         try:
             mgr.connect()
@@ -233,8 +178,6 @@ class Client:
         except connection.AuthenticationError:
             raise ChannelError("authentication failed: wrong auth key for this daemon") from None
         except (FileNotFoundError, ConnectionRefusedError):
-            from .daemon import running_pid
-
             pid = running_pid(self.paths)
             if pid is None:
                 raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}") from None
@@ -256,7 +199,7 @@ class Client:
         limit = self.timeout if timeout is None else timeout
         if self._mgr is None:
             self._connect()
-        cmd = {"id": uuid.uuid4().hex, "op": op, "args": args or {}}
+        cmd = command(op, args, uuid.uuid4().hex)
         replies = self._replies
         try:
             tls = replies._tls  # this thread's connection, shared by every proxy of ours
@@ -276,40 +219,5 @@ class Client:
             raise ChannelError(f"{op}: no reply from the daemon within {limit:g} s")
         return raise_reply(msg)
 
-    # The same verbs as the embedded Orchestrator.
 
-    def launch(
-        self,
-        pool: str,
-        command: Sequence[str] | None = None,
-        *,
-        target: Any = None,
-        count: int = 1,
-        env: dict[str, str] | None = None,
-        wait: bool = False,
-        timeout: float | None = None,
-    ) -> list[str]:
-        spec = make_spec(command, target, env).to_wire()
-        args = {"pool": pool, "count": count, "spec": spec, "wait": wait, "timeout": timeout}
-        result = self.call("launch", args, None if timeout is None else timeout + 5)
-        return list(result)
-
-    def terminate(self, *ids: str, wait: bool = False, timeout: float | None = None) -> list[str]:
-        args = {"ids": list(ids), "wait": wait, "timeout": timeout}
-        return list(self.call("terminate", args, None if timeout is None else timeout + 5))
-
-    def scale(self, pool: str, n: int, *, command: Sequence[str] | None = None, target: Any = None) -> dict:
-        spec = make_spec(command, target).to_wire() if command is not None or target is not None else None
-        return self.call("scale", {"pool": pool, "n": n, "spec": spec})
-
-    def status(self, all: bool = False) -> dict:  # noqa: A002
-        return self.call("status", {"all": all})
-
-    def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict:
-        return self.call("wait", {"ids": list(ids), "until": until, "timeout": timeout}, timeout + 5)
-
-    def ping(self) -> str:
-        return self.call("ping")
-
-
-__all__ = ["Client", "ChannelManager", "FrameReader", "encode_frame", "socket_address", "OrchestratorError"]
+__all__ = ["Client", "ChannelManager", "socket_address", "use_plain_pickling"]

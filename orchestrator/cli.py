@@ -1,6 +1,6 @@
 """``orchestrator [--state-dir DIR] COMMAND [ARGS]``: argument parsing and output only.
 
-Exit codes (DESIGN.md): 0 success; 1 an error (one line on stderr); 3 the daemon is not
+Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 3 the daemon is not
 running (for commands that need it, and for ``status``/``stop``). ``--json`` output goes
 to stdout only.
 """
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.own_argv = argv is None  # sys.argv is ours: a re-exec of this command line is possible
-    from .daemon import Paths, default_state_dir
+    from .paths import Paths, default_state_dir
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
@@ -135,7 +135,7 @@ def cmd_stop(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_status(args: argparse.Namespace, paths: Any) -> int:
-    from .daemon import running_pid
+    from .paths import running_pid
 
     code = EXIT_OK
     data = None

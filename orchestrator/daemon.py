@@ -12,8 +12,9 @@ Liveness is the lock, never a pid check: the kernel drops the lock the moment th
 exits (a zombie daemon already counts as gone), F_GETLK names the holder's pid without
 taking the lock, and a stale pid file or socket left by a SIGKILL is simply replaced.
 
-Signals only record themselves (and wake the loop through the wakeup fd); the loop then
-raises ShutdownRequested for SIGTERM/SIGINT, reaps orphans for SIGCHLD. Shutdown: refuse
+Signals only record themselves (and wake the loop through the wakeup fd); a reader in the
+loop then reaps orphans for SIGCHLD and sets a flag for SIGTERM/SIGINT, which the daemon
+checks between turns and turns into ShutdownRequested, so no turn is left half done. Shutdown: refuse
 commands, terminate every replica (TERM to its group, grace, KILL), stop the manager, tell
 the watchdog to exit quietly, remove the runtime files, exit 0. A second SIGTERM or SIGINT
 during shutdown is logged and ignored: the cleanup always runs to its end.
@@ -21,86 +22,30 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import secrets
 import select
 import signal
-import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from watchdog import WatchdogLink
-from watchdog.identity import is_alive, scan, start_time
+from watchdog.identity import scan
 from watchdog.ledger import Entry
-from watchdog.reaper import sweep
 
-from .channel import AUTHKEY_NAME, SOCKET_NAME, FrameReader, PipeWriter
-from .engine import Engine, EngineConfig, drain
+from .children import ManagerBridge, WatchdogChild
+from .engine import Engine, EngineConfig
 from .errors import OrchestratorError, ShutdownRequested
-from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
+from .paths import Paths, default_state_dir, running_pid, take_lock
+from .reactor import drain
+from .recovery import recover_leftovers
+from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
 
 log = logging.getLogger("orchestrator")
 TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
-_FLOCK = "hhqqi4x"  # struct flock on Linux (x86_64, aarch64)
-
-
-class Paths:
-    """Where one daemon keeps its files."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = Path(os.path.abspath(state_dir))
-        self.pidfile = self.state_dir / "daemon.pid"
-        self.authkey = self.state_dir / AUTHKEY_NAME
-        self.socket = self.state_dir / SOCKET_NAME
-        self.db = self.state_dir / "state.db"
-        self.logs = self.state_dir / "logs"
-        self.log = self.logs / "daemon.log"
-        self.report = self.state_dir / "watchdog-report.json"
-
-
-def default_state_dir() -> Path:
-    if os.environ.get("ORCHESTRATOR_STATE_DIR"):
-        return Path(os.environ["ORCHESTRATOR_STATE_DIR"])
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "orchestrator"
-
-
-# -- the pid-file lock ------------------------------------------------------------
-
-
-def running_pid(paths: Paths) -> int | None:
-    """The daemon's pid if one holds the lock, else None. Never takes the lock."""
-    try:
-        fd = os.open(paths.pidfile, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        l_type, _, _, _, l_pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
-    finally:
-        os.close(fd)
-    return None if l_type == fcntl.F_UNLCK else l_pid
-
-
-def _take_lock(paths: Paths) -> int | None:
-    """Open and lock the pid file; None if another daemon holds it."""
-    fd = os.open(paths.pidfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        os.close(fd)
-        if err.errno in (errno.EACCES, errno.EAGAIN):
-            return None
-        raise
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
 
 
 # -- start / stop, as the CLI uses them ---------------------------------------------
@@ -190,9 +135,7 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
     try:
         if running_pid(paths) != pid:  # it died and the pid may be someone else's now
             return 0
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-        except ProcessLookupError:
+        if not signal_pidfd(pidfd, signal.SIGTERM):
             return 0
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
@@ -205,39 +148,6 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
         return 0
     finally:
         os.close(pidfd)
-
-
-# -- recovery -----------------------------------------------------------------------
-
-
-def recover_leftovers(store: Any, *, grace: float = 1.0) -> tuple[int, int]:
-    """The start-up layer against orphans. Every replica the store still calls live belongs
-    to a run that ended uncleanly: kill its process (and group, and descendants) if it is
-    still alive with the recorded identity, never a reused pid, then record it LOST.
-    Returns (lost, killed)."""
-    _, live = store.load()
-    if not live:
-        return 0, 0
-    entries = [
-        Entry(r["pid"], r["start_time"], r["pid"], "worker", r["id"])
-        for r in live
-        if r.get("pid") and r.get("start_time") is not None and is_alive(r["pid"], r["start_time"])
-    ]
-    killed = {e.pid for e in entries}
-    if entries:
-        sweep(entries, None, exclude={os.getpid()}, grace=grace)
-    now = time.time()
-    for rec in live:
-        found = "killed at recovery" if rec.get("pid") in killed else "found dead"
-        old = rec["state"]
-        rec.update(state="LOST", pid=None, ended_at=now, reason=f"daemon ended uncleanly; {found}")
-        store.save_replica(rec)
-        store.append_event("transition", replica=rec["id"], ts=now,
-                           data={"from": old, "to": "LOST", "reason": rec["reason"]})
-    store.append_event("recovery", ts=now, data={"lost": len(live), "killed": len(killed)})
-    store.commit()
-    log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed", len(live), len(killed))
-    return len(live), len(killed)
 
 
 # -- the daemon itself --------------------------------------------------------------
@@ -254,16 +164,13 @@ class Daemon:
         self.ready_fd = ready_fd
         self.started_at = time.time()
         self._signals: list[int] = []
+        self._stop_signal: int | None = None
         self._lock_fd: int | None = None
+        self.os = OSApi()
         self.engine: Engine | None = None
         self.store: Any = None
-        self._manager_pid: int | None = None
-        self._manager_ready = False
-        self._manager_started = 0.0
-        self._manager_backoff = 0.0
-        self._cmd_fd: int | None = None
-        self._reply: Any = None
-        self._frames = FrameReader()
+        self.watchdog: WatchdogChild | None = None
+        self.manager: ManagerBridge | None = None
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -272,7 +179,7 @@ class Daemon:
         try:
             paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             paths.logs.mkdir(exist_ok=True)
-            self._lock_fd = _take_lock(paths)
+            self._lock_fd = take_lock(paths)
         except OSError as err:
             return self._fail(f"cannot use state dir {paths.state_dir}: {err.strerror or err}")
         if self._lock_fd is None:
@@ -320,7 +227,7 @@ class Daemon:
     def _serve(self) -> int:
         paths = self.paths
         set_child_subreaper()
-        nofile = raise_fd_limit()
+        self.os = OSApi(nofile=raise_fd_limit())
         token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
         for stale in (paths.socket, paths.report):
             stale.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
@@ -329,32 +236,41 @@ class Daemon:
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)])
         config = EngineConfig(grace=self.grace, token=token)
-        engine = self.engine = Engine(config, os_api=OSApi(nofile=nofile), store=self.store, watchdog=link)
+        engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link)
         engine.extra_status = self._daemon_status
-        engine.add_reader(self._sig_r, self._on_signal_wakeup)
+        reactor = engine.reactor
+        reactor.add_reader(self._sig_r, self._on_signal_wakeup)
+        self.watchdog = WatchdogChild(link, reactor, self.os)
+        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
         try:
-            recover_leftovers(self.store, grace=min(self.grace, 1.0))
-            engine.start()
+            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0))
+            self.watchdog.start()
             # Pools first, then the channel: no command may see a half-restored table.
             engine.restore(self.store.load()[0])
             engine.settle()
-            self._start_manager()
+            self.manager.start()
             deadline = time.monotonic() + 30
-            while not self._manager_ready:
+            while not self.manager.ready:
                 if time.monotonic() > deadline:
                     raise OrchestratorError("the manager server did not start within 30 s")
-                engine.run_once(1.0)
+                self._turn(1.0)
             log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
             self._notify(f"READY {os.getpid()}")
             if self.ready_fd is None and sys.stdout.isatty():
                 print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
             while True:
-                engine.run_once(None)
+                self._turn(None)
         except ShutdownRequested as req:
             log.info("%s: shutting down", signal.Signals(req.signum).name)
         finally:
             self._shutdown(engine)
         return 0
+
+    def _turn(self, timeout: float | None) -> None:
+        """One turn of the loop; a shutdown signal is acted on between turns, never inside."""
+        self.engine.run_once(timeout)
+        if self._stop_signal is not None:
+            raise ShutdownRequested(self._stop_signal)
 
     def _write_authkey(self) -> None:
         path = self.paths.authkey
@@ -377,116 +293,53 @@ class Daemon:
         return store
 
     def _daemon_status(self) -> dict:
-        wd = self.engine.watchdog if self.engine else None
         return {"daemon": {
             "running": True, "pid": os.getpid(),
-            "watchdog_pid": wd.pid if wd is not None else None,
-            "manager_pid": self._manager_pid, "started_at": self.started_at,
+            "watchdog_pid": self.watchdog.pid if self.watchdog is not None else None,
+            "manager_pid": self.manager.pid if self.manager is not None else None,
+            "started_at": self.started_at,
         }}
 
-    # -- signals --------------------------------------------------------------------
+    # -- signals and orphans ----------------------------------------------------------
 
     def _on_signal_wakeup(self) -> None:
         drain(self._sig_r)
         signals, self._signals = self._signals, []
-        engine = self.engine
         if signal.SIGCHLD in signals:
-            engine.reap_orphans()
+            self.reap_orphans()
         for sig in signals:
             if sig in (signal.SIGTERM, signal.SIGINT):
-                if engine.closing:
+                if self.engine.closing:
                     log.info("%s during shutdown: the cleanup goes on", signal.Signals(sig).name)
-                else:
-                    raise ShutdownRequested(sig)
+                elif self._stop_signal is None:
+                    self._stop_signal = sig
             elif sig == signal.SIGHUP:
                 log.info("SIGHUP: nothing to reload")
 
-    # -- the manager server ---------------------------------------------------------
-
-    def _start_manager(self) -> None:
-
-        if self.engine.closing:
-            return
-        self.paths.socket.unlink(missing_ok=True)  # a killed manager leaves its socket behind
-        self._manager_started = time.monotonic()
-        cmd_r, cmd_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        os.set_inheritable(cmd_w, True)
-        os.set_inheritable(reply_r, True)
-        argv = [sys.executable, "-m", "orchestrator.manager", "--state-dir", str(self.paths.state_dir),
-                "--parent-pid", str(os.getpid()), "--cmd-fd", str(cmd_w), "--reply-fd", str(reply_r)]
-        try:
-            pid = os.posix_spawn(sys.executable, argv, os.environ)
-        finally:
-            os.close(cmd_w)
-            os.close(reply_r)
-        self._manager_pid = pid
-        self._manager_ready = False
-        self._frames = FrameReader()
-        os.set_blocking(cmd_r, False)
-        self._cmd_fd = cmd_r
-        self._reply = PipeWriter(reply_w)
-        engine = self.engine
-        engine.add_reader(cmd_r, self._on_commands)
-        engine.add_writer(self._reply)
-        engine.watch_child(pid, self._on_manager_exit)
-        start = start_time(pid)
-        if start is not None and engine.watchdog is not None:
-            engine.watchdog.add(pid, start, None, "process", "manager")
-
-    def _close_manager_pipes(self) -> None:
-        if self._cmd_fd is not None:
-            self.engine.remove_reader(self._cmd_fd)
-            os.close(self._cmd_fd)
-            self._cmd_fd = None
-        if self._reply is not None:
-            self.engine.remove_writer(self._reply)
-            self._reply.close()
-            self._reply = None
-
-    def _on_commands(self) -> None:
-        try:
-            data = os.read(self._cmd_fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if not data:  # the manager is gone; its pidfd brings the restart
-            self._close_manager_pipes()
-            return
-        reply = self._reply.write_frame
-        for cmd in self._frames.feed(data):
-            if isinstance(cmd, dict) and cmd.get("op") == "_ready":
-                self._manager_ready = True
+    def reap_orphans(self) -> None:
+        """Reap every exited child, including orphans re-parented to this subreaper. Each
+        exit goes to its owner first (a replica's to the engine, which ends its group's
+        remnants while the zombie still pins the group; a system child's to its supervisor)."""
+        while (pid := self.os.exited_child()) is not None:
+            if self.engine.child_exited(pid):
                 continue
-            self.engine.handle(cmd, reply)
-
-    def _on_manager_exit(self, code: int | None) -> None:
-        pid = self._manager_pid
-        self._manager_pid = None
-        self._close_manager_pipes()
-        engine = self.engine
-        if engine.watchdog is not None and pid is not None:
-            engine.watchdog.remove(pid)
-        if engine.closing:
-            return
-        # A manager that dies young is restarted after a growing delay, not in a tight loop.
-        if time.monotonic() - self._manager_started < 10.0:
-            self._manager_backoff = min(max(2 * self._manager_backoff, 0.1), 30.0)
-        else:
-            self._manager_backoff = 0.0
-        log.warning("manager server exited (%s); starting a new one in %.1f s",
-                    exit_reason(code) if code is not None else "status unknown", self._manager_backoff)
-        engine.call_later(self._manager_backoff, self._start_manager)
+            for child in (self.manager.child if self.manager else None, self.watchdog):
+                if child is not None and child.owns(pid):
+                    child.exited()
+                    break
+            else:
+                self.os.reap(pid)
+                log.debug("reaped orphan %d", pid)
 
     # -- shutdown -------------------------------------------------------------------
 
     def _shutdown(self, engine: Engine) -> None:
         engine.shutdown()
-        self._end_adopted(engine)
-        pid = self._manager_pid
-        if pid is not None:
-            self._close_manager_pipes()  # EOF on its reply pipe: the manager exits by itself
-            engine.end_child(pid, 5.0)
-        engine.stop_watchdog()
+        self._end_adopted()
+        if self.manager is not None:
+            self.manager.stop(5.0)  # EOF on its reply pipe: the manager exits by itself
+        if self.watchdog is not None:
+            self.watchdog.stop_quietly()
         if self.store is not None:
             self.store.append_event("stop", ts=time.time(), data={"pid": os.getpid()})
             self.store.commit()
@@ -494,17 +347,17 @@ class Daemon:
         engine.close()
         log.info("daemon %d stopped", os.getpid())
 
-    def _end_adopted(self, engine: Engine) -> None:
+    def _end_adopted(self) -> None:
         """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
         setsid) outlive their replica; a clean stop ends them too, and their descendants."""
         me = os.getpid()
-        system = {self._manager_pid, engine.watchdog.pid if engine.watchdog else None} - {None}
+        system = {self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None} - {None}
         adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
                    for st in scan().values() if st.ppid == me and st.pid not in system and st.state != "Z"]
         if adopted:
-            report = sweep(adopted, None, exclude={me, *system}, grace=min(self.grace, 1.0))
+            report = self.os.sweep(adopted, grace=min(self.grace, 1.0), exclude=system)
             log.info("ended %d adopted orphan(s) and their descendants", len(report.get("processes", adopted)))
-        engine.reap_orphans()
+        self.reap_orphans()
 
     def _remove_runtime_files(self) -> None:
         for path in (self.paths.socket, self.paths.authkey):
@@ -523,4 +376,4 @@ def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = N
 
 
 __all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",
-           "run_foreground", "recover_leftovers", "daemon_env"]
+           "run_foreground", "daemon_env"]

@@ -24,7 +24,8 @@ from pathlib import Path
 import psutil
 
 from .channel import Client
-from .daemon import Paths, _read_until_eof, daemon_env
+from .daemon import _read_until_eof, daemon_env
+from .paths import Paths
 from .errors import OrchestratorError
 
 

@@ -25,7 +25,9 @@ from typing import Any
 
 from multiprocess import process, util
 
-from .channel import SERIALIZER, ChannelManager, FrameReader, encode_frame, socket_address
+from .channel import SERIALIZER, ChannelManager, socket_address, use_plain_pickling
+from .paths import AUTHKEY_NAME
+from .protocol import FrameReader, encode_frame, is_plain
 from .spawner import set_pdeathsig
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
@@ -68,23 +70,11 @@ class ReplyBoard:
             return self._replies.pop(cmd_id)[1]
 
 
-def _is_plain(obj: Any, depth: int = 0) -> bool:
-    if depth > 32:
-        return False
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return True
-    if isinstance(obj, list):
-        return all(_is_plain(x, depth + 1) for x in obj)
-    if isinstance(obj, dict):
-        return all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in obj.items())
-    return False
-
-
 def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
     while True:
         cmd = commands.get()
         cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
-        if not isinstance(cmd_id, str) or not _is_plain(cmd):
+        if not isinstance(cmd_id, str) or not is_plain(cmd):
             if isinstance(cmd_id, str):
                 board.post({"id": cmd_id, "ok": False, "code": "invalid",
                             "error": "malformed command: only plain data (dict, list, str, number, bool, None)"})
@@ -123,7 +113,8 @@ def serve(argv: list[str] | None = None) -> None:
     setproctitle("orchestrator: manager")
 
     state_dir = Path(args.state_dir)
-    authkey = (state_dir / "authkey").read_bytes()
+    authkey = (state_dir / AUTHKEY_NAME).read_bytes()
+    use_plain_pickling()
     address, _dirfd = socket_address(state_dir)
     commands: queue.Queue = queue.Queue()
     board = ReplyBoard(commands)

@@ -1,4 +1,10 @@
-"""How a worker process is made, signalled and reaped: the OS seam under the engine.
+"""How a process is made, signalled and reaped: the OS seam under the engine.
+
+Every signal ``orchestrator`` sends to a process goes through this module: ``OSApi`` for
+the loop's own children (replicas, the manager, the watchdog, adopted orphans), whose
+unreaped zombies pin their pids; ``OSApi.sweep`` (the watchdog's identity-checked ladder)
+for processes that are not our children, such as a dead daemon's leftovers; and
+``signal_pidfd`` for a daemon that ``orchestrator stop`` found through its lock.
 
 Start method: a plain ``os.fork()`` from the control loop's thread, then ``execve`` for a
 command or the callable for a Python target. Measured side by side on the 2-core reference
@@ -40,12 +46,14 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 from setproctitle import setproctitle
 
 from watchdog.identity import start_time
+from watchdog.ledger import Entry
+from watchdog.reaper import sweep
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -104,6 +112,22 @@ def exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class LaunchPlan:
+    """Everything one worker process is made from: a command (``argv`` + ``exe``, its whole
+    environment in ``env``) or a Python ``run`` (a callable, or pickled bytes that only the
+    child loads; ``env`` then holds additions to the forking process's environment)."""
+
+    replica_id: str
+    argv: tuple[str, ...] | None = None
+    exe: str | None = None
+    run: Callable[[], Any] | bytes | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    stdout: int | None = None  # fds put on 1 and 2 in the child; None: inherited
+    stderr: int | None = None
+
+
 @dataclass(slots=True)
 class Spawned:
     pid: int
@@ -124,16 +148,8 @@ class OSApi:
     monotonic = staticmethod(time.monotonic)
     time = staticmethod(time.time)
 
-    def spawn(
-        self,
-        replica_id: str,
-        run: Callable[[], Any] | bytes | None,
-        argv: tuple[str, ...] | None,
-        exe: str | None,
-        env: dict[str, str],
-    ) -> Spawned:
-        """Fork one worker: ``run`` (a callable, or pickled bytes that only the child loads)
-        or ``argv`` + ``exe``."""
+    def spawn(self, plan: LaunchPlan) -> Spawned:
+        """Fork one worker from ``plan``; raises OSError when no child could be made."""
         ready_r, ready_w = os.pipe()
         parent = os.getpid()
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
@@ -146,7 +162,7 @@ class OSApi:
             os.close(ready_w)
             raise
         if pid == 0:  # pragma: no cover - runs in the child, never returns
-            _child(replica_id, run, argv, exe, env, ready_w, parent, self.pdeathsig, self.maxfd, self.nofile)
+            _child(plan, ready_w, parent, self.pdeathsig, self.maxfd, self.nofile)
         after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.close(ready_w)
@@ -178,6 +194,33 @@ class OSApi:
                 return False
         return True
 
+    def kill_child(self, pid: int, sig: int) -> bool:
+        """Signal one of OUR unreaped children (a system child: manager, watchdog)."""
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def pidfd(self, pid: int) -> int:
+        """A pidfd of our child: readable once it has exited."""
+        return os.pidfd_open(pid)
+
+    def exited_child(self) -> int | None:
+        """The pid of a child that has exited and is not reaped yet, without reaping it
+        (so that its owner still reaps it, while its zombie pins the pid); None if none."""
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        return info.si_pid if info is not None and info.si_pid else None
+
+    def sweep(self, entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()) -> dict:
+        """TERM, ``grace``, KILL for processes that are not our children, and for their
+        groups and descendants: every signal through a pidfd verified against the recorded
+        start time (the watchdog's ladder), so a reused pid is never hit."""
+        return sweep(list(entries), None, exclude={os.getpid(), *exclude}, grace=grace)
+
     def reap(self, pid: int) -> int | None:
         """Exit code (negative: signal) of an exited child; None if someone else reaped it."""
         try:
@@ -199,11 +242,7 @@ class OSApi:
 
 
 def _child(
-    replica_id: str,
-    run: Callable[[], Any] | bytes | None,
-    argv: tuple[str, ...] | None,
-    exe: str | None,
-    env: dict[str, str],
+    plan: LaunchPlan,
     ready_w: int,
     parent: int,
     pdeathsig: int | None,
@@ -221,21 +260,28 @@ def _child(
         # _signal, not signal: the wrappers turn every old handler into an enum, ~20x slower
         for sig in _RESET_SIGNALS:
             _signal.signal(sig, _signal.SIG_DFL)
-        if run is not None:
+        if plan.run is not None:
             _signal.signal(_signal.SIGINT, _signal.default_int_handler)
             for sig in _PYTHON_IGNORED:
                 _signal.signal(sig, _signal.SIG_IGN)
+        if plan.stdout is not None:
+            os.dup2(plan.stdout, 1)
+        if plan.stderr is not None:
+            os.dup2(plan.stderr, 2)
         os.closerange(3, ready_w)
         os.closerange(ready_w + 1, maxfd)
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+        if plan.cwd is not None:
+            os.chdir(plan.cwd)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
-        if argv is not None:
-            os.execve(exe, argv, env)  # type: ignore[arg-type]
-        os.environ.update(env)
+        if plan.argv is not None:
+            os.execve(plan.exe, plan.argv, plan.env)  # type: ignore[arg-type]
+        os.environ.update(plan.env)
+        run = plan.run
         if isinstance(run, bytes):
             run = unpickle_target(run)
-        setproctitle(f"orchestrator: replica {replica_id}")
+        setproctitle(f"orchestrator: replica {plan.replica_id}")
         os.close(ready_w)
         ready_w = -1
         code = _run_python(run)  # type: ignore[arg-type]
@@ -274,6 +320,15 @@ def _run_python(run: Callable[[], Any]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def signal_pidfd(pidfd: int, sig: int) -> bool:
+    """Signal the process behind ``pidfd`` (pid reuse cannot redirect it); False if gone."""
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def unpickle_target(data: bytes) -> Callable[[], Any]:

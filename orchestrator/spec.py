@@ -13,7 +13,7 @@ import importlib
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .errors import InvalidSpec
 
@@ -92,6 +92,19 @@ class WorkerSpec:
         return cls(command=command, target=target, pickled=pickled, env=env)
 
 
+def make_spec(
+    command: Sequence[str] | None = None,
+    target: str | Callable[[], Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> WorkerSpec:
+    """A WorkerSpec from the arguments the API and the CLI take."""
+    if callable(target):
+        return WorkerSpec(func=target, env=dict(env or {}))
+    return WorkerSpec(
+        command=tuple(command) if command is not None else None, target=target, env=dict(env or {})
+    )
+
+
 def resolve_target(target: str) -> Callable[[], Any]:
     """Import ``module:function`` now, in the orchestrator, so a bad target is a clear error
     at launch time and every forked worker finds the module already imported."""
@@ -128,3 +141,33 @@ def resolve_executable(command: tuple[str, ...], env: dict[str, str]) -> str:
     if path is None:
         raise InvalidSpec(f"command not found: {prog}")
     return path
+
+
+@dataclass(slots=True)
+class Runtime:
+    """A spec made ready to fork: resolved once per launch, reused for every replica."""
+
+    wire: dict  # the spec as it is stored and sent
+    run: Any = None  # callable, or pickled bytes only the child loads
+    argv: tuple[str, ...] | None = None
+    exe: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def prepare(wire: Any, base_env: dict[str, str]) -> Runtime:
+    """Check a wire spec and resolve what every replica of it needs (the executable's
+    path, a command's whole environment); a bad spec raises InvalidSpec."""
+    spec = WorkerSpec.from_wire(wire)
+    rt = Runtime(spec.to_wire())
+    if spec.command is not None:
+        env = {**base_env, **spec.env}
+        rt.argv, rt.exe, rt.env = spec.command, resolve_executable(spec.command, env), env
+    else:
+        rt.env = dict(spec.env)
+        if spec.target is not None:
+            rt.run = resolve_target(spec.target)
+        else:
+            import dill  # noqa: F401  (loaded once here, not in every forked worker)
+
+            rt.run = spec.pickled
+    return rt

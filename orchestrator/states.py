@@ -94,6 +94,15 @@ class Replica:
             "ended_at": self.ended_at,
         }
 
+    @classmethod
+    def from_record(cls, rec: dict) -> "Replica":
+        """A replica from the store's row (recovery: the record of an earlier daemon)."""
+        return cls(
+            rec["id"], rec["pool"], int(rec["n"]), ReplicaState(rec["state"]),
+            pid=rec.get("pid"), start_time=rec.get("start_time"), exit_code=rec.get("exit_code"),
+            reason=rec.get("reason"), created_at=rec.get("created_at") or 0.0, ended_at=rec.get("ended_at"),
+        )
+
     def to_record(self) -> dict:
         """The store's row: to_dict plus what recovery needs."""
         d = self.to_dict()

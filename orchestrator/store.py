@@ -86,11 +86,13 @@ import time
 import urllib.parse
 from typing import Any, Iterable
 
+from .states import TERMINAL
+
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
 
 # Hard-coded on purpose: the store must not import the states module (it is written and
 # tested alone, and the CLI reads the store without loading the daemon).
-TERMINAL_STATES: frozenset[str] = frozenset({"TERMINATED", "EXITED", "FAILED", "INTERRUPTED", "LOST"})
+TERMINAL_STATES: frozenset[str] = frozenset(s.value for s in TERMINAL)
 
 SCHEMA_VERSION = 1
 

@@ -1,6 +1,6 @@
 """Shared fixtures: an account of every process a test starts, and embedded orchestrators.
 
-Rules they exist to keep (RELIABILITY.md sections 2 and 3): a test tears down what it
+Rules they exist to keep (docs/design.md, "How it is tested"): a test tears down what it
 started by identity (pid + create time; helpers.Ident), never by name; SIGCONT then SIGKILL
 for leftovers, then a bounded wait; every process an Orchestrator from
 ``make_orchestrator`` starts carries ``ORCH_TEST_TAG`` (command workers and whatever they

@@ -26,7 +26,7 @@ import pytest
 from helpers import Ident, wait_for
 from orchestrator import InvalidSpec, ShuttingDown
 from orchestrator.engine import Engine, EngineConfig
-from orchestrator.spawner import OSApi, Spawned
+from orchestrator.spawner import LaunchPlan, OSApi, Spawned
 from orchestrator.states import TRANSITIONS, ReplicaState
 
 S = ReplicaState
@@ -73,11 +73,11 @@ class FakeOS:
     def time(self) -> float:
         return 1_700_000_000.0 + self.now
 
-    def spawn(self, replica_id, run, argv, exe, env) -> Spawned:
+    def spawn(self, plan: LaunchPlan) -> Spawned:
         if self.spawn_error is not None:
             raise self.spawn_error
         pid, self._next_pid = self._next_pid, self._next_pid + 1
-        p = FakeProc(pid, replica_id, argv, exe, dict(env), self.on_term)
+        p = FakeProc(pid, plan.replica_id, plan.argv, plan.exe, dict(plan.env), self.on_term)
         self.procs[pid] = p
         self.order.append(pid)
         self._given |= {p.exit_r, p.ready_r}
@@ -1078,9 +1078,9 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
     durable_at_fork: list[bool] = []
     spawn = fake.spawn
 
-    def checking_spawn(replica_id, *args):
-        durable_at_fork.append(replica_id in h.journal.committed_ids)
-        return spawn(replica_id, *args)
+    def checking_spawn(plan):
+        durable_at_fork.append(plan.replica_id in h.journal.committed_ids)
+        return spawn(plan)
 
     fake.spawn = checking_spawn
     h.launch(count=5)
@@ -1090,12 +1090,12 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
 def test_spawned_start_time_is_the_kernels(tmp_path):
     """The spawner derives a worker's start time from the clock around fork; it must be
     exactly what /proc says, or identity checks would spare or hit the wrong process."""
-    from orchestrator.spawner import OSApi
+    from orchestrator.spawner import LaunchPlan, OSApi
     from watchdog.identity import start_time
 
     api = OSApi(pdeathsig=None)
     for _ in range(50):
-        sp = api.spawn("t-1", None, ("sleep", "1000"), "/bin/sleep", {})
+        sp = api.spawn(LaunchPlan("t-1", ("sleep", "1000"), "/bin/sleep"))
         try:
             assert sp.start_time == start_time(sp.pid)
         finally:

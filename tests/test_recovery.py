@@ -31,7 +31,7 @@ import pytest
 from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, wait_for
 import orchestrator.channel as channel
 from orchestrator import ChannelError, Client, DaemonNotRunning, OrchestratorError, ShuttingDown
-from orchestrator.api import make_spec
+from orchestrator.spec import make_spec
 from orchestrator.store import TERMINAL_STATES, Store
 from watchdog.identity import start_time
 

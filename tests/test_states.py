@@ -37,7 +37,7 @@ def make(state: ReplicaState = S.PENDING) -> Replica:
 def test_table_covers_every_state_and_matches_the_design():
     assert sorted(TRANSITIONS) == sorted(STATES)  # the dict order is not part of the contract
     assert set(TERMINAL_STATES) == {S.TERMINATED, S.EXITED, S.FAILED, S.INTERRUPTED, S.LOST}
-    # The diagram of DESIGN.md, written out edge by edge.
+    # The diagram of docs/design.md, written out edge by edge.
     assert LEGAL == [
         (S.PENDING, S.STARTING), (S.PENDING, S.FAILED), (S.PENDING, S.INTERRUPTED),
         (S.PENDING, S.LOST),

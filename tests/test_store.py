@@ -102,7 +102,7 @@ def test_round_trip_after_reopen(tmp_path: Path) -> None:
         everything = s.replicas(include_terminal=True)
         assert [r["id"] for r in everything] == ["web-1", "web-2"]
         failed = everything[1]
-        # extra keys survive the round trip; the DESIGN status keys are all there
+        # extra keys survive the round trip; the status keys of the JSON contract are all there
         assert failed["pgid"] == 77 and failed["cmd"] == ["x", "y"]
         assert status_view(failed) == {"id": "web-2", "pool": "web", "state": "FAILED",
                                        "pid": None, "exit_code": 3, "reason": "exit 3",

@@ -205,7 +205,7 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
     assert not procs.new_descendants(), ctx
 
 
-# -- the exit/terminate race on the fake OS (RELIABILITY.md row 21) ------------------------
+# -- the exit/terminate race on the fake OS (a terminate racing the reaper) ---------------------
 
 
 TRIALS = int(os.environ.get("STRESS_FAKE_TRIALS", "5000"))

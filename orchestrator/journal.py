@@ -1,0 +1,71 @@
+"""What the control loop writes to the store, in the store's shapes, in one place.
+
+The engine says what happened (a replica changed state, a pool changed, a command was
+applied) and this module says how that is recorded: the replica's row, the ``transition``
+event, the pool's row, the ``command`` event. ``commit()`` makes one turn durable and turns
+a failing disk into a message instead of an exception: the replicas still need supervising.
+Recovery writes its LOST records through the same functions, so a recovered transition
+has the same shape as any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .states import Replica, ReplicaState
+from .store import StoreError
+
+
+class Journal:
+    """The engine's writes to ``store`` (a Store, or anything with its write methods);
+    with no store every call is a no-op."""
+
+    def __init__(self, store: Any, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.clock = clock
+
+    def transition(self, rep: Replica, old: ReplicaState | None) -> None:
+        """The replica's row and a ``transition`` event (``old`` None: it was just made)."""
+        if self.store is None:
+            return
+        self.store.save_replica(rep.to_record())
+        self.store.append_event(
+            "transition", replica=rep.id, ts=self.clock(),
+            data={"from": old.value if old else None, "to": rep.state.value, "reason": rep.reason},
+        )
+
+    def replica(self, rep: Replica) -> None:
+        """The replica's row only (its state did not change: e.g. its pid is gone)."""
+        if self.store is not None:
+            self.store.save_replica(rep.to_record())
+
+    def pool(self, name: str, spec: dict, desired: int, next_n: int) -> None:
+        if self.store is not None:
+            self.store.save_pool(name, spec, desired, next_n)
+
+    def command(self, op: Any, cmd_id: Any, error: str | None) -> None:
+        if self.store is None:
+            return
+        data = {"op": op, "cmd_id": cmd_id, "ok": error is None}
+        if error is not None:
+            data["error"] = error
+        self.store.append_event("command", data=data, ts=self.clock())
+
+    def event(self, kind: str, data: dict) -> None:
+        if self.store is not None:
+            self.store.append_event(kind, data=data, ts=self.clock())
+
+    @property
+    def pending(self) -> bool:
+        return self.store is not None and bool(self.store.pending)
+
+    def commit(self) -> str | None:
+        """Commit what this turn buffered; None on success, else why it failed (the batch
+        stays buffered and the next commit retries it)."""
+        if self.store is None:
+            return None
+        try:
+            self.store.commit()
+        except StoreError as err:
+            return str(err)
+        return None

@@ -1,0 +1,164 @@
+"""The shapes that cross between a caller and the control loop, in one place.
+
+A command is plain data, the same object in-process (the embedded API) and on the wire
+(the daemon's channel)::
+
+    {"id": <str | int | None>, "op": "launch", "args": {...}}
+
+A reply answers one command, by its id::
+
+    {"id": ..., "ok": true, "result": ...}
+    {"id": ..., "ok": false, "code": "<error code>", "error": "<one line>"}
+
+Error codes map to the typed errors of ``errors.py`` (``raise_reply``). Between the
+manager server and the daemon, commands and replies travel as length-prefixed JSON frames
+(``encode_frame``/``FrameReader``): JSON cannot carry code, and NaN is refused on the way in.
+
+The argument checks that every command shares (pool names, counts, time-outs) live here
+too, so the engine, the CLI and the API refuse the same inputs with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from typing import Any
+
+from .errors import ERROR_TYPES, InvalidSpec, OrchestratorError
+
+MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
+DEFAULT_WAIT = 3600.0  # a wait without a time-out is still bounded
+READ_ONLY = frozenset({"status", "wait", "ping"})  # never journaled, never need the disk
+
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_REPLICA_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-([0-9]{1,18})")
+_FRAME = struct.Struct(">I")
+MAX_FRAME = 64 << 20  # a frame this large is a broken peer, not a command
+
+
+# -- commands and replies ----------------------------------------------------------
+
+
+def command(op: str, args: dict | None = None, cmd_id: Any = None) -> dict:
+    return {"id": cmd_id, "op": op, "args": args or {}}
+
+
+def ok(cmd_id: Any, result: Any) -> dict:
+    return {"id": cmd_id, "ok": True, "result": result}
+
+
+def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None) -> dict:
+    if isinstance(err, OrchestratorError):
+        return {"id": cmd_id, "ok": False, "code": code or err.code, "error": str(err)}
+    return {"id": cmd_id, "ok": False, "code": code or OrchestratorError.code, "error": err}
+
+
+def raise_reply(msg: dict) -> Any:
+    """The result of a reply, or the typed error it carries."""
+    if msg.get("ok"):
+        return msg.get("result")
+    cls = ERROR_TYPES.get(msg.get("code", ""), OrchestratorError)
+    raise cls(msg.get("error", "unknown error"))
+
+
+# -- argument checks ----------------------------------------------------------------
+
+
+def pool_name(name: Any) -> str:
+    if not isinstance(name, str) or not _POOL_NAME.fullmatch(name):
+        raise InvalidSpec(f"invalid pool name {name!r} (up to 64 letters, digits, '_', '.', '-')")
+    return name
+
+
+def parse_replica_id(rid: str) -> tuple[str, int] | None:
+    """(pool, n) of a well-formed id ``<pool>-<n>``, else None. ASCII digits only: a
+    Unicode digit passes str.isdigit() and then breaks int()."""
+    m = _REPLICA_ID.fullmatch(rid)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def replica_ids(ids: Any, what: str, *, one_is_enough: bool = False) -> list[str]:
+    if isinstance(ids, str) and one_is_enough:
+        ids = [ids]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise InvalidSpec(f"{what} needs a list of replica ids")
+    return ids
+
+
+def count(value: Any, *, low: int = 1, what: str = "count") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_COUNT:
+        raise InvalidSpec(f"{what} must be an integer from {low} to {MAX_COUNT}, got {value!r}")
+    return value
+
+
+def seconds(value: Any, what: str, *, allow_none: bool = False) -> float | None:
+    """A finite, non-negative number of seconds (a NaN would stall the timer heap, an inf
+    wait forever; a bool is no number of seconds)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value >= 0
+    ):
+        raise InvalidSpec(f"{what} must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+def wait_timeout(args: dict) -> float:
+    """A wait's bound, checked before the command does anything."""
+    timeout = seconds(args.get("timeout"), "timeout", allow_none=True)
+    return DEFAULT_WAIT if timeout is None else timeout
+
+
+def client_bound(timeout: float | None) -> float | None:
+    """How long a caller waits for the reply of a command that itself waits ``timeout``."""
+    return None if timeout is None else timeout + 10.0
+
+
+# -- frames between the manager server and the daemon ---------------------------------
+
+
+def encode_frame(msg: Any) -> bytes:
+    data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    return _FRAME.pack(len(data)) + data
+
+
+class FrameReader:
+    """Splits a byte stream into JSON frames; a frame that is not JSON is skipped."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.errors = 0
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= 4:
+            (size,) = _FRAME.unpack_from(self._buf)
+            if size > MAX_FRAME:
+                self._buf.clear()  # the stream cannot be resynchronised: drop it
+                self.errors += 1
+                break
+            if len(self._buf) < 4 + size:
+                break
+            raw = bytes(self._buf[4 : 4 + size])
+            del self._buf[: 4 + size]
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                self.errors += 1
+        return out
+
+
+def is_plain(obj: Any, depth: int = 0) -> bool:
+    """Plain data only: dict (str keys), list, str, int, float, bool, None; bounded depth."""
+    if depth > 32:
+        return False
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return True
+    if isinstance(obj, list):
+        return all(is_plain(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in obj.items())
+    return False

@@ -1,0 +1,223 @@
+"""The event loop under the control loop: epoll, timers, buffered writers. It knows no replicas.
+
+One turn (``run_once``):
+
+    wait ── one epoll wait, bounded by the next timer; no wait at all when work is queued
+    1. readers   ── callbacks of the fds that are ready (pidfds, pipes, sockets)
+    2. inbox     ── callables handed in by other threads (call_soon_threadsafe)
+    3. soon      ── callables queued during this turn (call_soon), in order
+    4. timers    ── every due timer, in deadline order
+    5. turn end  ── the hooks of at_turn_end (the engine settles: commit, then replies)
+    6. writers   ── buffered non-blocking writers flushed; EVENT_WRITE while they hold data
+
+Only the owner's thread runs a turn; ``call_soon_threadsafe`` is the one entry for other
+threads, and a wakeup pipe in the epoll set is how it interrupts a wait. Callbacks run to
+completion: whatever must end the loop (a shutdown signal) is recorded and checked by the
+owner between turns, never raised from inside a callback, so no turn is ever half done.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import os
+import selectors
+import threading
+import time
+from typing import Callable, Protocol
+
+Callback = Callable[[], None]
+
+
+def drain(fd: int) -> None:
+    """Empty a non-blocking wakeup pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+class Writer(Protocol):
+    """What ``add_writer`` takes: a buffer that writes what the fd accepts, never blocking."""
+
+    def pending(self) -> bool: ...
+    def flush(self) -> None: ...
+    def fileno(self) -> int: ...
+
+
+class BufferedWriter:
+    """A non-blocking pipe end for the loop: what the pipe cannot take now (its reader is
+    stalled) waits here, and the reactor flushes it when the fd turns writable. A reader that
+    is gone (EPIPE) drops the buffer: there is nobody left to read it."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self._buf = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self._buf += data
+        self.flush()
+
+    def pending(self) -> bool:
+        return bool(self._buf)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        try:
+            while self._buf:
+                del self._buf[: os.write(self.fd, self._buf)]
+        except BlockingIOError:
+            pass
+        except BrokenPipeError:
+            self._buf.clear()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Timer:
+    """A callable due at a monotonic deadline; ``cancel()`` makes it a no-op."""
+
+    __slots__ = ("deadline", "callback", "cancelled")
+
+    def __init__(self, deadline: float, callback: Callback) -> None:
+        self.deadline = deadline
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Reactor:
+    """Single-threaded: every method but ``call_soon_threadsafe`` is for the owner's thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.monotonic = clock
+        self._sel = selectors.EpollSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wakeup)
+        self._inbox: collections.deque[Callback] = collections.deque()
+        self._inbox_lock = threading.Lock()  # against close(): never write to a closed (or reused) fd
+        self._soon: list[Callback] = []
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+        self._turn_end: list[Callback] = []
+        self._writers: dict[Writer, int | None] = {}  # writer -> the fd registered for EVENT_WRITE
+        self.closed = False
+
+    # -- scheduling -------------------------------------------------------------------
+
+    def call_soon(self, callback: Callback) -> None:
+        """Run ``callback`` in this turn (if queued before step 3) or the next, without waiting."""
+        self._soon.append(callback)
+
+    def call_soon_threadsafe(self, callback: Callback) -> bool:
+        """From any thread: run ``callback`` in the loop. False once the reactor is closed."""
+        with self._inbox_lock:
+            if self.closed:
+                return False
+            self._inbox.append(callback)
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wakeups already: the loop will run
+        return True
+
+    def call_later(self, delay: float, callback: Callback) -> Timer:
+        return self.call_at(self.monotonic() + delay, callback)
+
+    def call_at(self, deadline: float, callback: Callback) -> Timer:
+        timer = Timer(deadline, callback)
+        heapq.heappush(self._timers, (deadline, next(self._seq), timer))
+        return timer
+
+    def at_turn_end(self, callback: Callback) -> None:
+        """Run ``callback`` at the end of every turn, after the timers."""
+        self._turn_end.append(callback)
+
+    # -- fds --------------------------------------------------------------------------
+
+    def add_reader(self, fd: int, callback: Callback) -> None:
+        self._sel.register(fd, selectors.EVENT_READ, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        self._sel.unregister(fd)
+
+    def add_writer(self, writer: Writer) -> None:
+        """Flushed at the end of every turn, and woken by EVENT_WRITE while it holds data."""
+        self._writers[writer] = None
+
+    def remove_writer(self, writer: Writer) -> None:
+        """Forget ``writer`` (call before its fd is closed or replaced)."""
+        fd = self._writers.pop(writer, None)
+        if fd is not None:
+            self._sel.unregister(fd)
+
+    # -- turns ------------------------------------------------------------------------
+
+    def run_once(self, timeout: float | None = None) -> None:
+        """One turn; ``timeout`` bounds the wait (None: until an event or a timer)."""
+        if self._soon or self._inbox:
+            timeout = 0
+        elif self._timers:
+            due = max(0.0, self._timers[0][0] - self.monotonic())
+            timeout = due if timeout is None else min(timeout, due)
+        for key, _ in self._sel.select(timeout):
+            key.data()
+        while self._inbox:
+            self._inbox.popleft()()
+        soon, self._soon = self._soon, []
+        for callback in soon:
+            callback()
+        now = self.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            timer = heapq.heappop(self._timers)[2]
+            if not timer.cancelled:
+                timer.callback()
+        for callback in self._turn_end:
+            callback()
+        self._flush_writers()
+
+    def run_until(self, done: Callable[[], bool], limit: float) -> bool:
+        """Run turns until ``done()`` or ``limit`` seconds passed; returns ``done()``."""
+        deadline = self.monotonic() + limit
+        while not done():
+            left = deadline - self.monotonic()
+            if left <= 0:
+                return False
+            self.run_once(min(left, 0.5))
+        return True
+
+    def _flush_writers(self) -> None:
+        for writer, registered in self._writers.items():
+            if writer.pending():
+                writer.flush()
+            want = writer.fileno() if writer.pending() else None
+            if want != registered:
+                if registered is not None:
+                    self._sel.unregister(registered)
+                if want is not None:
+                    self._sel.register(want, selectors.EVENT_WRITE, writer.flush)
+                self._writers[writer] = want
+
+    def _drain_wakeup(self) -> None:
+        drain(self._wake_r)
+
+    def close(self) -> None:
+        """Release the reactor's fds; later call_soon_threadsafe calls return False."""
+        with self._inbox_lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._inbox.clear()
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

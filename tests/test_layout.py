@@ -1,0 +1,98 @@
+"""The house's arrows point one way: no import cycle among ``orchestrator/`` modules
+(function-level imports count), and ``watchdog/`` imports nothing of ``orchestrator``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module_names(package: str) -> set[str]:
+    return {p.stem for p in (ROOT / package).glob("*.py")}
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``path`` imports anywhere in its body ("__init__" for the
+    package itself)."""
+    names = _module_names(package)
+    relative_is_ours = path.parent.name == package  # a relative import stays in its own package
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if (node.level == 1 and relative_is_ours) or (node.level == 0 and node.module and node.module.split(".")[0] == package):
+                parts = (node.module or "").split(".")
+                if node.level == 0:
+                    parts = parts[1:]
+                if parts and parts[0]:
+                    found.add(parts[0])
+                else:  # from . import x: a module if there is one, else a name of __init__
+                    for alias in node.names:
+                        found.add(alias.name if alias.name in names else "__init__")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == package:
+                    found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    return {p.stem: _imports(p, package) - {p.stem} for p in (ROOT / package).glob("*.py")}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path of module names, or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_in_orchestrator():
+    graph = _graph("orchestrator")
+    # The package's __init__ re-exports the public names: it sits on top, nothing imports it.
+    importers = sorted(m for m, deps in graph.items() if "__init__" in deps)
+    assert importers == [], f"modules importing the package itself: {importers}"
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_function_level_imports_are_seen(tmp_path):
+    src = "def f():\n    from .daemon import Paths\n    from . import engine\n"
+    (tmp_path / "orchestrator").mkdir()
+    path = tmp_path / "orchestrator" / "m.py"
+    path.write_text(src)
+    assert {"daemon", "engine"} <= _imports(path, "orchestrator")
+
+
+def test_watchdog_imports_nothing_of_orchestrator():
+    for path in (ROOT / "watchdog").glob("*.py"):
+        assert not _imports(path, "orchestrator"), f"{path.name} imports orchestrator"
+
+
+def test_an_import_of_orchestrator_from_watchdog_is_seen(tmp_path):
+    (tmp_path / "watchdog").mkdir()
+    path = tmp_path / "watchdog" / "m.py"
+    path.write_text("def f():\n    import orchestrator.engine\n")
+    assert _imports(path, "orchestrator") == {"engine"}
