@@ -16,9 +16,11 @@ Flow:
    once, quietly. Feed EOF without ``Q`` is only a hint (forked workers may hold the write
    end, or the parent closed it by mistake): if the parent is verifiably gone, go to 4,
    otherwise keep watching the pidfd alone.
-4. Parent died: read what is left in the feed, ``sweep()`` the ledger (plus the token),
-   remove the ``--remove`` paths, write ``<state_dir>/watchdog-report.json`` atomically,
-   exit 0.
+4. Parent died: read what is left in the feed; kill the ledger's replica cgroups whole
+   (``sweep_cgroups``: one ``cgroup.kill`` each, one bounded wait on their events fds,
+   rmdir); ``sweep()`` the ledger's processes (plus the token), which finds whatever lives
+   outside those cgroups; remove the ``--remove`` paths; write
+   ``<state_dir>/watchdog-report.json`` atomically; exit 0.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 from .identity import proc_stat
 from .ledger import Ledger
 from .parent import ParentWatch
-from .reaper import DEFAULT_GRACE, sweep
+from .reaper import DEFAULT_GRACE, sweep, sweep_cgroups
 
 TITLE = "orchestrator: watchdog"
 REPORT_NAME = "watchdog-report.json"
@@ -198,6 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ledger.quit_requested:
         return 0
 
+    # Cgroups first: one write per replica reaches every descendant, setsid'ed or not, and
+    # leaves the process sweep only what lives outside them.
+    t_cgroups = time.monotonic()
+    cgroups = sweep_cgroups(ledger.cgroups)
+    cgroups_ms = round((time.monotonic() - t_cgroups) * 1e3, 3)
     report = sweep(
         ledger.entries.values(),
         args.token,
@@ -206,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect_pgids=protect,
     )
     removed = _remove(args.remove)
+    report["timings_ms"]["cgroups"] = cgroups_ms
     report.update(
         reason=reason,
         detected_by=detected_by,
@@ -217,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Linux: whoever killed the parent subtracts its own reading from this one.
         detected_monotonic=detected_monotonic,
         ledger_entries=len(ledger.entries),
+        cgroups=cgroups,
         ledger_errors=ledger.errors,
         removed=removed,
     )

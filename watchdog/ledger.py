@@ -11,6 +11,12 @@ resulting set of entries (its *ledger*):
     process group. The label is free text to the end of the line, for the report.
 ``D <pid>``
     Remove: the parent reaped it, the pid is no longer ours.
+``G <path>``
+    Add a replica cgroup (an absolute directory under the cgroup2 mount) to kill whole on
+    clean-up. The path is one field: space, tab, newline and backslash are written as
+    mountinfo-style octal escapes (``\040``, ``\011``, ``\012``, ``\134``).
+``U <path>``
+    Remove that cgroup: the parent removed it (or it is no longer ours to kill).
 ``Q``
     Quit quietly: a clean shutdown, not a crash. The watchdog exits without sweeping.
 
@@ -23,7 +29,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Entry", "Ledger", "encode_add", "encode_remove", "ENCODE_QUIT", "KINDS"]
+from .cgroup import _escape, _unescape
+
+__all__ = [
+    "Entry", "Ledger", "encode_add", "encode_remove", "encode_add_cgroup", "encode_remove_cgroup", "ENCODE_QUIT", "KINDS",
+]  # fmt: skip
 
 KINDS = ("worker", "process")
 ENCODE_QUIT = b"Q\n"
@@ -57,11 +67,28 @@ def encode_remove(pid: int) -> bytes:
     return f"D {int(pid)}\n".encode("ascii")
 
 
+def encode_add_cgroup(path: str) -> bytes:
+    """The ``G`` line registering the cgroup directory ``path``."""
+    return _encode_cgroup("G", path)
+
+
+def encode_remove_cgroup(path: str) -> bytes:
+    """The ``U`` line forgetting the cgroup directory ``path``."""
+    return _encode_cgroup("U", path)
+
+
+def _encode_cgroup(op: str, path: str) -> bytes:
+    if not path.startswith("/"):
+        raise ValueError(f"a cgroup must be an absolute path, not {path!r}")
+    return f"{op} {_escape(path)}\n".encode("utf-8")
+
+
 class Ledger:
     """Incremental parser of the feed, and the set of entries it describes."""
 
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
+        self.cgroups: dict[str, None] = {}  # an ordered set of cgroup directories
         self.quit_requested = False
         self.errors = 0  # malformed lines skipped
         self._partial = b""
@@ -85,6 +112,12 @@ class Ledger:
             return
         if op == "D" and len(parts) == 2 and _is_pid(parts[1]):
             self.entries.pop(int(parts[1]), None)
+            return
+        if op in ("G", "U") and len(parts) == 2 and (path := _unescape(parts[1])).startswith("/"):
+            if op == "G":
+                self.cgroups[path] = None
+            else:
+                self.cgroups.pop(path, None)
             return
         if op == "A" and len(parts) >= 5:
             entry = _parse_add(parts)

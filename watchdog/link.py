@@ -6,6 +6,8 @@ Used from the orchestrator's single-threaded control loop::
     watchdog_pid = link.start()           # the loop reaps this pid; start() again if it dies
     link.add(pid, start, pgid, "worker", "web-1")   # after each spawn
     link.remove(pid)                      # after each reap
+    link.add_cgroup(path)                 # a replica's cgroup, once made (killed whole)
+    link.remove_cgroup(path)              # once removed
     if link.pending():                    # the pipe was full: register EVENT_WRITE on
         selector.register(link.fileno(), EVENT_WRITE)   # link.fileno(), call flush()
     link.stop()                           # clean shutdown: "Q", then reap watchdog_pid
@@ -41,7 +43,7 @@ import time
 from collections.abc import Sequence
 
 from .identity import start_time
-from .ledger import ENCODE_QUIT, encode_add, encode_remove
+from .ledger import ENCODE_QUIT, encode_add, encode_add_cgroup, encode_remove, encode_remove_cgroup
 
 __all__ = ["WatchdogLink"]
 
@@ -78,6 +80,7 @@ class WatchdogLink:
         self.batch = batch
         self.pid: int | None = None
         self._entries: dict[int, bytes] = {}  # pid -> its encoded "A" line, for replays
+        self._cgroups: dict[str, bytes] = {}  # cgroup path -> its encoded "G" line, likewise
         self._fd = -1  # write end of the current feed pipe
         self._buffer = bytearray()  # bytes the pipe had no room for yet
 
@@ -138,7 +141,7 @@ class WatchdogLink:
                 os.close(write_fd)
         self._fd = write_fd
         self.pid = pid
-        self._buffer = bytearray(b"".join(self._entries.values()))
+        self._buffer = bytearray(b"".join([*self._entries.values(), *self._cgroups.values()]))
         self.flush()
         return pid
 
@@ -196,6 +199,17 @@ class WatchdogLink:
         """Forget ``pid`` (call it once the process is reaped, before its pid can be reused)."""
         if self._entries.pop(pid, None) is not None:
             self._send(encode_remove(pid))
+
+    def add_cgroup(self, path: str) -> None:
+        """Register a replica cgroup: on the parent's death it is killed whole and removed."""
+        line = encode_add_cgroup(path)
+        self._cgroups[path] = line
+        self._send(line)
+
+    def remove_cgroup(self, path: str) -> None:
+        """Forget a cgroup (call it once it is removed, or it is no longer a replica's)."""
+        if self._cgroups.pop(path, None) is not None:
+            self._send(encode_remove_cgroup(path))
 
     def _send(self, data: bytes) -> None:
         if self._fd < 0:

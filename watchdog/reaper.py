@@ -22,6 +22,13 @@
    groups that an original target led) and SIGKILL them through verified pidfds.
 5. **Report.** A JSON-able dict: timings and one record per process found.
 
+``sweep_cgroups(paths)`` runs first, on the replica cgroups of the ledger: one
+``cgroup.kill`` write per cgroup reaches every process in it, whatever it did to its process
+group, session or environment; then one bounded wait on their ``cgroup.events`` fds until
+none is populated, and each is removed. A path that ``cgroup.refusal`` rejects (not a
+normalised path under the cgroup2 mount below an "orchestrator" directory, or the
+watchdog's own cgroup or an ancestor of it) is reported and left alone.
+
 Safety rule: a signal is only ever sent through a pidfd opened for that process and
 verified against its start time afterwards, so pid reuse cannot redirect it. A zombie has
 already exited and counts as gone (its parent or init reaps it).
@@ -41,10 +48,11 @@ import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from . import cgroup
 from .identity import ProcStat, open_verified, scan
 from .ledger import Entry
 
-__all__ = ["sweep", "Report", "TOKEN_VARIABLE", "DEFAULT_GRACE", "DEFAULT_KILL_WAIT"]
+__all__ = ["sweep", "sweep_cgroups", "Report", "TOKEN_VARIABLE", "DEFAULT_GRACE", "DEFAULT_KILL_WAIT"]
 
 Report = dict[str, Any]
 
@@ -330,6 +338,26 @@ def _kill(waiting: dict[int, _Target], kill_wait: float) -> None:
         os.close(fd)
         target.outcome = "survived"  # e.g. stuck in uninterruptible sleep (state D)
     waiting.clear()
+
+
+def sweep_cgroups(paths: Iterable[str], kill_wait: float = DEFAULT_KILL_WAIT) -> list[dict[str, Any]]:
+    """Kill each registered cgroup whole, wait (bounded) until all are empty, remove them.
+
+    One record per path: ``path``, ``kill`` ("cgroup.kill", "signals", "missing" or
+    "refused: <why>" / "error: <why>"), ``populated`` (still, after the wait) and ``removed``.
+    """
+    paths = list(paths)
+    if not paths:
+        return []  # no cgroups in use: not even a mountinfo read on this latency-critical path
+    records, targets = [], []
+    mount, own = cgroup.find_mount(), cgroup.own_path()
+    for path in paths:
+        why = cgroup.refusal(path, mount, own)
+        if why is None:
+            targets.append(path)
+        else:
+            records.append({"path": path, "kill": f"refused: {why}", "populated": None, "removed": "none"})
+    return cgroup.kill_and_remove(targets, kill_wait) + records
 
 
 def sweep(
