@@ -1,0 +1,671 @@
+"""Probes against real sockets and real processes, driven through a real Reactor.
+
+Every wait is the reactor run until a condition (bounded); ports come from binding port 0;
+every process a probe starts is tracked by identity and checked to be reaped.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+
+import psutil
+import pytest
+
+from helpers import Ident, wait_for
+from orchestrator import probes
+from orchestrator.errors import InvalidSpec
+from orchestrator.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
+from orchestrator.reactor import Reactor
+from orchestrator.spawner import OSApi
+
+
+# -- fixtures and helpers -----------------------------------------------------------------
+
+
+@pytest.fixture
+def reactor():
+    r = Reactor()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def os_api():
+    return OSApi()
+
+
+@pytest.fixture(autouse=True)
+def no_probe_left():
+    """After each test: no exec probe unreaped, and no child of this process left, zombie
+    or not."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    yield
+    extra = [p for p in me.children() if p.pid not in before]
+    left = dict(probes.EXEC_PROBES)
+    probes.EXEC_PROBES.clear()
+    for pid in left:  # a failing test's leftovers: ended by pid, reaped
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    assert not left, f"exec probes not reaped: {sorted(left)}"
+    assert not extra, f"children left behind: {extra}"
+
+
+def fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+class Results:
+    """An on_result that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, str | None]] = []
+
+    def __call__(self, ok: bool, reason: str | None) -> None:
+        self.calls.append((ok, reason))
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+
+def attempt(reactor, os_api, text: str, timeout: float = 2.0, env=None) -> tuple[bool, str | None]:
+    got = Results()
+    run_once(parse(text), reactor, os_api, timeout=timeout, on_result=got, env=env)
+    assert reactor.run_until(lambda: bool(got), timeout + 5), f"no result for {text}"
+    reactor.run_until(lambda: False, 0.05)  # nothing more comes
+    assert len(got.calls) == 1, got.calls
+    return got.calls[0]
+
+
+@pytest.fixture
+def listener():
+    """A listening socket on a port-0 port of 127.0.0.1 that never accepts (the kernel
+    completes connects into its backlog)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def closed_port():
+    """A port bound but not listening: connects are refused, and nobody else can take it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    yield s
+    s.close()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        code = int(self.path.rsplit("/", 1)[-1])
+        self.send_response(code)
+        if code in (301, 302):
+            self.send_header("Location", "/elsewhere")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def http_port():
+    """A real http.server in a thread of this process; GET /N answers status N."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def responder(reactor, payload: bytes):
+    """A listener in the reactor that answers each connection with ``payload`` and closes."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    s.setblocking(False)
+
+    def accept() -> None:
+        conn, _ = s.accept()
+        with conn:
+            if payload:
+                conn.sendall(payload)
+
+    reactor.add_reader(s.fileno(), accept)
+    return s
+
+
+# -- parse and expand ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, kind, fields", [
+    ("tcp:127.0.0.1:8100", "tcp", {"host": "127.0.0.1", "ip": "127.0.0.1", "port": 8100}),
+    ("tcp:localhost:1", "tcp", {"ip": "127.0.0.1", "port": 1}),
+    ("tcp:[::1]:65535", "tcp", {"host": "::1", "ip": "::1", "port": 65535}),
+    ("tcp:10.1.2.3:22", "tcp", {"ip": "10.1.2.3", "port": 22}),
+    ("http://127.0.0.1:8100/health", "http", {"port": 8100, "path": "/health"}),
+    ("http://127.9.9.9:8100/a?b=c", "http", {"ip": "127.9.9.9", "path": "/a?b=c"}),
+    ("http://localhost:81", "http", {"ip": "127.0.0.1", "port": 81, "path": "/"}),
+    ("http://[::1]:8100/x", "http", {"ip": "::1", "path": "/x"}),
+    ("http://127.0.0.1/", "http", {"port": 80}),
+    ("exec:check.sh --fast 'a b'", "exec", {"argv": ("check.sh", "--fast", "a b")}),
+    ("notify", "notify", {}),
+])
+def test_parse_accepts(text, kind, fields):
+    spec = parse(text)
+    assert spec.kind == kind and spec.text == text and str(spec) == text
+    for key, value in fields.items():
+        assert getattr(spec, key) == value
+    assert parse(spec.text) == spec
+    assert not spec.templated
+    assert spec.expand(3, 8103) is spec
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "empty probe"),
+    ("bogus", "unknown probe"),
+    ("udp:127.0.0.1:53", "unknown probe"),
+    ("tcp:127.0.0.1", "HOST:PORT"),
+    ("tcp:127.0.0.1:0", "1..65535"),
+    ("tcp:127.0.0.1:65536", "1..65535"),
+    ("tcp:127.0.0.1:http", "not a number"),
+    ("tcp:example.com:80", "no DNS"),
+    ("http://10.0.0.1:80/", "loopback only"),
+    ("http://192.168.1.1/", "loopback only"),
+    ("http://example.com:8100/", "loopback only"),
+    ("http://[2001:db8::1]:80/", "loopback only"),
+    ("http://127.0.0.1@evil.example/", "loopback only"),
+    ("http://::1:80/", "brackets"),
+    ("http://127.0.0.1:99999/", "1..65535"),
+    ("http://127.0.0.1:80/a b", "spaces"),
+    ("https://127.0.0.1/", "plain http"),
+    ("exec:", "no command"),
+    ("exec:'unterminated", "No closing quotation"),
+    ("tcp:127.0.0.1:80\nx", "control characters"),
+    ("notify:x", "unknown probe"),
+])
+def test_parse_refuses_with_one_line(text, says):
+    with pytest.raises(InvalidSpec) as err:
+        parse(text)
+    assert says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_port_placeholder_needs_a_port_base():
+    for text in ("tcp:127.0.0.1:{port}", "http://127.0.0.1:{port}/", "exec:check {port}"):
+        with pytest.raises(InvalidSpec, match="port"):
+            parse(text, has_port=False)
+        assert parse(text, has_port=True).templated
+    assert parse("exec:check {slot}", has_port=False).templated  # {slot} needs no port base
+    with pytest.raises(InvalidSpec, match="port base"):
+        parse("tcp:127.0.0.1:{port}").expand(0, None)
+
+
+def test_expand_substitutes_then_validates():
+    spec = parse("http://127.0.0.1:{port}/replica/{slot}")
+    assert spec.port is None and spec.templated
+    done = spec.expand(2, 8102)
+    assert done == parse("http://127.0.0.1:8102/replica/2")
+    assert done.port == 8102 and done.path == "/replica/2" and not done.templated
+    assert parse("exec:check --slot={slot} {port}").expand(1, 9001).argv == ("check", "--slot=1", "9001")
+    assert parse("tcp:127.0.0.1:81{slot}").expand(5, None).port == 815
+    with pytest.raises(InvalidSpec, match="1..65535"):
+        parse("tcp:127.0.0.1:{port}").expand(0, 70000)
+    with pytest.raises(InvalidSpec, match="1..65535"):
+        parse("tcp:127.0.0.1:6553{slot}").expand(6, None)
+    # what is literal is checked at once, placeholders or not
+    with pytest.raises(InvalidSpec, match="loopback only"):
+        parse("http://example.com:{port}/")
+    with pytest.raises(InvalidSpec, match="not a number"):
+        parse("tcp:127.0.0.1:x{port}")
+
+
+def test_templates_and_notify_are_not_run(reactor, os_api):
+    for text in ("tcp:127.0.0.1:{port}", "notify"):
+        with pytest.raises(InvalidSpec):
+            run_once(parse(text), reactor, os_api, timeout=1, on_result=Results())
+
+
+# -- tcp ----------------------------------------------------------------------------------
+
+
+def test_tcp_success_against_a_listener(reactor, os_api, listener):
+    port = listener.getsockname()[1]
+    assert attempt(reactor, os_api, f"tcp:127.0.0.1:{port}") == (True, None)
+    assert attempt(reactor, os_api, f"tcp:localhost:{port}") == (True, None)
+
+
+def test_tcp_refused_on_a_closed_port(reactor, os_api, closed_port):
+    port = closed_port.getsockname()[1]
+    assert attempt(reactor, os_api, f"tcp:127.0.0.1:{port}") == (
+        False, f"tcp 127.0.0.1:{port}: connection refused")
+
+
+def test_tcp_ipv6_loopback(reactor, os_api):
+    try:
+        s = socket.socket(socket.AF_INET6)
+        s.bind(("::1", 0))
+    except OSError as err:
+        pytest.skip(f"no IPv6 loopback here: {err}")
+    with s:
+        port = s.getsockname()[1]
+        assert attempt(reactor, os_api, f"tcp:[::1]:{port}") == (False, f"tcp [::1]:{port}: connection refused")
+        s.listen()
+        assert attempt(reactor, os_api, f"tcp:[::1]:{port}") == (True, None)
+
+
+def test_the_result_never_comes_from_inside_run_once(reactor, os_api, closed_port):
+    got = Results()
+    run_once(parse(f"tcp:127.0.0.1:{closed_port.getsockname()[1]}"), reactor, os_api, timeout=1, on_result=got)
+    assert not got  # refused at once, yet reported from the loop
+    assert reactor.run_until(lambda: bool(got), 5)
+
+
+# -- http ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code, ok", [(200, True), (204, True), (302, True), (404, False), (503, False)])
+def test_http_status(reactor, os_api, http_port, code, ok):
+    url = f"http://127.0.0.1:{http_port}/status/{code}"
+    assert attempt(reactor, os_api, url) == (ok, None if ok else f"{url}: status {code}")
+
+
+def test_http_stalled_server_times_out_without_blocking_the_loop(reactor, os_api, listener):
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+    got = Results()
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(reactor.monotonic())
+        reactor.call_later(0.05, tick)
+
+    reactor.call_later(0.05, tick)
+    start = reactor.monotonic()
+    run_once(parse(url), reactor, os_api, timeout=0.6, on_result=got)
+    assert reactor.run_until(lambda: bool(got), 5)
+    end = reactor.monotonic()
+    assert got.calls == [(False, f"{url}: timed out after 0.6 s")]
+    assert 0.55 <= end - start < 3
+    during = [t for t in ticks if t < end]
+    assert len(during) >= 3, f"the loop stalled during the probe: {len(during)} ticks"
+
+
+@pytest.mark.parametrize("payload, says", [
+    (b"", "connection closed before a status line"),
+    (b"SSH-2.0-OpenSSH\r\n", "bad status line"),
+    (b"HTTP/1.1 500 Oops\r\n\r\n", "status 500"),
+    (b"HTTP/1.0 200 OK\r\n", None),
+])
+def test_http_odd_answers(reactor, os_api, payload, says):
+    with responder(reactor, payload) as s:
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/"
+        ok, reason = attempt(reactor, os_api, url)
+        reactor.remove_reader(s.fileno())
+    assert ok is (says is None)
+    if says:
+        assert reason.startswith(f"{url}: ") and says in reason
+
+
+def test_http_refused(reactor, os_api, closed_port):
+    url = f"http://127.0.0.1:{closed_port.getsockname()[1]}/"
+    assert attempt(reactor, os_api, url) == (False, f"{url}: connection refused")
+
+
+# -- exec ---------------------------------------------------------------------------------
+
+
+def _gone(ident: Ident, pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return not ident.alive()
+    return False
+
+
+def test_exec_true_false_and_missing(reactor, os_api):
+    assert attempt(reactor, os_api, "exec:true") == (True, None)
+    assert attempt(reactor, os_api, "exec:false") == (False, "exec 'false': exit code 1")
+    assert attempt(reactor, os_api, "exec:sh -c 'exit 2'") == (False, "exec 'sh -c 'exit 2'': exit code 2")
+    ok, reason = attempt(reactor, os_api, "exec:/nonexistent/check.sh")
+    assert not ok and reason == "exec '/nonexistent/check.sh': could not start: no such file or directory"
+    assert not probes.EXEC_PROBES
+
+
+def test_exec_env_and_expansion(reactor, os_api):
+    env = {**os.environ, "PROBE_X": "yes"}
+    assert attempt(reactor, os_api, "exec:sh -c 'test \"$PROBE_X\" = yes'", env=env) == (True, None)
+    assert attempt(reactor, os_api, "exec:sh -c 'test \"$PROBE_X\" = yes'")[0] is False
+    got = Results()
+    run_once(parse("exec:test {slot} = 3").expand(3, None), reactor, os_api, timeout=5, on_result=got)
+    assert reactor.run_until(lambda: bool(got), 10) and got.calls == [(True, None)]
+
+
+def test_exec_timeout_kills_the_group_and_reaps(reactor, os_api, procs, tmp_path):
+    pidfile = tmp_path / "bg.pid"
+    text = f"exec:sh -c 'sleep 30 & echo $! > {shlex.quote(str(pidfile))}; wait'"
+    got = Results()
+    h = run_once(parse(text), reactor, os_api, timeout=1.0, on_result=got)
+    assert h.pid is not None and probes.EXEC_PROBES[h.pid] is h
+    leader = procs.track(h.pid)
+    assert reactor.run_until(lambda: pidfile.exists() and pidfile.read_text().strip() != "", 5)
+    background = procs.track(int(pidfile.read_text()))
+    assert background is not None and background.alive()
+    assert reactor.run_until(lambda: bool(got), 5)
+    assert got.calls == [(False, f"exec '{text[5:]}': timed out after 1 s")]
+    assert reactor.run_until(lambda: not h.active, 5)
+    assert h.pid not in probes.EXEC_PROBES
+    assert _gone(leader, h.pid), "the probe process is still there (or a zombie)"
+    assert reactor.run_until(lambda: not background.alive(), 5), "the probe's group was not killed"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGPIPE])
+def test_exec_gets_default_signals_and_an_empty_mask(reactor, os_api, sig):
+    """Blocked here, or ignored (Python ignores SIGPIPE): the probe must not inherit that."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+    try:
+        got = Results()
+        run_once(parse(f"exec:sh -c 'kill -{sig.name[3:]} $$; exit 0'"), reactor, os_api, timeout=5, on_result=got)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    assert reactor.run_until(lambda: bool(got), 10)
+    assert got.calls[0][0] is False and got.calls[0][1].endswith(f"killed by {sig.name}")
+
+
+def test_exec_stdin_stdout_are_devnull(reactor, os_api):
+    assert attempt(reactor, os_api, "exec:sh -c 'test \"$(readlink /proc/self/fd/0)\" = /dev/null'") == (True, None)
+    assert attempt(reactor, os_api, "exec:sh -c 'test \"$(readlink /proc/$$/fd/1)\" = /dev/null'") == (True, None)
+
+
+def test_exited_hands_a_probe_back_to_its_owner(reactor, os_api, procs):
+    """What the daemon's SIGCHLD orphan reaper does: a pid found by waitid(WNOWAIT) that is
+    in EXEC_PROBES goes to its handle, which reaps and reports once."""
+    got = Results()
+    h = run_once(parse("exec:true"), reactor, os_api, timeout=5, on_result=got)
+    procs.track(h.pid)
+    wait_for(lambda: os.waitid(os.P_PID, h.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, 5, "exit")
+    assert os_api.exited_child() == h.pid  # the reaper's view: exited, not reaped
+    probes.EXEC_PROBES[h.pid].exited()
+    assert got.calls == [(True, None)] and not h.active
+    h.exited()  # idempotent
+    reactor.run_until(lambda: False, 0.1)  # its pidfd is out of the loop: no second report
+    assert got.calls == [(True, None)]
+    with pytest.raises(ChildProcessError):
+        os.waitpid(h.pid, os.WNOHANG)
+
+
+# -- cancel -------------------------------------------------------------------------------
+
+
+def test_cancel_tcp_releases_fds_and_reports_nothing(reactor, os_api, listener):
+    before = fds()
+    got = Results()
+    h = run_once(parse(f"tcp:127.0.0.1:{listener.getsockname()[1]}"), reactor, os_api, timeout=1, on_result=got)
+    assert fds() != before
+    h.cancel()
+    h.cancel()
+    assert fds() == before and not h.active
+    reactor.run_until(lambda: False, 0.2)
+    assert not got
+
+
+def test_cancel_stalled_http_releases_fds(reactor, os_api, listener):
+    before = fds()
+    got = Results()
+    h = run_once(parse(f"http://127.0.0.1:{listener.getsockname()[1]}/"), reactor, os_api, timeout=5, on_result=got)
+    reactor.run_until(lambda: False, 0.2)  # connected, request sent, no answer
+    assert not got and h.active
+    h.cancel()
+    assert fds() == before
+    reactor.run_until(lambda: False, 0.2)
+    assert not got
+
+
+def test_cancel_exec_kills_reaps_and_releases_fds(reactor, os_api, procs):
+    before = fds()
+    got = Results()
+    h = run_once(parse("exec:sleep 30"), reactor, os_api, timeout=30, on_result=got)
+    ident = procs.track(h.pid)
+    assert ident is not None and ident.alive()
+    h.cancel()
+    assert reactor.run_until(lambda: not h.active, 5)
+    assert fds() == before
+    assert _gone(ident, h.pid)
+    reactor.run_until(lambda: False, 0.1)
+    assert not got
+
+
+def test_cancel_after_the_result_is_harmless(reactor, os_api, listener):
+    before = fds()
+    got = Results()
+    h = run_once(parse(f"tcp:127.0.0.1:{listener.getsockname()[1]}"), reactor, os_api, timeout=1, on_result=got)
+    assert reactor.run_until(lambda: bool(got), 5)
+    h.cancel()
+    assert fds() == before and got.calls == [(True, None)]
+
+
+# -- notify -------------------------------------------------------------------------------
+
+
+_SD_NOTIFY = """
+import os, socket
+addr = os.environ["NOTIFY_SOCKET"]
+addr = "\\0" + addr[1:] if addr.startswith("@") else addr
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1\\nSTATUS=warm", addr)
+"""
+
+
+def _name() -> str:
+    return f"orch-test-{uuid.uuid4().hex}"
+
+
+def _run(argv: list[str], env: dict[str, str], reactor, done) -> subprocess.Popen:
+    """Start ``argv``, run the reactor until ``done()`` and the process has ended (reaped)."""
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+    try:
+        assert reactor.run_until(lambda: done() and proc.poll() is not None, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    return proc
+
+
+def test_notify_ready_from_a_child_process(reactor):
+    got: list[tuple[str, dict[str, str]]] = []
+    name = _name()
+    before = fds()
+    ns = NotifySocket(reactor, lambda n, f: got.append((n, f)), name)
+    assert ns.env() == {"NOTIFY_SOCKET": "@" + name}
+    proc = _run([sys.executable, "-c", _SD_NOTIFY], {**os.environ, **ns.env()}, reactor, lambda: bool(got))
+    assert proc.returncode == 0
+    assert got == [(name, {"READY": "1", "STATUS": "warm"})]
+    ns.close()
+    ns.close()
+    assert fds() == before and ns.closed
+
+
+@pytest.mark.skipif(shutil.which("systemd-notify") is None, reason="no systemd-notify here")
+def test_notify_ready_from_systemd_notify(reactor):
+    got: list[dict[str, str]] = []
+    ns = NotifySocket(reactor, lambda n, f: got.append(f), _name())
+    before = fds()
+    try:
+        proc = _run(["systemd-notify", "--ready"], {**os.environ, **ns.env()}, reactor,
+                    lambda: any(f.get("READY") == "1" for f in got))
+    finally:
+        after = fds()
+        ns.close()
+    # systemd-notify waits on a barrier: an fd it passes, which the receiver must close
+    assert proc.returncode == 0
+    assert after == before, "an fd passed along with a notification was kept"
+
+
+def test_notify_ignores_garbage(reactor):
+    got: list[dict[str, str]] = []
+    ns = NotifySocket(reactor, lambda n, f: got.append(f), _name())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for junk in (b"\xff\xfe\xfd", b"no equals sign", b"=novalue", b"READY=1" + b"x" * 5000):
+            s.sendto(junk, "\0" + ns.name)
+        s.sendto(b"READY=1\n\ngarbage line\nX_Y=a=b", "\0" + ns.name)
+    assert reactor.run_until(lambda: bool(got), 5)
+    reactor.run_until(lambda: False, 0.05)
+    assert got == [{"READY": "1", "X_Y": "a=b"}]
+    assert ns.dropped == 4
+    ns.close()
+
+
+def test_notify_name_in_use_and_bad_names(reactor):
+    ns = NotifySocket(reactor, lambda n, f: None, _name())
+    try:
+        with pytest.raises(OSError):
+            NotifySocket(reactor, lambda n, f: None, ns.name)
+    finally:
+        ns.close()
+    for bad in ("", "a\0b", "x" * 200):
+        with pytest.raises(InvalidSpec):
+            NotifySocket(reactor, lambda n, f: None, bad)
+
+
+def test_notify_callback_may_close_the_socket(reactor):
+    got: list[dict[str, str]] = []
+
+    def on_message(name: str, fields: dict[str, str]) -> None:
+        got.append(fields)
+        ns.close()
+
+    ns = NotifySocket(reactor, on_message, _name())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"READY=1", "\0" + ns.name)
+        s.sendto(b"STATUS=later", "\0" + ns.name)
+    assert reactor.run_until(lambda: bool(got), 5)
+    reactor.run_until(lambda: False, 0.05)
+    assert got == [{"READY": "1"}] and ns.closed
+
+
+# -- Checker ------------------------------------------------------------------------------
+
+
+def test_checker_fails_after_n_misses_and_not_before(reactor, os_api, closed_port):
+    fails: list[str] = []
+    port = closed_port.getsockname()[1]
+    c = Checker(parse(f"tcp:127.0.0.1:{port}"), reactor, os_api, interval=0.05, failures=3,
+                timeout=1, on_fail=fails.append)
+    assert reactor.run_until(lambda: c.misses == 2, 5)
+    assert not fails
+    assert reactor.run_until(lambda: bool(fails), 5)
+    assert fails == [f"tcp 127.0.0.1:{port}: connection refused"] and c.misses == 3 and c.attempts == 3
+    reactor.run_until(lambda: False, 0.3)  # stopped after the failure: no more attempts
+    assert len(fails) == 1 and c.attempts == 3 and c.stopped
+
+
+def test_checker_resets_on_success(reactor, os_api, tmp_path):
+    """Attempts fail, fail, succeed, fail, fail, fail (the probe counts its runs in a file;
+    attempts never overlap): with failures=3 on_fail comes at the 6th, not the 4th."""
+    counter = shlex.quote(str(tmp_path / "runs"))
+    script = f"n=$(cat {counter} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {counter}; test $n -eq 3"
+    at_fail: list[int] = []
+    fails: list[str] = []
+
+    def on_fail(reason: str) -> None:
+        at_fail.append(c.attempts)
+        fails.append(reason)
+
+    c = Checker(parse(f"exec:sh -c {shlex.quote(script)}"), reactor, os_api, interval=0.05,
+                failures=3, timeout=5, on_fail=on_fail)
+    assert reactor.run_until(lambda: bool(fails), 20)
+    reactor.run_until(lambda: False, 0.2)
+    assert at_fail == [6] and c.attempts == 6 and c.misses == 3
+    assert len(fails) == 1 and fails[0].endswith("exit code 1")
+    assert (tmp_path / "runs").read_text().strip() == "6"
+
+
+def test_checker_stop_cancels_the_attempt_in_flight(reactor, os_api):
+    fails: list[str] = []
+    c = Checker(parse("exec:sleep 30"), reactor, os_api, interval=0.01, failures=1, timeout=30,
+                on_fail=fails.append)
+    assert reactor.run_until(lambda: bool(probes.EXEC_PROBES), 5)
+    (pid,) = probes.EXEC_PROBES
+    ident = Ident.of(pid)
+    c.stop()
+    c.stop()
+    assert reactor.run_until(lambda: not probes.EXEC_PROBES, 5)
+    assert ident is None or _gone(ident, pid)
+    reactor.run_until(lambda: False, 0.1)
+    assert not fails and c.attempts == 0
+
+
+# -- retry_until_ready --------------------------------------------------------------------
+
+
+def test_ready_once_the_server_listens_midway(reactor, os_api, closed_port):
+    ready: list[bool] = []
+    timeouts: list[str] = []
+    h = retry_until_ready(parse(f"tcp:127.0.0.1:{closed_port.getsockname()[1]}"), reactor, os_api,
+                          period=0.05, attempt_timeout=1, deadline_s=10,
+                          on_ready=lambda: ready.append(True), on_timeout=timeouts.append)
+    assert not ready  # never from inside the call
+    assert reactor.run_until(lambda: h.attempts >= 3, 5)
+    assert not ready
+    closed_port.listen()
+    assert reactor.run_until(lambda: bool(ready), 5)
+    reactor.run_until(lambda: False, 0.2)
+    assert ready == [True] and not timeouts and not h.active
+
+
+def test_ready_times_out_with_the_last_reason(reactor, os_api, closed_port):
+    ready: list[bool] = []
+    timeouts: list[str] = []
+    port = closed_port.getsockname()[1]
+    start = reactor.monotonic()
+    retry_until_ready(parse(f"tcp:127.0.0.1:{port}"), reactor, os_api, period=0.05, deadline_s=0.5,
+                      on_ready=lambda: ready.append(True), on_timeout=timeouts.append)
+    assert reactor.run_until(lambda: bool(timeouts), 5)
+    assert reactor.monotonic() - start >= 0.5
+    reactor.run_until(lambda: False, 0.2)
+    assert timeouts == [f"not ready within 0.5 s (last: tcp 127.0.0.1:{port}: connection refused)"]
+    assert not ready
+
+
+def test_ready_deadline_cuts_a_stalled_attempt(reactor, os_api, listener):
+    timeouts: list[str] = []
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+    before = fds()
+    retry_until_ready(parse(url), reactor, os_api, attempt_timeout=5, deadline_s=0.3,
+                      on_ready=lambda: None, on_timeout=timeouts.append)
+    assert reactor.run_until(lambda: bool(timeouts), 3)
+    assert timeouts == [f"not ready within 0.3 s (last: {url}: no answer yet)"]
+    assert fds() == before
+
+
+def test_ready_cancel(reactor, os_api, closed_port):
+    calls: list[object] = []
+    before = fds()
+    h = retry_until_ready(parse("exec:sleep 30"), reactor, os_api, deadline_s=0.5,
+                          on_ready=lambda: calls.append("ready"), on_timeout=calls.append)
+    pid = h.pid
+    assert pid in probes.EXEC_PROBES
+    ident = Ident.of(pid)
+    h.cancel()
+    assert reactor.run_until(lambda: not probes.EXEC_PROBES, 5)
+    reactor.run_until(lambda: False, 0.7)  # past the deadline: still nothing
+    assert not calls and fds() == before
+    assert ident is None or _gone(ident, pid)
