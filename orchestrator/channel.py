@@ -23,14 +23,32 @@ hung server gives a ChannelError instead of blocking forever.
 
 A state dir whose socket path exceeds the 108-byte sun_path limit is reached through
 ``/proc/self/fd/<dirfd>/control.sock``, a short path to the same file.
+
+Who is on the other end is checked before anything it sends is read, with SO_PEERCRED
+(the credentials the kernel recorded when the peer connected, or listened):
+
+* a client talks only to a server that runs as its own uid (root's only to root's): a
+  state dir, socket or auth key planted by someone else gets nothing sent to it and
+  nothing unpickled from it (``_bounded_client``, before the auth handshake);
+* the manager server serves only clients of its own uid or root, and drops any other
+  before the auth handshake (``_PlainListener.accept``; the socket is 0600 in a 0700 dir
+  as well, so this is the second wall, not the first).
+
+Both ends still speak the Manager's protocol, which pickles its tuples, but unpickle with
+``_PlainUnpickler``: it refuses every global, so a message can only be plain data (the
+client also accepts builtin exception classes, which the Manager uses for its ``#ERROR``
+replies). A pickle that would import or call anything is a ChannelError, never run.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
 import pickle
 import socket
+import stat
 import struct
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -39,8 +57,11 @@ from typing import Any
 from multiprocess import connection
 from multiprocess import managers
 
-from .errors import ChannelError, DaemonNotRunning
-from .paths import AUTHKEY_NAME, SOCKET_NAME, Paths, running_pid
+from .errors import ChannelError, DaemonNotRunning, OrchestratorError
+from .paths import (
+    AUTHKEY_NAME, SOCKET_NAME, Paths, UnsafeStateDir, check_file, check_state_dir, read_private, running_pid,
+    user_name,
+)
 from .protocol import command, raise_reply
 from .verbs import Verbs
 
@@ -61,13 +82,22 @@ def socket_address(state_dir: Path) -> tuple[str, int | None]:
     return f"/proc/self/fd/{dirfd}/{SOCKET_NAME}", dirfd
 
 
-def read_authkey(state_dir: Path) -> bytes:
+def read_authkey(paths: Paths) -> bytes:
+    """The auth key, from a checked file of a checked state dir (UnsafeStateDir if not)."""
     try:
-        return (state_dir / AUTHKEY_NAME).read_bytes()
+        return read_private(paths, AUTHKEY_NAME)
     except FileNotFoundError:
-        raise DaemonNotRunning(f"no daemon is running for {state_dir}") from None
-    except PermissionError:
-        raise ChannelError(f"cannot read the auth key {state_dir / AUTHKEY_NAME}: permission denied") from None
+        raise DaemonNotRunning(f"no daemon is running for {paths.state_dir}") from None
+
+
+def peer_uid(fd: int) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    finally:
+        sock.close()
+    return struct.unpack("3i", creds)[1]
 
 
 def _set_timeouts(fd: int, seconds: float) -> None:
@@ -80,10 +110,33 @@ def _set_timeouts(fd: int, seconds: float) -> None:
         sock.close()
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Plain data only: every global (a class, a function: anything that could run) is
+    refused, so loading a message can build dicts, lists, tuples, sets, str, bytes,
+    numbers, bool and None, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: the channel carries plain data only")
+
+
+class _ReplyUnpickler(_PlainUnpickler):
+    """A client's: plain data, and the builtin exception classes of ``#ERROR`` replies."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins":
+            obj = getattr(builtins, name, None)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                return obj
+        return super().find_class(module, name)
+
+
 class _PlainConnection(connection.Connection):
-    """A multiprocess Connection that pickles with the stdlib pickler. The channel carries
-    only plain data and the Manager's own protocol tuples, so dill's pure-Python pickler
-    (~46 µs a message against ~3 µs) buys nothing here; both ends use this class."""
+    """A multiprocess Connection that pickles with the stdlib pickler and unpickles plain
+    data only. The channel carries only plain data and the Manager's own protocol tuples,
+    so dill's pure-Python pickler (~46 µs a message against ~3 µs) buys nothing here. A
+    client's connections are of this class, a server's of ``_ServerConnection``."""
+
+    _unpickler: type[pickle.Unpickler] = _ReplyUnpickler
 
     def send(self, obj: Any) -> None:
         self._check_closed()
@@ -93,13 +146,39 @@ class _PlainConnection(connection.Connection):
     def recv(self) -> Any:
         self._check_closed()
         self._check_readable()
-        return pickle.loads(self._recv_bytes().getbuffer())
+        data = self._recv_bytes()  # a BytesIO, positioned at its end
+        data.seek(0)
+        try:
+            return self._unpickler(data).load()
+        except pickle.UnpicklingError as err:
+            raise ChannelError(str(err)) from None
+
+
+class _ServerConnection(_PlainConnection):
+    _unpickler = _PlainUnpickler
 
 
 class _PlainListener(connection.Listener):
-    def accept(self) -> _PlainConnection:
-        conn = super().accept()
-        conn.__class__ = _PlainConnection  # same object, stdlib pickling (no detach() to rewrap)
+    """The manager server's listener: a peer that is neither our uid nor root is dropped
+    on accept, before the auth handshake and before anything it sends is read."""
+
+    refused = 0
+
+    def accept(self) -> _ServerConnection:
+        if self._listener is None:
+            raise OSError("listener is closed")
+        conn = self._listener.accept()
+        uid = peer_uid(conn.fileno())
+        if uid not in (os.geteuid(), 0):
+            conn.close()
+            _PlainListener.refused += 1
+            if _PlainListener.refused <= 10:  # a hostile peer must not fill the log
+                print(f"orchestrator.manager: refused a connection from {user_name(uid)}", file=sys.stderr, flush=True)
+            raise PermissionError(f"refused a connection from {user_name(uid)}")  # the accepter goes on
+        if self._authkey:
+            connection.deliver_challenge(conn, self._authkey)
+            connection.answer_challenge(conn, self._authkey)
+        conn.__class__ = _ServerConnection  # same object, stdlib pickling (no detach() to rewrap)
         return conn
 
 
@@ -113,6 +192,11 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
     try:
         _set_timeouts(sock.fileno(), getattr(_connect_bound, "seconds", DEFAULT_TIMEOUT))
         sock.connect(address)
+        # Before the handshake, before any byte is read: is the server one of ours?
+        uid, me = peer_uid(sock.fileno()), os.geteuid()
+        if uid != me:
+            raise UnsafeStateDir(f"the server on its control socket runs as {user_name(uid)}, "
+                                 f"not as {user_name(me)}: refusing to talk to it")
     except BaseException:
         sock.close()
         raise
@@ -148,9 +232,10 @@ class Client(Verbs):
     def __init__(self, state_dir: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT, authkey: bytes | None = None) -> None:
         self.paths = Paths(Path(state_dir))
         self.timeout = timeout
-        if running_pid(self.paths) is None:
+        # A dir, pid file, key or socket someone else controls is refused here (UnsafeStateDir).
+        if not check_state_dir(self.paths) or running_pid(self.paths) is None:
             raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}")
-        self._authkey = authkey if authkey is not None else read_authkey(self.paths.state_dir)
+        self._authkey = authkey if authkey is not None else read_authkey(self.paths)
         self._address, self._dirfd = socket_address(self.paths.state_dir)
         self._mgr: ChannelManager | None = None
         self._commands: Any = None
@@ -171,10 +256,13 @@ class Client(Verbs):
     def _connect(self) -> None:
         use_plain_pickling()
         _connect_bound.seconds = self.timeout + 5.0
+        check_file(self.paths, SOCKET_NAME, stat.S_IFSOCK)  # ours, 0600; the peer is checked on connect
         mgr = ChannelManager(address=self._address, authkey=self._authkey, serializer=SERIALIZER)
         try:
             mgr.connect()
             self._commands, self._replies = mgr.commands(), mgr.replies()
+        except UnsafeStateDir as err:
+            raise UnsafeStateDir(f"{self.paths.state_dir}: {err}") from None
         except connection.AuthenticationError:
             raise ChannelError("authentication failed: wrong auth key for this daemon") from None
         except (FileNotFoundError, ConnectionRefusedError):
@@ -208,6 +296,9 @@ class Client(Verbs):
             # The reply may take up to `limit` to come: bound this thread's socket just past it.
             _set_timeouts(tls.connection.fileno(), limit + 5.0)
             msg = replies.call(cmd, limit)
+        except OrchestratorError:  # a peer of another uid, or a reply that is not plain data
+            self._drop_connection()
+            raise
         except (OSError, EOFError) as err:
             self._drop_connection()  # it may be mid-message: never reuse it
             if isinstance(err, (BlockingIOError, TimeoutError)):

@@ -79,16 +79,24 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.own_argv = argv is None  # sys.argv is ours: a re-exec of this command line is possible
-    from .paths import Paths, default_state_dir
+    from .paths import Paths, check_state_dir, default_state_dir
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
+        if args.command != "demo":  # the demo makes a state dir of its own
+            # Another user's dir, or one others can write, is refused before anything in it
+            # is read; a missing one is fine here (status of a never-used dir: not running).
+            check_state_dir(paths, create=False)
         return _COMMANDS[args.command](args, paths)
     except DaemonNotRunning as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_NOT_RUNNING
     except OrchestratorError as err:
         print(f"orchestrator: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as err:  # a file of the state dir we may not read, a full disk: one line
+        where = f": {err.filename}" if err.filename else ""
+        print(f"orchestrator: {err.strerror or err}{where}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

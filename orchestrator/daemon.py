@@ -74,20 +74,34 @@ def reexec_with_token() -> None:
 
 
 def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: float = 60.0) -> int:
-    """Start a daemon in its own session; return its pid once it accepts commands."""
+    """Start a daemon in its own session; return its pid once it accepts commands.
+    A state dir (or a file in it) that someone else controls is refused (UnsafeStateDir)
+    before anything in it is touched; the log is opened 0600, never through a link."""
+    from .paths import check_state_dir, open_log
+
+    check_state_dir(paths, create=True)  # 0700, ours; one that others could read is tightened
     pid = running_pid(paths)
     if pid is not None:
         raise OrchestratorError(f"a daemon is already running for {paths.state_dir} (pid {pid})")
-    paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    paths.logs.mkdir(exist_ok=True)
-    r, w = os.pipe()
+    logfd = open_log(paths)
+    try:
+        r, w = os.pipe()
+    except BaseException:
+        os.close(logfd)
+        raise
     env = daemon_env()
     argv = [sys.executable, "-m", "orchestrator", "--state-dir", str(paths.state_dir),
             "start", "--foreground", "--ready-fd", str(w), *(extra_args or [])]
-    with open(paths.log, "ab") as logf, open(os.devnull, "rb") as devnull:
-        proc = subprocess.Popen(argv, stdin=devnull, stdout=logf, stderr=logf, env=env,
-                                pass_fds=(w,), start_new_session=True)
-    os.close(w)
+    try:
+        with open(os.devnull, "rb") as devnull:
+            proc = subprocess.Popen(argv, stdin=devnull, stdout=logfd, stderr=logfd, env=env,
+                                    pass_fds=(w,), start_new_session=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(logfd)
+        os.close(w)
     try:
         msg = _read_until_eof(r, timeout)
     finally:
@@ -175,11 +189,17 @@ class Daemon:
     # -- start-up ---------------------------------------------------------------------
 
     def run(self) -> int:
+        from .paths import check_state_dir
+
         paths = self.paths
+        # Every file the daemon and its children create is 0600 (dirs 0700) unless they say
+        # otherwise: the journal, its WAL (which holds launch environments), logs, the key.
+        os.umask(0o077)
         try:
-            paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            paths.logs.mkdir(exist_ok=True)
+            check_state_dir(paths, create=True)  # refuses another user's or a writable dir
             self._lock_fd = take_lock(paths)
+        except OrchestratorError as err:
+            return self._fail(str(err))
         except OSError as err:
             return self._fail(f"cannot use state dir {paths.state_dir}: {err.strerror or err}")
         if self._lock_fd is None:
@@ -273,13 +293,9 @@ class Daemon:
             raise ShutdownRequested(self._stop_signal)
 
     def _write_authkey(self) -> None:
-        path = self.paths.authkey
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, secrets.token_bytes(32))
-        finally:
-            os.close(fd)
+        from .paths import AUTHKEY_NAME, write_private
+
+        write_private(self.paths, AUTHKEY_NAME, secrets.token_bytes(32))  # a new 0600 file, in the checked dir
 
     def _open_store(self) -> Any:
         from .store import Store, StoreError

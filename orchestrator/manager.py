@@ -1,7 +1,8 @@
 """The Manager server process: ``python -m orchestrator.manager`` (started by the daemon).
 
 It serves the command queue and the reply board on the daemon's Unix socket (0600, auth
-key) and bridges them to the daemon over two pipes (see channel.py for the picture):
+key, and only to peers of its own uid or root: channel.py checks SO_PEERCRED on accept)
+and bridges them to the daemon over two pipes (see channel.py for the picture):
 
 * forwarder thread: ``commands.get()`` → plain-data check → frame → command pipe;
 * main thread: reads reply frames from the reply pipe → ``ReplyBoard``; EOF on that pipe
@@ -25,8 +26,9 @@ from typing import Any
 
 from multiprocess import process, util
 
-from .channel import SERIALIZER, ChannelManager, socket_address, use_plain_pickling
-from .paths import AUTHKEY_NAME
+from .channel import SERIALIZER, ChannelManager, read_authkey, socket_address, use_plain_pickling
+from .errors import OrchestratorError
+from .paths import Paths, check_state_dir
 from .protocol import FrameReader, encode_frame, is_plain
 from .spawner import set_pdeathsig
 
@@ -113,7 +115,13 @@ def serve(argv: list[str] | None = None) -> None:
     setproctitle("orchestrator: manager")
 
     state_dir = Path(args.state_dir)
-    authkey = (state_dir / AUTHKEY_NAME).read_bytes()
+    paths = Paths(state_dir)
+    try:  # the daemon checked it; the key is read the same checked way
+        check_state_dir(paths)
+        authkey = read_authkey(paths)
+    except OrchestratorError as err:
+        print(f"orchestrator.manager: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
     use_plain_pickling()
     address, _dirfd = socket_address(state_dir)
     commands: queue.Queue = queue.Queue()
