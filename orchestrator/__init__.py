@@ -17,6 +17,7 @@ from .errors import (
 from .channel import Client
 from .spec import WorkerSpec
 from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
+from .worker import Terminated
 
 __all__ = [
     "Orchestrator",
@@ -34,4 +35,5 @@ __all__ = [
     "DaemonNotRunning",
     "ChannelError",
     "ShutdownRequested",
+    "Terminated",
 ]

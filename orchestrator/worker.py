@@ -1,0 +1,146 @@
+"""What a worker sees of the orchestrator: ``Terminated`` and ``ready()``.
+
+Imported by the spawner (so it is in every forked worker already) and by user code in any
+replica, command or Python target: it imports nothing but ``os``, ``sys`` and ``_signal`` at
+the top (``socket`` only when ``ready()`` has a socket to send to), and does nothing when
+imported.
+
+SIGTERM in a Python target's worker
+    The spawner installs ``install_sigterm_handler()`` in the forked child of a Python
+    target (never in a command worker, which execs), before the user's callable runs. A
+    SIGTERM then raises :class:`Terminated` in the worker's main thread (Python runs signal
+    handlers there only), at the next bytecode boundary or out of the blocking call it
+    interrupted (``time.sleep``, a read...), so ``finally:`` blocks and ``with`` exits run.
+    If it is not caught, the worker exits as a SIGTERM would have killed it (the engine
+    records exit code -15, reason ``killed by SIGTERM``); if the target catches it and
+    returns or exits, that exit status is the worker's. Every SIGTERM raises again, as every
+    SIGINT raises KeyboardInterrupt: cleanup that must not be interrupted by a second one
+    can set ``signal.signal(signal.SIGTERM, signal.SIG_IGN)`` first. A target that installs
+    its own SIGTERM handler replaces this one. Processes the target forks (multiprocessing's
+    fork context included) die of SIGTERM as usual. What it cannot do: interrupt a C call
+    that never returns to the interpreter (a long computation in an extension that does not
+    check for signals): the Terminated comes when the call returns, or the SIGKILL after the
+    grace comes first.
+
+Readiness
+    ``ready()`` is systemd's ``sd_notify(0, "READY=1")``: one datagram on the AF_UNIX socket
+    named by ``$NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace).
+"""
+
+from __future__ import annotations
+
+import _signal
+import os
+import sys
+
+__all__ = ["Terminated", "install_sigterm_handler", "exit_as_killed", "ready"]
+
+
+class Terminated(BaseException):
+    """Raised in a Python target's main thread when the worker gets SIGTERM.
+
+    A BaseException, like SystemExit and KeyboardInterrupt, so that ``except Exception``
+    does not swallow it; not a KeyboardInterrupt (SIGINT still raises that).
+    """
+
+    def __init__(self, signum: int = _signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"terminated by signal {self.signum}"
+
+
+_owner = 0  # the pid install_sigterm_handler() was called in
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    if os.getpid() != _owner:
+        # A process the target forked (multiprocessing's fork context, os.fork): it gets
+        # SIGTERM's default, as in any Python program; its parent's Terminated is not its
+        # business (multiprocessing would report exit code 1 and a traceback, not -15).
+        # Its stdio buffers are copies of its parent's: not flushed, as the default would not.
+        _die_of(signum)
+    raise Terminated(signum)
+
+
+def install_sigterm_handler() -> None:
+    """SIGTERM raises :class:`Terminated` in this process from now on (main thread of the
+    main interpreter only, as any ``signal.signal``); processes it forks later die of SIGTERM
+    as usual unless they call this again. Cheap: it is on the spawn path."""
+    global _owner
+    _owner = os.getpid()
+    _signal.signal(_signal.SIGTERM, _raise_terminated)
+
+
+def exit_as_killed(signum: int) -> None:
+    """End this process as ``signum``'s default action would, so that its parent's wait
+    status says "killed by" it (for SIGTERM: exit code -15, reason ``killed by SIGTERM``), as
+    for a worker that never had the handler. What the spawner does with an uncaught
+    Terminated, once the target's ``finally:`` blocks have run. Never returns.
+
+    The handler goes back to SIG_DFL first (a second SIGTERM now kills at once instead of
+    raising into what follows), stdio is flushed (``os._exit`` flushes nothing), the signal
+    is unblocked (the target may have blocked it) and sent to ourselves, which delivers it
+    before ``kill`` returns. Should it still not have killed us, exit ``128 + signum``, the
+    shell's way of saying the same thing.
+    """
+    if not isinstance(signum, int) or isinstance(signum, bool):  # a hand-made Terminated("x")
+        signum = _signal.SIGTERM
+    try:
+        _signal.signal(signum, _signal.SIG_DFL)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except BaseException:  # closed, broken pipe: the signal must still end us
+                pass
+    finally:
+        _die_of(signum)
+
+
+def _die_of(signum: int) -> None:
+    try:
+        _signal.signal(signum, _signal.SIG_DFL)
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, (signum,))
+        os.kill(os.getpid(), signum)
+    finally:
+        os._exit(128 + signum)
+
+
+def ready(**fields: object) -> bool:
+    """Tell the supervisor this replica is ready: send ``READY=1`` and one ``KEY=value``
+    line per keyword (``ready(status="warmed up")`` adds ``STATUS=warmed up``) to the
+    datagram socket ``$NOTIFY_SOCKET``, as ``sd_notify(3)`` does.
+
+    True if the datagram was sent. False, never an exception, when there is nothing to
+    tell or no one to tell it to: ``NOTIFY_SOCKET`` unset or empty, an address that is
+    neither a path nor ``@abstract``, no socket there, nobody reading, or a receiver whose
+    queue stays full for 5 s. A value holding a newline (it would forge another field) or a
+    key that is not a word is a programming error: ValueError.
+    """
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    lines = ["READY=1"]
+    for key, value in fields.items():
+        text = str(value)
+        if not key.isidentifier() or "\n" in text:
+            raise ValueError(f"ready(): bad field {key}={text!r}")
+        if key.upper() != "READY":
+            lines.append(f"{key.upper()}={text}")
+    if addr[0] == "@":
+        target: str | bytes = b"\0" + os.fsencode(addr[1:])  # the abstract namespace
+    elif addr[0] == "/":
+        target = addr
+    else:  # sd_notify refuses relative paths too; vsock: is not supported here
+        return False
+    import socket  # only when there is someone to notify: a plain import stays light
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(5.0)  # a full receive queue blocks a datagram send: bounded
+            sock.sendto("\n".join(lines).encode("utf-8", "surrogateescape"), target)
+    except OSError:  # ENOENT, ECONNREFUSED, EACCES, timeout (an OSError)
+        return False
+    return True
