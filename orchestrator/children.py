@@ -223,7 +223,7 @@ class ManagerBridge:
             self.close_pipes()
             return
         for cmd in self._frames.feed(data):
-            if isinstance(cmd, dict) and cmd.get("op") == "_ready":
+            if isinstance(cmd, dict) and cmd.get("op") == "_ready" and "id" not in cmd:  # the manager's own
                 self.ready = True
                 continue
             self._handle(cmd, self._reply_frame)

@@ -9,53 +9,112 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from .errors import DaemonNotRunning, OrchestratorError
 from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
-EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (argparse's float takes nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return value
+
+
+def _natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit 2 (``--help`` has the rest)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="the daemon's directory")
-    ap = argparse.ArgumentParser(prog="orchestrator", description="Keep pools of worker processes alive.")
+    ap = _Parser(prog="orchestrator", description="Keep pools of worker processes alive.")
     ap.add_argument("--state-dir", default=None, help="default: $ORCHESTRATOR_STATE_DIR, "
                     "$XDG_STATE_HOME/orchestrator or ~/.local/state/orchestrator")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("start", parents=[common], help="start the daemon")
     p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--keep-replicas", type=int, default=KEEP_REPLICAS, help="ended replicas kept in state.db")
-    p.add_argument("--keep-events", type=int, default=KEEP_EVENTS, help="journal events kept in state.db")
-    p.add_argument("--keep-days", type=float, default=KEEP_SECONDS / 86400, help="history older than this is pruned")
+    p.add_argument("--keep-replicas", type=_natural, default=KEEP_REPLICAS, help="ended replicas kept in state.db")
+    p.add_argument("--keep-events", type=_natural, default=KEEP_EVENTS, help="journal events kept in state.db")
+    p.add_argument("--keep-days", type=_positive_seconds, default=KEEP_SECONDS / 86400,
+                   help="history older than this many days is pruned")
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=_seconds, default=60.0)
 
     p = sub.add_parser("status", parents=[common], help="the daemon and its replicas")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="include ended replicas")
 
-    p = sub.add_parser("launch", parents=[common], help="add replicas to a pool")
-    p.add_argument("--pool", required=True)
-    p.add_argument("--count", type=int, default=1)
+    p = sub.add_parser("launch", parents=[common], help="add replicas to a pool (its spec and policy)")
+    p.add_argument("--pool", required=True, help="the pool's name")
+    p.add_argument("--count", type=int, default=None, help="replicas to add (default 1; with --replace: the size)")
     p.add_argument("--target", help="MODULE:FUNCTION to run instead of a command")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--wait", action="store_true", help="return once every new replica runs")
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment addition")
+    p.add_argument("--env-file", metavar="FILE", help="KEY=VALUE lines ('#' comments) added to the environment")
+    p.add_argument("--cwd", metavar="DIR", help="where the replicas run (default: this directory)")
+    p.add_argument("--wait", action="store_true", help="return once every new replica is ready; exit 1 if any failed")
+    p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds (default 3600)")
+    p.add_argument("--replace", action="store_true", help="roll an existing pool onto this spec and policy")
+    _policy_options(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARG...")
+
+    p = sub.add_parser("restart", parents=[common], help="replace replicas with new ones (rolling for a pool)")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--pool", help="every replica of this pool, a few slots at a time")
+    p.add_argument("--max-unavailable", type=int, default=1, help="slots replaced at a time (default 1)")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="give up after this many seconds (default 600)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("delete", parents=[common], help="terminate a pool's replicas and forget the pool")
+    p.add_argument("pool")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("signal", parents=[common], help="send a signal to replicas' process trees")
+    p.add_argument("sig", metavar="SIG", help="a signal name or number: HUP, USR1, TERM, 9")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--pool", help="every replica of this pool")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("terminate", parents=[common], help="stop replicas")
     p.add_argument("ids", nargs="+", metavar="ID")
     p.add_argument("--wait", action="store_true", help="return once they are reaped")
+    p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("scale", parents=[common], help="set a pool's size")
@@ -67,13 +126,73 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--follow", action="store_true")
     p.add_argument("--replica")
-    p.add_argument("--since", type=float, help="unix time")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--since", type=_seconds, help="only events at or after this unix time")
+    p.add_argument("--limit", type=_natural, default=None, help="at most this many (the newest)")
 
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
-    p.add_argument("--replicas", type=int, default=20)
-    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--replicas", type=_natural, default=20)
+    p.add_argument("--seconds", type=_seconds, default=4.0)
     return ap
+
+
+def _policy_options(p: argparse.ArgumentParser) -> None:
+    """The pool policy flags of launch (policy.Policy has the meaning of each)."""
+    g = p.add_argument_group("pool policy (docs/design.md, \"Pool policy\")")
+    g.add_argument("--restart", choices=("always", "on-failure", "never"), help="replace a replica that "
+                   "ended on its own: always, after a failure, or never (default on-failure)")
+    g.add_argument("--backoff", metavar="MIN:MAX", help="delay before a replacement, seconds (default 0.1:30)")
+    g.add_argument("--healthy-after", type=_seconds, metavar="S", help="RUNNING this long resets the backoff (default 10)")
+    g.add_argument("--max-restarts", metavar="N/S", help="more than N replacements within S s: crashloop (default 5/60)")
+    g.add_argument("--ready", metavar="PROBE", help="tcp:HOST:PORT, http://127.0.0.1:PORT/PATH, exec:CMD or notify")
+    g.add_argument("--ready-timeout", type=_seconds, metavar="S", help="not ready by then: FAILED (default 60)")
+    g.add_argument("--start-secs", type=_seconds, metavar="S", help="without --ready: ready once it ran S s (default 0)")
+    g.add_argument("--live", metavar="PROBE", help="liveness probe, same forms as --ready")
+    g.add_argument("--live-interval", type=_seconds, metavar="S", help="between liveness checks (default 10)")
+    g.add_argument("--live-failures", type=int, metavar="N", help="misses in a row that replace it (default 3)")
+    g.add_argument("--stop-signal", metavar="SIG", help="how a replica is asked to stop (default TERM)")
+    g.add_argument("--grace", type=_seconds, metavar="S", help="stop signal to SIGKILL (default: the daemon's)")
+    g.add_argument("--port-base", type=int, metavar="N", help="slot s gets port N+s: {port}, $PORT")
+
+
+_POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
+                 "live_failures", "stop_signal", "grace", "port_base")
+
+
+def _policy(args: argparse.Namespace) -> dict:
+    from .policy import Policy, parse_pair
+
+    wire: dict[str, Any] = {k: getattr(args, k) for k in _POLICY_FLAGS if getattr(args, k) is not None}
+    if args.backoff is not None:
+        wire["backoff"] = list(parse_pair(args.backoff, ":", "--backoff"))
+    if args.max_restarts is not None:
+        n, window = parse_pair(args.max_restarts, "/", "--max-restarts")
+        if n != int(n):
+            raise OrchestratorError(f"--max-restarts takes N/S with a whole N, got {args.max_restarts!r}")
+        wire["max_restarts"] = [int(n), window]
+    return Policy.from_wire(wire).to_wire()  # refused here, with the same words as the daemon's
+
+
+def _env_file(path: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise OrchestratorError(f"--env-file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise OrchestratorError(f"--env-file {path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        if not sep or not key.strip():
+            raise OrchestratorError(f"--env-file {path}:{number}: expected KEY=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,22 +332,62 @@ def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
         raise OrchestratorError("give either --target MODULE:FUNCTION or -- CMD ARG..., not both")
     if not args.target and not cmd:
         raise OrchestratorError("nothing to run: give -- CMD ARG... or --target MODULE:FUNCTION")
-    env = {}
+    env = _env_file(args.env_file) if args.env_file else {}
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise OrchestratorError(f"--env takes KEY=VALUE, got {item!r}")
         env[key] = value
+    policy = _policy(args)
     with _client(paths) as client:
-        ids = client.launch(args.pool, cmd or None, target=args.target, count=args.count, env=env,
-                            wait=args.wait, timeout=args.timeout)
-    _emit(args, {"ids": ids}, ids)
+        try:
+            ids = client.launch(args.pool, cmd or None, target=args.target, count=args.count, env=env,
+                                wait=args.wait, timeout=args.timeout, cwd=args.cwd, policy=policy,
+                                replace=args.replace)
+        except OrchestratorError as err:  # a wait that timed out still made replicas: say which
+            made = err.data.get("ids") if isinstance(err.data, dict) else None
+            if made:
+                _emit(args, {"ids": made, "error": str(err)}, made)
+            raise
+        failed = []
+        if args.wait:
+            states = {r["id"]: r for r in client.status(all=True)["replicas"] if r["id"] in set(ids)}
+            failed = [states[i] for i in ids if i in states and states[i]["state"] != "RUNNING"]
+    _emit(args, {"ids": ids, "failed": [r["id"] for r in failed]}, ids)
+    for r in failed:
+        print(f"orchestrator: {r['id']} {r['state']}: {r['reason'] or 'not ready'}", file=sys.stderr)
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_restart(args: argparse.Namespace, paths: Any) -> int:
+    if bool(args.ids) == bool(args.pool):
+        raise OrchestratorError("give either replica ids or --pool POOL")
+    with _client(paths) as client:
+        result = client.restart(*args.ids, pool=args.pool, max_unavailable=args.max_unavailable,
+                                timeout=args.timeout)
+    _emit(args, result, [f"{old} -> {new}" for old, new in result["replaced"].items()])
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        result = client.delete(args.pool)
+    _emit(args, result, [f"deleted pool {result['pool']}"] + [f"terminating {i}" for i in result["terminated"]])
+    return EXIT_OK
+
+
+def cmd_signal(args: argparse.Namespace, paths: Any) -> int:
+    if bool(args.ids) == bool(args.pool):
+        raise OrchestratorError("give either replica ids or --pool POOL")
+    with _client(paths) as client:
+        result = client.signal(args.sig, *args.ids, pool=args.pool)
+    _emit(args, result, [f"{result['signal']} -> {i}" for i in result["sent"]])
     return EXIT_OK
 
 
 def cmd_terminate(args: argparse.Namespace, paths: Any) -> int:
     with _client(paths) as client:
-        stopped = client.terminate(*args.ids, wait=args.wait)
+        stopped = client.terminate(*args.ids, wait=args.wait, timeout=args.timeout)
     _emit(args, {"terminated": stopped}, stopped)
     return EXIT_OK
 
@@ -281,4 +440,7 @@ _COMMANDS = {
     "scale": cmd_scale,
     "events": cmd_events,
     "demo": cmd_demo,
+    "restart": cmd_restart,
+    "delete": cmd_delete,
+    "signal": cmd_signal,
 }

@@ -22,6 +22,7 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -36,6 +37,7 @@ from watchdog import WatchdogLink
 from watchdog.identity import scan
 from watchdog.ledger import Entry
 
+from . import logsink, probes
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .errors import OrchestratorError, ShutdownRequested
@@ -43,9 +45,24 @@ from .paths import Paths, default_state_dir, running_pid, take_lock
 from .reactor import drain
 from .recovery import recover_leftovers
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
+from .store import Store, StoreError
 
 log = logging.getLogger("orchestrator")
 TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
+REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5
+WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is the bound
+
+
+def _is_watchdog(pid: int | None) -> bool:
+    """Is ``pid`` a watchdog (``python -m watchdog``), not a daemon?"""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"-m" in argv and b"watchdog" in argv
 
 
 # -- start / stop, as the CLI uses them ---------------------------------------------
@@ -81,7 +98,7 @@ def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: f
 
     check_state_dir(paths, create=True)  # 0700, ours; one that others could read is tightened
     pid = running_pid(paths)
-    if pid is not None:
+    if pid is not None and not _is_watchdog(pid):  # a sweeping watchdog: the daemon waits for it
         raise OrchestratorError(f"a daemon is already running for {paths.state_dir} (pid {pid})")
     logfd = open_log(paths)
     try:
@@ -185,6 +202,7 @@ class Daemon:
         self.store: Any = None
         self.watchdog: WatchdogChild | None = None
         self.manager: ManagerBridge | None = None
+        self.log_sink: logsink.LogSink | None = None
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -198,6 +216,12 @@ class Daemon:
         try:
             check_state_dir(paths, create=True)  # refuses another user's or a writable dir
             self._lock_fd = take_lock(paths)
+            if self._lock_fd is None and _is_watchdog(running_pid(paths)):
+                # A dead daemon's watchdog still sweeps (it holds the lock so that nobody
+                # starts on half-killed leftovers, and so that the files it removes are
+                # its dead daemon's, never ours): wait for it, bounded.
+                log.info("waiting for the previous daemon's watchdog to finish its sweep")
+                self._lock_fd = take_lock(paths, wait=WATCHDOG_SWEEP_WAIT)
         except OrchestratorError as err:
             return self._fail(str(err))
         except OSError as err:
@@ -249,17 +273,20 @@ class Daemon:
         set_child_subreaper()
         self.os = OSApi(nofile=raise_fd_limit())
         token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
-        for stale in (paths.socket, paths.report):
-            stale.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
+        paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
         self._write_authkey()
         self.store = self._open_store()
+        self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
-                            remove_files=[str(paths.socket), str(paths.pidfile)])
+                            remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
         config = EngineConfig(grace=self.grace, token=token)
         engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link)
+        engine.journal.reopen = lambda: self._new_store()
         engine.extra_status = self._daemon_status
         reactor = engine.reactor
         reactor.add_reader(self._sig_r, self._on_signal_wakeup)
+        if self.log_sink is not None:
+            reactor.add_writer(self.log_sink)
         self.watchdog = WatchdogChild(link, reactor, self.os)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
         try:
@@ -297,16 +324,40 @@ class Daemon:
 
         write_private(self.paths, AUTHKEY_NAME, secrets.token_bytes(32))  # a new 0600 file, in the checked dir
 
-    def _open_store(self) -> Any:
-        from .store import Store, StoreError
-
-        try:
-            store = Store(self.paths.db, **self.retention)
-        except StoreError as err:
-            raise OrchestratorError(str(err)) from None
+    def _new_store(self) -> Any:
+        store = Store(self.paths.db, **self.retention)
         for note in store.notes:
             log.warning("%s", note)
         return store
+
+    def _open_store(self) -> Any:
+        try:
+            return self._new_store()
+        except StoreError as err:
+            raise OrchestratorError(str(err)) from None
+
+    def _keep_watchdog_report(self) -> None:
+        """A watchdog report is what happened the last time this daemon died: keep it (the
+        last few, rotated) and say in the journal what the watchdog did, for `events`."""
+        report = self.paths.report
+        try:
+            data = json.loads(report.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as err:
+            data = {"unreadable": str(err)}
+        summary = {k: data.get(k) for k in ("reason", "detected_by", "detected_at", "ledger_entries") if k in data}
+        if isinstance(data.get("processes"), list):
+            summary["processes"] = len(data["processes"])
+        if isinstance(data.get("cgroups"), list):
+            summary["cgroups"] = len(data["cgroups"])
+        summary["report"] = f"{report.name}.1"
+        self.store.append_event("watchdog", ts=time.time(), data=summary)
+        for n in range(REPORTS_KEPT - 1, 0, -1):
+            older = report.with_name(f"{report.name}.{n}")
+            if older.exists():
+                older.replace(report.with_name(f"{report.name}.{n + 1}"))
+        report.replace(report.with_name(f"{report.name}.1"))
 
     def _daemon_status(self) -> dict:
         return {"daemon": {
@@ -339,6 +390,10 @@ class Daemon:
         while (pid := self.os.exited_child()) is not None:
             if self.engine.child_exited(pid):
                 continue
+            probe = probes.EXEC_PROBES.get(pid)
+            if probe is not None:
+                probe.exited()  # reaps it and reports its exit code to the probe's owner
+                continue
             for child in (self.manager.child if self.manager else None, self.watchdog):
                 if child is not None and child.owns(pid):
                     child.exited()
@@ -356,10 +411,16 @@ class Daemon:
             self.manager.stop(5.0)  # EOF on its reply pipe: the manager exits by itself
         if self.watchdog is not None:
             self.watchdog.stop_quietly()
-        if self.store is not None:
-            self.store.append_event("stop", ts=time.time(), data={"pid": os.getpid()})
-            self.store.commit()
-            self.store.close()
+        journal = engine.journal
+        if journal.store is not None:
+            journal.event("stop", {"pid": os.getpid()})
+            err = journal.commit()
+            if err is not None:
+                log.error("the stop could not be journaled: %s", err)
+            try:
+                journal.store.close()
+            except StoreError as err:
+                log.error("closing the journal: %s", err)
         engine.close()
         log.info("daemon %d stopped", os.getpid())
 
@@ -386,9 +447,10 @@ class Daemon:
 
 def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None,
                    retention: dict | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    return Daemon(paths, grace=grace, ready_fd=ready_fd, retention=retention).run()
+    sys.stderr.flush()
+    daemon = Daemon(paths, grace=grace, ready_fd=ready_fd, retention=retention)
+    daemon.log_sink = logsink.install(fd=sys.stderr.fileno())
+    return daemon.run()
 
 
 __all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",

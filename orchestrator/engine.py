@@ -32,18 +32,20 @@ from typing import Any, Callable, Iterable
 from . import protocol
 from .errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
 from .journal import Journal
+from .policy import Policy
+from .pools import Pool
 from .reactor import Reactor, Timer
-from .spawner import LaunchPlan, OSApi, exit_reason
+from .spawner import OSApi, exit_reason
 from .spec import Runtime, prepare
 from .states import ReplicaState as S
 from .states import Replica, transition
+from .supervision import Supervision
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")
 
 Reply = Callable[[dict], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)  # counted against a pool's desired size
-_DEFERRED = object()  # a handler's result when its reply comes later (a waiter)
 MAX_COUNT = protocol.MAX_COUNT
 
 
@@ -56,15 +58,6 @@ class EngineConfig:
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
 
 
-@dataclass(eq=False)
-class Pool:
-    name: str
-    runtime: Runtime | None
-    desired: int = 0
-    next_n: int = 1
-    live: dict[str, Replica] = field(default_factory=dict)  # non-terminal, in id order
-
-
 @dataclass(eq=False, slots=True)
 class _Proc:
     pid: int
@@ -74,9 +67,12 @@ class _Proc:
     killed: bool = False
     reaped: bool = False
     kill_timer: Timer | None = None
+    escaped: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) outside its group
+    cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
+    replace: bool = False  # asked to stop in order to be replaced (liveness, restart)
 
 
-class Engine:
+class Engine(Supervision):
     """Single-threaded: only submit() may be called from other threads."""
 
     def __init__(
@@ -89,10 +85,11 @@ class Engine:
         reactor: Reactor | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        protocol.seconds(self.config.grace, "grace")  # a NaN grace would never SIGKILL
         self.os = os_api or OSApi()
         self.reactor = reactor or Reactor(self.os.monotonic)
-        self.store = store
         self.journal = Journal(store, self.os.time)
+        self.journal.rebuild = self._save_everything
         self.watchdog = watchdog  # the watchdog's ledger feed (WatchdogLink), if any
         self._base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
@@ -104,7 +101,10 @@ class Engine:
         self._pending: collections.deque[tuple[Replica, Runtime]] = collections.deque()
         self._spawn_scheduled = False
         self._waiters = Waiters(self._replicas)
-        self._outbox: list[tuple[Reply, dict]] = []
+        self._rollouts: list[Any] = []  # supervision.Rollout
+        # (reply, message, durable): a durable reply says "applied"; if this turn's commit
+        # fails it says "not saved" instead. Read-only commands never depend on the disk.
+        self._outbox: list[tuple[Reply, dict, bool]] = []
         self.extra_status: Callable[[], dict] | None = None
         self._dirty = False
         self._store_warned = -1e9
@@ -146,16 +146,16 @@ class Engine:
             result = handler(self, args, reply, cmd_id)
         except OrchestratorError as err:
             self._journal_command(op, cmd_id, str(err))
-            self._outbox.append((reply, protocol.error(cmd_id, err)))
+            self._outbox.append((reply, protocol.error(cmd_id, err), False))
             return
         except Exception as err:  # the client boundary: a bug in a handler is that command's error
             log.exception("command %r failed", op)
             self._journal_command(op, cmd_id, f"internal error: {err}")
-            self._outbox.append((reply, protocol.error(cmd_id, f"internal error: {type(err).__name__}: {err}", "internal")))
+            self._outbox.append((reply, protocol.error(cmd_id, f"internal error: {type(err).__name__}: {err}", "internal"), False))
             return
         self._journal_command(op, cmd_id, None)  # applied now, even if its reply waits
-        if result is not _DEFERRED:
-            self._outbox.append((reply, protocol.ok(cmd_id, result)))
+        if result is not protocol.DEFERRED:
+            self._outbox.append((reply, protocol.ok(cmd_id, result), op not in protocol.READ_ONLY))
 
     def run_once(self, timeout: float | None = None) -> None:
         """One turn of the loop; ``timeout`` bounds the wait (None: until an event)."""
@@ -191,6 +191,17 @@ class Engine:
             reply(protocol.error(cmd_id, ShuttingDown("the orchestrator is shutting down")))
         self.reactor.close()
 
+    @property
+    def store(self) -> Any:
+        return self.journal.store
+
+    def _save_everything(self) -> None:
+        """Every pool and every replica in memory, into a journal that starts empty."""
+        for pool in self._pools.values():
+            self._save_pool(pool)
+        for rep in self._replicas.values():
+            self.journal.replica(rep)
+
     def child_exited(self, pid: int) -> bool:
         """A SIGCHLD scan found ``pid`` exited: handle it if it is a replica's (True)."""
         proc = self._procs.get(pid)
@@ -199,42 +210,40 @@ class Engine:
         self._on_exit(proc)
         return True
 
-    def live_pids(self) -> list[int]:
-        return list(self._procs)
-
     # -- facts for the daemon -------------------------------------------------------
 
     def status(self, include_terminal: bool = False) -> dict:
         return self._cmd_status({"all": include_terminal}, None, None)
 
-    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
-        """Recreate pools from the store at start-up (their ids continue where they
-        stopped) and, with ``relaunch``, bring each back to its desired size."""
-        for row in pools:
-            runtime = None
-            if row.get("spec"):
-                try:
-                    runtime = self._prepare(row["spec"])
-                except InvalidSpec as err:
-                    log.error("pool %s: its spec no longer resolves: %s", row["name"], err)
-            pool = Pool(row["name"], runtime, desired=0, next_n=int(row["next_n"]))
-            self._pools[pool.name] = pool
-            if relaunch and runtime is not None:
-                self._launch(pool, runtime, int(row["desired"]))
-            self._save_pool(pool)
-
     # -- commands -------------------------------------------------------------------
 
     def _cmd_launch(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         name = protocol.pool_name(args.get("pool"))
-        count = protocol.count(args.get("count", 1))
-        timeout = protocol.wait_timeout(args) if args.get("wait") else None
+        replace = bool(args.get("replace"))
+        count = protocol.count(args["count"], low=0 if replace else 1) if "count" in args else None
+        timeout = protocol.wait_timeout(args) if args.get("wait") or replace else None
         runtime = self._prepare(args.get("spec"))
+        policy = Policy.from_wire(args.get("policy"))
         pool = self._pools.get(name)
+        if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
+            pool.deleted, pool.runtime, pool.policy = False, runtime, policy
+            pool.clear()
         if pool is None:
-            pool = self._pools[name] = Pool(name, runtime)
-        pool.runtime = runtime
-        ids = self._launch(pool, runtime, count)
+            pool = self._pools[name] = Pool(name, runtime, policy)
+        elif runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy:
+            if not replace:
+                raise InvalidSpec(f"pool {name!r} runs another spec or policy: use --replace to roll it "
+                                  "onto this one, or another pool name")
+            pool.runtime, pool.policy = runtime, policy
+            pool.clear()
+            olds = sorted(pool.live.values(), key=lambda r: r.slot if r.slot is not None else -1)
+            target = len(olds) if count is None else count
+            self._save_pool(pool)
+            return self._start_rollout(pool, [r.id for r in olds[:target]], 1, reply, cmd_id, timeout,
+                                       then_scale=target)
+        if replace:
+            pool.clear()
+        ids = self._launch(pool, 1 if count is None else count)
         self._save_pool(pool)
         if timeout is not None:
             return self._add_waiter(ids, "running", reply, cmd_id, timeout)
@@ -252,7 +261,7 @@ class Engine:
     def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         name = args.get("pool")
         n = protocol.count(args.get("n"), low=0, what="size")
-        pool = self._pools.get(name) if isinstance(name, str) else None
+        pool = self._pool(name, missing_ok=True)
         if args.get("spec") is not None:
             runtime = self._prepare(args["spec"])
             if pool is None:
@@ -260,19 +269,16 @@ class Engine:
             pool.runtime = runtime
         if pool is None:
             raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
-        live = [r for r in pool.live.values() if r.state in _LIVE]
-        launched: list[str] = []
-        stopped: list[str] = []
-        if len(live) > n:
-            for rep in sorted(live, key=lambda r: r.n, reverse=True)[: len(live) - n]:
-                self._stop(rep, reason="scaled down", lower_desired=False)
-                stopped.append(rep.id)
-        elif len(live) < n:
-            if pool.runtime is None:
-                raise InvalidSpec(f"pool {name!r} has no usable spec to launch from")
-            launched = self._launch(pool, pool.runtime, n - len(live))
-        pool.desired = n
-        self._save_pool(pool)
+        pool.clear()  # an operator acted: a crash loop is forgiven
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        if len(live) < n and pool.runtime is None:
+            raise InvalidSpec(f"pool {name!r} has no usable spec to launch from")
+        before = set(pool.live)
+        stopping = {r.id for r in live}
+        self._converge(pool, n)
+        launched = [rid for rid in pool.live if rid not in before]
+        stopped = sorted((rid for rid in stopping if self._replicas[rid].state not in _LIVE),
+                         key=lambda rid: -self._replicas[rid].n)
         return {"pool": pool.name, "desired": n, "launched": launched, "terminated": stopped}
 
     def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
@@ -285,7 +291,7 @@ class Engine:
         else:
             replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
         result = {
-            "pools": [{"name": p.name, "desired": p.desired} for p in self._pools.values()],
+            "pools": [p.to_dict() for p in self._pools.values() if not p.deleted],
             "replicas": replicas,
         }
         if self.extra_status is not None:
@@ -300,7 +306,7 @@ class Engine:
         timeout = protocol.wait_timeout(args)
         for i in ids:
             self._lookup(i)
-        return self._add_waiter(tuple(ids), until, reply, cmd_id, timeout)
+        return self._add_waiter(tuple(ids), until, reply, cmd_id, timeout, durable=False)
 
     def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         return "pong"
@@ -312,6 +318,9 @@ class Engine:
         "status": _cmd_status,
         "wait": _cmd_wait,
         "ping": _cmd_ping,
+        "restart": Supervision._cmd_restart,
+        "delete": Supervision._cmd_delete,
+        "signal": Supervision._cmd_signal,
     }
 
     # -- lifecycle verbs ------------------------------------------------------------
@@ -319,21 +328,33 @@ class Engine:
     def _prepare(self, wire: Any) -> Runtime:
         return prepare(wire, self._base_env)
 
-    def _launch(self, pool: Pool, runtime: Runtime, count: int) -> list[str]:
+    def _launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]:
+        """``count`` new replicas in the lowest free slots (or in ``slots``: replacements);
+        ``grow``: they add to the pool's desired size (a replacement takes a place it has)."""
         ids = []
         now = self.os.time()
-        for _ in range(count):
+        for slot in slots if slots is not None else pool.free_slots(count):
             n = pool.next_n
             pool.next_n += 1
-            rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now)
+            rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
+                          restarts=pool.slot_restarts.get(slot, 0))
             self._replicas[rep.id] = rep
             pool.live[rep.id] = rep
-            self._pending.append((rep, runtime))
+            self._pending.append((rep, pool.runtime))
             self.journal.transition(rep, None)
             ids.append(rep.id)
-        pool.desired += count
+        if grow:
+            pool.desired += len(ids)
         self._schedule_spawn()
         return ids
+
+    def _pool(self, name: Any, *, missing_ok: bool = False) -> Pool | None:
+        pool = self._pools.get(name) if isinstance(name, str) else None
+        if pool is None or pool.deleted:
+            if missing_ok:
+                return None
+            raise UnknownReplica(f"unknown pool {name!r}")
+        return pool
 
     def _schedule_spawn(self) -> None:
         if self._pending and not self._spawn_scheduled:
@@ -357,19 +378,25 @@ class Engine:
         self._schedule_spawn()  # the rest of a burst, after the next round of events
 
     def _spawn(self, rep: Replica, rt: Runtime) -> None:
-        env = {"ORCHESTRATOR_REPLICA_ID": rep.id, "ORCHESTRATOR_POOL": rep.pool}
-        if self.config.token:
-            env["ORCHESTRATOR_DAEMON_TOKEN"] = self.config.token
-        if rt.env:  # a command's whole environment, or a Python target's additions
-            env = {**rt.env, **env}
+        pool = self._pools[rep.pool]
+        plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
+                       self.config.token)
+        notify = None
         try:
-            sp = self.os.spawn(LaunchPlan(rep.id, rt.argv, rt.exe, rt.run, env))
-        except OSError as err:  # fork/pipe failed: EAGAIN, EMFILE, ENOMEM
+            if pool.policy.ready == "notify":
+                notify = self._notify_socket(rep)
+                plan.env.update(notify.env())
+            sp = self.os.spawn(plan)
+        except OSError as err:  # fork/pipe/socket failed: EAGAIN, EMFILE, ENOMEM
+            if notify is not None:
+                notify.close()
             self._transition(rep, S.FAILED, f"could not start: {err.strerror or err}")
-            self._ended_on_its_own(rep)
+            self._ended_on_its_own(rep, failed=True)
             return
         rep.pid, rep.start_time = sp.pid, sp.start_time
         proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep)
+        if notify is not None:
+            proc.cleanup.append(notify.close)
         self._procs[sp.pid] = proc
         self.reactor.add_reader(sp.exit_fd, lambda: self._on_exit(proc))
         self.reactor.add_reader(sp.ready_fd, lambda: self._on_ready(proc))
@@ -389,9 +416,9 @@ class Engine:
             return  # interrupted while starting: its end is already recorded
         if data:
             self._transition(rep, S.FAILED, "could not start: " + data.decode("utf-8", "replace"))
-            self._ended_on_its_own(rep)
+            self._ended_on_its_own(rep, failed=True)
         else:
-            self._transition(rep, S.RUNNING)
+            self._started(proc)
 
     def _on_exit(self, proc: _Proc) -> None:
         if proc.reaped:
@@ -402,13 +429,15 @@ class Engine:
         self.os.signal_group(proc.pid, signal.SIGKILL)
         code = self.os.reap(proc.pid)
         proc.reaped = True
-        if proc.kill_timer is not None:
+        if proc.kill_timer is not None and not proc.escaped:
             proc.kill_timer.cancel()
         self.reactor.remove_reader(proc.exit_fd)
         self.os.close(proc.exit_fd)
         del self._procs[proc.pid]
         if self.watchdog is not None:
             self.watchdog.remove(proc.pid)
+        for release in proc.cleanup:
+            release()
         rep = proc.replica
         rep.pid = None
         self._dirty = True
@@ -416,11 +445,17 @@ class Engine:
         if rep.state is S.RUNNING:
             new = S.EXITED if code == 0 else S.FAILED
             self._transition(rep, new, reason, exit_code=code)
-            self._ended_on_its_own(rep)
+            self._ended_on_its_own(rep, failed=new is S.FAILED)
+        elif rep.state is S.STARTING:  # ran, but ended before it was ready
+            self._transition(rep, S.FAILED, f"exited during start ({reason})", exit_code=code)
+            self._ended_on_its_own(rep, failed=True)
         elif rep.state is S.STOPPING:
             if proc.killed:
-                reason = f"{reason} after {self.config.grace:g}s grace"
+                reason = f"{reason} after {self._grace(rep):g}s grace"
             self._transition(rep, S.TERMINATED, reason, exit_code=code)
+            if proc.replace:
+                self._replace(rep, reason="liveness probe failed" if rep.reason == "liveness probe failed"
+                              else "restarted", backoff=rep.reason == "liveness probe failed")
         else:
             self.journal.replica(rep)  # terminal already: only the pid is gone
 
@@ -443,23 +478,32 @@ class Engine:
             self._save_pool(pool)
         return True
 
-    def _ended_on_its_own(self, rep: Replica) -> None:
-        """No restart policy yet: the pool's desired size follows the replica out."""
-        pool = self._pools[rep.pool]
-        pool.desired -= 1
-        self._save_pool(pool)
+    def _grace(self, rep: Replica) -> float:
+        pool = self._pools.get(rep.pool)
+        grace = pool.policy.grace if pool is not None else None
+        return self.config.grace if grace is None else grace
 
     def _signal_and_arm(self, rep: Replica) -> None:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
-        if proc is None:
+        if proc is None or proc.kill_timer is not None:
             return
-        self.os.signal_group(proc.pid, signal.SIGTERM)
-        proc.kill_timer = self.reactor.call_later(self.config.grace, lambda: self._kill_after_grace(proc))
+        pool = self._pools.get(rep.pool)
+        sig = pool.policy.signum if pool is not None else signal.SIGTERM
+        # Walk the tree first: once the group dies, what left it is re-parented out of reach.
+        proc.escaped = self.os.escaped_descendants(proc.pid)
+        self.os.signal_group(proc.pid, sig)
+        for ident in proc.escaped:
+            self.os.signal_verified(ident, sig)
+        proc.kill_timer = self.reactor.call_later(self._grace(rep), lambda: self._kill_after_grace(proc))
 
     def _kill_after_grace(self, proc: _Proc) -> None:
         if not proc.reaped:
             proc.killed = True
+            proc.escaped += self.os.escaped_descendants(proc.pid)
             self.os.signal_group(proc.pid, signal.SIGKILL)
+        for ident in proc.escaped:  # even after the main process is reaped
+            self.os.signal_verified(ident, signal.SIGKILL)
+        proc.escaped = []
 
     def _transition(self, rep: Replica, new: S, reason: str | None = None, *, exit_code: int | None = None) -> None:
         old = transition(rep, new, reason, exit_code=exit_code, clock=self.os.time)
@@ -475,7 +519,7 @@ class Engine:
 
     def _save_pool(self, pool: Pool) -> None:
         if pool.runtime is not None:
-            self.journal.pool(pool.name, pool.runtime.wire, pool.desired, pool.next_n)
+            self.journal.pool(pool.name, pool.stored(), pool.desired, pool.next_n)
 
     def _journal_command(self, op: Any, cmd_id: Any, error: str | None) -> None:
         if op not in protocol.READ_ONLY:
@@ -499,12 +543,13 @@ class Engine:
 
     # -- waiting ------------------------------------------------------------------
 
-    def _add_waiter(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float) -> Any:
-        waiter = Waiter(tuple(ids), until, reply, cmd_id)
+    def _add_waiter(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
+                    *, durable: bool = True) -> Any:
+        waiter = Waiter(tuple(ids), until, reply, cmd_id, durable=durable)
         self._waiters.add(waiter)
         self.reactor.call_later(timeout, lambda: self._outbox.extend(self._waiters.timed_out(waiter)))
         self._dirty = True
-        return _DEFERRED
+        return protocol.DEFERRED
 
     # -- settling a turn ------------------------------------------------------------
 
@@ -512,13 +557,15 @@ class Engine:
         """The end of a turn: waiters checked, one commit, then the replies."""
         if self._dirty:
             self._dirty = False
+            for rollout in list(self._rollouts):
+                rollout.advance()
             if self._waiters:
                 self._outbox.extend(self._waiters.check())
         if self.store is not None:
             self._commit()  # before any reply: an acknowledged command is durable
         if self._outbox:
             out, self._outbox = self._outbox, []
-            for reply, msg in out:
+            for reply, msg, _ in out:
                 reply(msg)
 
     def _commit(self) -> bool:
@@ -533,8 +580,8 @@ class Engine:
             self._store_warned = now
             log.error("state not saved (will retry): %s", err)
         self._outbox = [
-            (reply, protocol.error(msg.get("id"), f"applied, but the state could not be saved: {err}", "store")
-             if msg.get("ok") else msg)
-            for reply, msg in self._outbox
+            (reply, protocol.error(msg.get("id"), f"applied, but the state could not be saved: {err}", "store"), False)
+            if durable and msg.get("ok") else (reply, msg, durable)
+            for reply, msg, durable in self._outbox
         ]
         return False

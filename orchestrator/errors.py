@@ -4,9 +4,11 @@ from __future__ import annotations
 
 
 class OrchestratorError(Exception):
-    """Base of every error this package raises on purpose."""
+    """Base of every error this package raises on purpose. ``data``: what a failed
+    command still has to say (e.g. the ids a launch made before its wait timed out)."""
 
     code = "error"
+    data: object = None
 
 
 class InvalidSpec(OrchestratorError, ValueError):

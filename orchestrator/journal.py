@@ -10,10 +10,13 @@ has the same shape as any other.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from .states import Replica, ReplicaState
 from .store import StoreError
+
+log = logging.getLogger("orchestrator")
 
 
 class Journal:
@@ -23,6 +26,15 @@ class Journal:
     def __init__(self, store: Any, clock: Callable[[], float]) -> None:
         self.store = store
         self.clock = clock
+        # Set by the daemon: how to open a fresh store at the same path, and how to write
+        # the whole table into it, for when state.db is deleted under a running daemon.
+        self.reopen: Callable[[], Any] | None = None
+        self.rebuild: Callable[[], None] | None = None
+        self._file_id = self._current_file_id()
+
+    def _current_file_id(self) -> Any:
+        file_id = getattr(self.store, "file_id", None)
+        return file_id() if file_id is not None else None
 
     def transition(self, rep: Replica, old: ReplicaState | None) -> None:
         """The replica's row and a ``transition`` event (``old`` None: it was just made)."""
@@ -64,8 +76,29 @@ class Journal:
         stays buffered and the next commit retries it)."""
         if self.store is None:
             return None
+        if self.reopen is not None and self.store.pending and self._current_file_id() != self._file_id:
+            self._recreate()
         try:
             self.store.commit()
         except StoreError as err:
             return str(err)
         return None
+
+    def _recreate(self) -> None:
+        """state.db was deleted or replaced: writing on into the unlinked file would lose
+        everything at the next start. Open a new one and write the table from memory."""
+        try:
+            fresh = self.reopen()
+        except StoreError as err:
+            log.error("state.db vanished and cannot be recreated (will retry): %s", err)
+            return
+        log.error("%s was deleted or replaced while the daemon ran: recreated from memory", fresh.path)
+        old, self.store = self.store, fresh
+        self._file_id = self._current_file_id()
+        try:
+            old.hand_over(fresh)
+        except StoreError:
+            pass  # the old file is gone; what it buffered is in the new one already
+        if self.rebuild is not None:
+            self.rebuild()
+        self.event("journal", {"recreated": True, "reason": "state.db vanished while running"})

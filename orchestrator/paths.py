@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import signal
 import os
 import pwd
 import stat
@@ -334,19 +335,51 @@ def running_pid(paths: Paths) -> int | None:
     return None if l_type == fcntl.F_UNLCK else l_pid
 
 
-def take_lock(paths: Paths) -> int | None:
-    """Open (0600) and lock the pid file, write our pid; None if another daemon holds it."""
-    fd = open_checked(paths, PIDFILE_NAME, os.O_RDWR, create=True, tighten=True)
-    try:
+def take_lock(paths: Paths, *, wait: float = 0.0) -> int | None:
+    """Open (0600) and lock the pid file, write our pid; None if another process holds it
+    (for ``wait`` seconds at most: a dead daemon's watchdog holds it while it sweeps).
+
+    The lock must be on the file the path names *now*: whoever held it before may have
+    unlinked it (a clean stop, or that watchdog removing stale files) between our open and
+    our lock, and a lock on an unlinked file guards nothing. So: lock, then compare."""
+    for _ in range(8):
+        fd = open_checked(paths, PIDFILE_NAME, os.O_RDWR, create=True, tighten=True)
+        try:
+            _lock(fd, wait)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN, errno.EINTR):
+                return None
+            raise
+        try:
+            same = os.stat(paths.pidfile, follow_symlinks=False)
+            if (same.st_dev, same.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # unlinked under us: try the new one
+    return None
+
+
+def _lock(fd: int, wait: float) -> None:
+    """lockf(LOCK_EX), giving up after ``wait`` seconds (EINTR) instead of blocking forever:
+    a one-shot interval timer interrupts the blocking call, no polling."""
+    if wait <= 0:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        os.close(fd)
-        if err.errno in (errno.EACCES, errno.EAGAIN):
-            return None
-        raise
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
+        return
+
+    def give_up(signum: int, frame: object) -> None:
+        raise InterruptedError(errno.EINTR, "timed out waiting for the lock")
+
+    old = signal.signal(signal.SIGALRM, give_up)
+    signal.setitimer(signal.ITIMER_REAL, wait)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def open_log(paths: Paths) -> int:

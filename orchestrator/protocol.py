@@ -30,7 +30,8 @@ from .errors import ERROR_TYPES, InvalidSpec, OrchestratorError
 
 MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
 DEFAULT_WAIT = 3600.0  # a wait without a time-out is still bounded
-READ_ONLY = frozenset({"status", "wait", "ping"})  # never journaled, never need the disk
+DEFERRED = object()  # a command handler's result when its reply comes later (a wait)
+READ_ONLY = frozenset({"status", "wait", "ping", "health", "metrics"})  # never journaled, never need the disk
 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _REPLICA_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-([0-9]{1,18})")
@@ -49,10 +50,15 @@ def ok(cmd_id: Any, result: Any) -> dict:
     return {"id": cmd_id, "ok": True, "result": result}
 
 
-def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None) -> dict:
+def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> dict:
+    """An error reply; ``data`` is what the caller may still want (the ids a launch made)."""
     if isinstance(err, OrchestratorError):
-        return {"id": cmd_id, "ok": False, "code": code or err.code, "error": str(err)}
-    return {"id": cmd_id, "ok": False, "code": code or OrchestratorError.code, "error": err}
+        msg = {"id": cmd_id, "ok": False, "code": code or err.code, "error": str(err)}
+    else:
+        msg = {"id": cmd_id, "ok": False, "code": code or OrchestratorError.code, "error": err}
+    if data is not None:
+        msg["data"] = data
+    return msg
 
 
 def raise_reply(msg: dict) -> Any:
@@ -60,7 +66,9 @@ def raise_reply(msg: dict) -> Any:
     if msg.get("ok"):
         return msg.get("result")
     cls = ERROR_TYPES.get(msg.get("code", ""), OrchestratorError)
-    raise cls(msg.get("error", "unknown error"))
+    err = cls(msg.get("error", "unknown error"))
+    err.data = msg.get("data")
+    raise err
 
 
 # -- argument checks ----------------------------------------------------------------

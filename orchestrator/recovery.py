@@ -30,12 +30,15 @@ def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float =
     if not live:
         return 0, 0
     os_api = os_api or OSApi()
+    # Every recorded worker, alive or not: a dead leader's process group may still hold its
+    # grandchildren (the daemon and the watchdog were killed together), and the kernel does
+    # not reuse a pid number while a group of that number exists; the sweep checks that.
     entries = [
         Entry(r["pid"], r["start_time"], r["pid"], "worker", r["id"])
         for r in live
-        if r.get("pid") and r.get("start_time") is not None and is_alive(r["pid"], r["start_time"])
+        if r.get("pid") and r.get("start_time") is not None
     ]
-    killed = {e.pid for e in entries}
+    killed = {e.pid for e in entries if is_alive(e.pid, e.start)}
     if entries:
         os_api.sweep(entries, grace=grace)
     journal = Journal(store, time.time)

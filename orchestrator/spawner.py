@@ -51,9 +51,12 @@ from typing import Any, Callable, Iterable
 
 from setproctitle import setproctitle
 
-from watchdog.identity import start_time
+from watchdog.identity import open_verified, proc_stat, start_time
 from watchdog.ledger import Entry
 from watchdog.reaper import sweep
+
+from .oom import worker_oom_score_adj
+from .worker import Terminated, exit_as_killed, install_sigterm_handler
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -76,6 +79,10 @@ _ALL_SIGNALS = signal.valid_signals()
 # Python ignores these at start-up; a Python worker keeps that, a command must not.
 _PYTHON_IGNORED = (int(signal.SIGPIPE), int(signal.SIGXFSZ))
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+_OOM_SCORE_ADJ_PATH = "/proc/self/oom_score_adj"
+# Replicas first: the kernel's OOM killer takes one before the daemon or its watchdog.
+# Raising needs no privilege (lowering would); a sandbox may still refuse it (EACCES).
+_OOM_SCORE_ADJ = worker_oom_score_adj()  # 500, or the parent's if higher: only a raise
 
 
 def set_pdeathsig(sig: int) -> None:
@@ -194,6 +201,36 @@ class OSApi:
                 return False
         return True
 
+    def escaped_descendants(self, pid: int) -> list[tuple[int, int]]:
+        """(pid, start time) of the descendants of our child ``pid`` that have left its
+        process group (GNU timeout, a shell's job control, setsid), found by walking the
+        kernel's child lists down from it: a group signal would miss them, and once ``pid``
+        dies they are re-parented and their ancestry is gone. Costs one read per process
+        of the tree, nothing for a worker without children."""
+        found: list[tuple[int, int]] = []
+        stack = [pid]
+        seen = {pid}
+        while stack:
+            for child in _children(stack.pop()):
+                st = proc_stat(child)
+                if st is None or child in seen:
+                    continue
+                seen.add(child)
+                if st.pgrp != pid:
+                    found.append((child, st.start_time))
+                stack.append(child)
+        return found
+
+    def signal_verified(self, ident: tuple[int, int], sig: int) -> bool:
+        """Signal the process ``(pid, start time)`` if it is still that process."""
+        fd = open_verified(*ident)
+        if fd is None:
+            return False
+        try:
+            return signal_pidfd(fd, sig)
+        finally:
+            os.close(fd)
+
     def kill_child(self, pid: int, sig: int) -> bool:
         """Signal one of OUR unreaped children (a system child: manager, watchdog)."""
         try:
@@ -256,6 +293,14 @@ def _child(
             set_pdeathsig(pdeathsig)
             if os.getppid() != parent:
                 os._exit(128 + int(pdeathsig))  # the parent died before the signal was armed
+        try:  # one open/write/close (~3 µs): inherited by whatever the replica runs
+            fd = os.open(_OOM_SCORE_ADJ_PATH, os.O_WRONLY)
+            try:
+                os.write(fd, _OOM_SCORE_ADJ)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
         _signal.set_wakeup_fd(-1)
         # _signal, not signal: the wrappers turn every old handler into an enum, ~20x slower
         for sig in _RESET_SIGNALS:
@@ -274,6 +319,12 @@ def _child(
             resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
         if plan.cwd is not None:
             os.chdir(plan.cwd)
+        if plan.run is not None:
+            # Right before the mask is cleared: a SIGTERM that came after fork is pending,
+            # and raises Terminated out of pthread_sigmask below, which ends the worker as
+            # the signal would have (except Terminated, below); one arriving later during
+            # our setup or the target's import does the same. Never for a command: it execs.
+            install_sigterm_handler()
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         if plan.argv is not None:
             os.execve(plan.exe, plan.argv, plan.env)  # type: ignore[arg-type]
@@ -285,6 +336,8 @@ def _child(
         os.close(ready_w)
         ready_w = -1
         code = _run_python(run)  # type: ignore[arg-type]
+    except Terminated as term:  # SIGTERM during our setup, or late (in _run_python's own handlers)
+        exit_as_killed(term.signum)
     except BaseException as err:
         if ready_w >= 0:
             msg = f"{type(err).__name__}: {err}".replace("\n", " ")[:1000]
@@ -304,9 +357,12 @@ def _child(
 
 
 def _run_python(run: Callable[[], Any]) -> int:
-    """Run a Python target; its exit code as a process would have it."""
+    """Run a Python target; its exit code as a process would have it. An uncaught
+    Terminated (SIGTERM) does not return: the worker dies of the signal."""
     try:
         run()
+    except Terminated as term:
+        exit_as_killed(term.signum)
     except SystemExit as exc:
         if exc.code is None:
             return 0
@@ -320,6 +376,23 @@ def _run_python(run: Callable[[], Any]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc/PID/task/*/children (any of its threads may
+    have forked them)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return out
 
 
 def signal_pidfd(pidfd: int, sig: int) -> bool:

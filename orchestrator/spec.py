@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import InvalidSpec
+from .spawner import LaunchPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +28,7 @@ class WorkerSpec:
     func: Callable[[], Any] | None = None
     pickled: bytes | None = None
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # absolute; None: wherever the forking process is
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.command, self.target, self.func, self.pickled)]
@@ -46,12 +48,22 @@ class WorkerSpec:
             raise InvalidSpec("target is not callable")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise InvalidSpec("env must map strings to strings")
+        if any(not k or "=" in k for k in self.env):
+            raise InvalidSpec("env names must be non-empty and hold no '='")
+        if self.cwd is not None and (not isinstance(self.cwd, str) or not os.path.isabs(self.cwd)):
+            raise InvalidSpec(f"cwd must be an absolute path, got {self.cwd!r}")
+        # The kernel takes C strings: a NUL would make exec raise deep in the spawn path.
+        texts = [*(self.command or ()), self.target or "", self.cwd or "", *self.env, *self.env.values()]
+        if any("\0" in t for t in texts):
+            raise InvalidSpec("a command, target, cwd or env entry holds a NUL byte")
 
     # -- the wire -------------------------------------------------------------------
 
     def to_wire(self) -> dict:
         """Plain data for the channel; a live callable is pickled here, on the caller's side."""
         wire: dict[str, Any] = {"env": dict(self.env)} if self.env else {}
+        if self.cwd is not None:
+            wire["cwd"] = self.cwd
         if self.command is not None:
             wire["command"] = list(self.command)
         elif self.target is not None:
@@ -69,7 +81,7 @@ class WorkerSpec:
     def from_wire(cls, wire: Any) -> "WorkerSpec":
         if not isinstance(wire, dict):
             raise InvalidSpec("spec must be an object")
-        unknown = set(wire) - {"command", "target", "pickled", "env"}
+        unknown = set(wire) - {"command", "target", "pickled", "env", "cwd"}
         if unknown:
             raise InvalidSpec(f"unknown spec field(s): {', '.join(sorted(unknown))}")
         env = wire.get("env") or {}
@@ -89,19 +101,22 @@ class WorkerSpec:
         target = wire.get("target")
         if target is not None and not isinstance(target, str):
             raise InvalidSpec("target must be MODULE:FUNCTION")
-        return cls(command=command, target=target, pickled=pickled, env=env)
+        return cls(command=command, target=target, pickled=pickled, env=env, cwd=wire.get("cwd"))
 
 
 def make_spec(
     command: Sequence[str] | None = None,
     target: str | Callable[[], Any] | None = None,
     env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
 ) -> WorkerSpec:
-    """A WorkerSpec from the arguments the API and the CLI take."""
+    """A WorkerSpec from the arguments the API and the CLI take; a relative ``cwd`` is the
+    caller's, made absolute here."""
+    where = os.path.abspath(cwd) if cwd is not None else None
     if callable(target):
-        return WorkerSpec(func=target, env=dict(env or {}))
+        return WorkerSpec(func=target, env=dict(env or {}), cwd=where)
     return WorkerSpec(
-        command=tuple(command) if command is not None else None, target=target, env=dict(env or {})
+        command=tuple(command) if command is not None else None, target=target, env=dict(env or {}), cwd=where
     )
 
 
@@ -130,10 +145,13 @@ def resolve_target(target: str) -> Callable[[], Any]:
     return obj
 
 
-def resolve_executable(command: tuple[str, ...], env: dict[str, str]) -> str:
-    """The absolute path exec will run; resolved once per launch, not in every child."""
+def resolve_executable(command: tuple[str, ...], env: dict[str, str], cwd: str | None = None) -> str:
+    """The absolute path exec will run; resolved once per launch, not in every child. A
+    relative path (``./run.sh``) is the launching caller's: relative to the spec's cwd."""
     prog = command[0]
     if os.sep in prog:
+        if cwd is not None:
+            prog = os.path.join(cwd, prog)
         if not os.access(prog, os.X_OK):
             raise InvalidSpec(f"not an executable file: {prog}")
         return prog
@@ -148,20 +166,50 @@ class Runtime:
     """A spec made ready to fork: resolved once per launch, reused for every replica."""
 
     wire: dict  # the spec as it is stored and sent
+    cwd: str | None = None
     run: Any = None  # callable, or pickled bytes only the child loads
     argv: tuple[str, ...] | None = None
     exe: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    templated: bool = False  # argv or env hold {slot}/{port}: expanded per replica
+
+    def plan(self, replica_id: str, pool: str, slot: int | None, port: int | None, token: str | None) -> LaunchPlan:
+        """What one replica is made from: its argv and environment, slot and port filled in."""
+        env = {"ORCHESTRATOR_REPLICA_ID": replica_id, "ORCHESTRATOR_POOL": pool}
+        if token:
+            env["ORCHESTRATOR_DAEMON_TOKEN"] = token
+        if slot is not None:
+            env["ORCHESTRATOR_SLOT"] = str(slot)
+            if port is not None:
+                env["PORT"] = str(port)
+        argv = self.argv
+        if self.env:  # a command's whole environment, or a Python target's additions
+            extra = {k: expand(v, slot, port) for k, v in self.env.items()} if self.templated else self.env
+            env = {**extra, **env}
+        if self.templated and argv is not None:
+            argv = tuple(expand(a, slot, port) for a in argv)
+        return LaunchPlan(replica_id, argv, self.exe, self.run, env, self.cwd)
+
+
+def expand(text: str, slot: int | None, port: int | None) -> str:
+    """``{slot}`` and ``{port}``, and nothing else: a command's own braces stay as they are."""
+    if slot is not None:
+        text = text.replace("{slot}", str(slot))
+    if port is not None:
+        text = text.replace("{port}", str(port))
+    return text
 
 
 def prepare(wire: Any, base_env: dict[str, str]) -> Runtime:
     """Check a wire spec and resolve what every replica of it needs (the executable's
     path, a command's whole environment); a bad spec raises InvalidSpec."""
     spec = WorkerSpec.from_wire(wire)
-    rt = Runtime(spec.to_wire())
+    if spec.cwd is not None and not os.path.isdir(spec.cwd):
+        raise InvalidSpec(f"cwd is not a directory: {spec.cwd}")
+    rt = Runtime(spec.to_wire(), spec.cwd)
     if spec.command is not None:
         env = {**base_env, **spec.env}
-        rt.argv, rt.exe, rt.env = spec.command, resolve_executable(spec.command, env), env
+        rt.argv, rt.exe, rt.env = spec.command, resolve_executable(spec.command, env, spec.cwd), env
     else:
         rt.env = dict(spec.env)
         if spec.target is not None:
@@ -170,4 +218,5 @@ def prepare(wire: Any, base_env: dict[str, str]) -> Runtime:
             import dill  # noqa: F401  (loaded once here, not in every forked worker)
 
             rt.run = spec.pickled
+    rt.templated = any("{slot}" in t or "{port}" in t for t in (*(spec.command or ()), *spec.env.values()))
     return rt

@@ -81,6 +81,10 @@ class Replica:
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
     ended_at: float | None = None
+    slot: int | None = None
+    restarts: int = 0  # replacements of its slot before it
+    ready: bool = False  # has been ready (RUNNING) at least once
+    started_at: float | None = None  # wall clock when it became RUNNING
 
     def to_dict(self) -> dict:
         return {
@@ -92,6 +96,10 @@ class Replica:
             "reason": self.reason,
             "created_at": self.created_at,
             "ended_at": self.ended_at,
+            "slot": self.slot,
+            "restarts": self.restarts,
+            "ready": self.ready,
+            "started_at": self.started_at,
         }
 
     @classmethod
@@ -101,6 +109,8 @@ class Replica:
             rec["id"], rec["pool"], int(rec["n"]), ReplicaState(rec["state"]),
             pid=rec.get("pid"), start_time=rec.get("start_time"), exit_code=rec.get("exit_code"),
             reason=rec.get("reason"), created_at=rec.get("created_at") or 0.0, ended_at=rec.get("ended_at"),
+            slot=rec.get("slot"), restarts=rec.get("restarts") or 0, ready=bool(rec.get("ready")),
+            started_at=rec.get("started_at"),
         )
 
     def to_record(self) -> dict:

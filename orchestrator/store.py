@@ -86,6 +86,7 @@ import time
 import urllib.parse
 from typing import Any, Iterable
 
+from .errors import OrchestratorError
 from .states import TERMINAL
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -189,8 +190,10 @@ else:  # pragma: no cover - interpreters without the C accelerator
 _loads = json.loads
 
 
-class StoreError(Exception):
+class StoreError(OrchestratorError):
     """The store cannot do its job; the message is one line meant for the operator."""
+
+    code = "store"
 
 
 def _code(e: sqlite3.Error) -> int:
@@ -349,7 +352,7 @@ class Store:
         except sqlite3.Error as e:
             raise self._sql_error(e, "opening") from e
 
-    def _connect_reader(self) -> sqlite3.Connection:
+    def _connect_reader(self) -> sqlite3.Connection | None:
         conn = self._ro_connect()
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -360,6 +363,11 @@ class Store:
             conn.close()
             raise StoreError(f"state db {self.path} has schema version {version}, newer than "
                              f"this orchestrator supports ({SCHEMA_VERSION})")
+        if version == 0:
+            # An empty file (a daemon that died while creating it, a `touch`): nothing was
+            # ever journaled here, so a reader sees nothing, and tries again next time.
+            conn.close()
+            return None
         return conn
 
     def _move_aside(self) -> str:
@@ -508,6 +516,28 @@ class Store:
     def pending(self) -> int:
         """Number of buffered rows not yet committed."""
         return len(self._pools) + len(self._replicas) + len(self._events)
+
+    def file_id(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the database file now; None if it is gone."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def hand_over(self, other: "Store") -> None:
+        """Move what is buffered and not committed into ``other`` (a journal recreated
+        after this one's file vanished), and close this one without writing."""
+        other._pools.update(self._pools)
+        other._replicas.update(self._replicas)
+        for pool, n in self._bump.items():
+            other._bump[pool] = max(n, other._bump.get(pool, 0))
+        other._events.extend(self._events)
+        self._pools.clear()
+        self._replicas.clear()
+        self._bump.clear()
+        self._events.clear()
+        self.close()
 
     def commit(self) -> None:
         """Write everything buffered in one transaction. No-op when nothing is buffered.

@@ -7,6 +7,7 @@ waits, is written once, here.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 from .protocol import client_bound
@@ -38,15 +39,29 @@ class Verbs:
         command: Sequence[str] | None = None,
         *,
         target: str | Callable[[], Any] | None = None,
-        count: int = 1,
+        count: int | None = None,
         env: dict[str, str] | None = None,
         wait: bool = False,
         timeout: float | None = None,
+        cwd: str | os.PathLike | None = None,
+        policy: dict[str, Any] | None = None,
+        replace: bool = False,
     ) -> list[str]:
-        """Add ``count`` replicas to ``pool``; returns their ids. ``wait``: until each runs."""
-        spec = make_spec(command, target, env).to_wire()
-        args = {"pool": pool, "count": count, "spec": spec, "wait": wait, "timeout": timeout}
-        return list(self.call("launch", args, client_bound(timeout)))
+        """Add ``count`` (default 1) replicas to ``pool``; returns their ids. ``wait``: until
+        each is ready. ``cwd``: where they run (default: this process's working directory, so
+        that a relative path means what it means to the caller). ``policy``: the pool's
+        restart policy and probes (keys of policy.Policy); a pool runs one spec and one
+        policy: ``replace`` rolls it onto new ones (``count`` is then its new size)."""
+        spec = make_spec(command, target, env, os.getcwd() if cwd is None else cwd).to_wire()
+        args: dict[str, Any] = {"pool": pool, "spec": spec, "wait": wait, "timeout": timeout}
+        if count is not None:
+            args["count"] = count
+        if policy:
+            args["policy"] = policy
+        if replace:
+            args["replace"] = True
+        result = self.call("launch", args, client_bound(timeout if timeout is not None or not replace else 3600.0))
+        return list(result["ids"]) if isinstance(result, dict) and "ids" in result else list(result)
 
     def terminate(self, *ids: str | Sequence[str], wait: bool = False, timeout: float | None = None) -> list[str]:
         """Stop these replicas; already-ended ones are a no-op. ``wait``: until reaped."""
@@ -71,6 +86,30 @@ class Verbs:
     def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict:
         """Block until every replica is RUNNING (or ended), or ``until="ended"``: reaped."""
         return self.call("wait", {"ids": _ids([ids]), "until": until, "timeout": timeout}, client_bound(timeout))
+
+    def restart(self, *ids: str | Sequence[str], pool: str | None = None, max_unavailable: int = 1,
+                timeout: float = 600.0) -> dict:
+        """Replace replicas (or a whole pool, rolling) with new ones; returns once every new
+        one is ready: ``{"pool", "replaced": {old: new}, "pending": [...]}``."""
+        args: dict[str, Any] = {"timeout": timeout}
+        if pool is not None:
+            args.update(pool=pool, max_unavailable=max_unavailable)
+        else:
+            args["ids"] = _ids(ids)
+        return self.call("restart", args, client_bound(timeout))
+
+    def delete(self, pool: str) -> dict:
+        """Terminate a pool's replicas and forget the pool."""
+        return self.call("delete", {"pool": pool})
+
+    def signal(self, sig: str | int, *ids: str | Sequence[str], pool: str | None = None) -> dict:
+        """Send ``sig`` to replicas' process trees (or to every replica of ``pool``)."""
+        args: dict[str, Any] = {"signal": sig}
+        if pool is not None:
+            args["pool"] = pool
+        else:
+            args["ids"] = _ids(ids)
+        return self.call("signal", args)
 
     def ping(self) -> str:
         return self.call("ping")

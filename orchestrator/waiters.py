@@ -17,7 +17,7 @@ from .states import Replica
 from .states import ReplicaState as S
 
 Reply = Callable[[dict], None]
-Out = list[tuple[Reply, dict]]
+Out = list[tuple[Reply, dict, bool]]
 
 
 @dataclass(eq=False)
@@ -26,6 +26,7 @@ class Waiter:
     until: str  # "running" | "ended"
     reply: Reply
     cmd_id: Any
+    durable: bool = True  # the reply of a command that changed state (see Engine._outbox)
     done: bool = False
 
 
@@ -48,15 +49,11 @@ class Waiters:
     def _result(self, waiter: Waiter) -> dict | None:
         states = {}
         for rid in waiter.ids:
-            rep = self._replicas.get(rid)
-            if rep is None:
-                continue  # ended long ago
-            if waiter.until == "running":
-                if rep.state in (S.PENDING, S.STARTING):
-                    return None
-            elif not rep.state.terminal or rep.pid is not None:
+            if not self._done(rid, waiter.until):
                 return None
-            states[rid] = rep.state.value
+            rep = self._replicas.get(rid)
+            if rep is not None:  # else it ended long ago
+                states[rid] = rep.state.value
         return states
 
     def check(self) -> Out:
@@ -71,7 +68,7 @@ class Waiters:
                 keep.append(w)
                 continue
             w.done = True
-            out.append((w.reply, protocol.ok(w.cmd_id, states)))
+            out.append((w.reply, protocol.ok(w.cmd_id, states), w.durable))
         self._open = keep
         return out
 
@@ -79,11 +76,22 @@ class Waiters:
         if waiter.done:
             return []
         waiter.done = True
-        error = f"timed out waiting for {len(waiter.ids)} replica(s) to be {waiter.until}"
-        return [(waiter.reply, protocol.error(waiter.cmd_id, error, "timeout"))]
+        late = [rid for rid in waiter.ids if not self._done(rid, waiter.until)]
+        shown = ", ".join(late[:10]) + (f" and {len(late) - 10} more" if len(late) > 10 else "")
+        error = f"timed out: not yet {'ready' if waiter.until == 'running' else 'ended'}: {shown}"
+        data = {"ids": list(waiter.ids), "late": late}
+        return [(waiter.reply, protocol.error(waiter.cmd_id, error, "timeout", data=data), False)]
+
+    def _done(self, rid: str, until: str) -> bool:
+        rep = self._replicas.get(rid)
+        if rep is None:
+            return True
+        if until == "running":
+            return rep.state not in (S.PENDING, S.STARTING)
+        return rep.state.terminal and rep.pid is None
 
     def fail_all(self, err: OrchestratorError) -> Out:
-        out = [(w.reply, protocol.error(w.cmd_id, err)) for w in self._open if not w.done]
+        out: Out = [(w.reply, protocol.error(w.cmd_id, err), False) for w in self._open if not w.done]
         for w in self._open:
             w.done = True
         self._open = []

@@ -31,6 +31,7 @@ from orchestrator.states import TRANSITIONS, ReplicaState
 
 S = ReplicaState
 SPEC = {"command": ["sleep", "1000"]}
+NO_RESTART = {"restart": "never"}
 LIVE = ("PENDING", "STARTING", "RUNNING")
 
 
@@ -96,6 +97,13 @@ class FakeOS:
         elif sig == signal.SIGTERM and p.on_term == "exit0":
             self.exit(pgid, 0)  # it was ending anyway and got there first
         return True
+
+    def escaped_descendants(self, pid: int) -> list[tuple[int, int]]:
+        return []  # fake processes fork nothing
+
+    def signal_verified(self, ident: tuple[int, int], sig: int) -> bool:
+        self.violations.append(f"signal {sig} to {ident}, which no fake process forked")
+        return False
 
     def reap(self, pid: int) -> int | None:
         p = self.procs[pid]
@@ -246,6 +254,8 @@ class Harness:
         return row["desired"]
 
     def launch(self, pool: str = "web", count: int = 1, **args) -> list[str]:
+        # These tests are of the table, not of the restart policy: nothing is replaced.
+        args.setdefault("policy", NO_RESTART)
         return self.ok("launch", pool=pool, count=count, spec=args.pop("spec", SPEC), **args)
 
     def running(self, pool: str = "web", count: int = 1) -> list[str]:
@@ -394,7 +404,7 @@ def test_spawn_error_is_failed_and_the_loop_goes_on(h, fake):
 
 def test_terminate_while_pending_is_interrupted_and_never_spawned(h, fake):
     box: list[dict] = []
-    h.engine.handle({"op": "launch", "args": {"pool": "web", "spec": SPEC}}, box.append)
+    h.engine.handle({"op": "launch", "args": {"pool": "web", "spec": SPEC, "policy": NO_RESTART}}, box.append)
     assert h.state("web-1") == "PENDING"
     assert h.ok("terminate", ids=["web-1"]) == ["web-1"]
     for _ in range(3):
@@ -830,7 +840,7 @@ def test_shutdown_terminates_everything(make_h, fake):
     h.launch()  # web-2 STARTING
     waiting = h.send("wait", ids=["web-2"], until="running")  # answered once web-2 leaves STARTING
     box: list[dict] = []
-    h.engine.handle({"op": "launch", "args": {"pool": "web", "spec": SPEC}}, box.append)  # web-3 PENDING
+    h.engine.handle({"op": "launch", "args": {"pool": "web", "spec": SPEC, "policy": NO_RESTART}}, box.append)  # web-3 PENDING
     assert [h.state(f"web-{n}") for n in (1, 2, 3)] == ["RUNNING", "STARTING", "PENDING"]
     h.engine.shutdown()
     rows = {r["id"]: r for r in h.status()["replicas"]}
@@ -990,10 +1000,10 @@ def test_terminate_right_after_launch_never_leaks_nor_waits_the_grace(make_orche
     worst = 0.0
     try:
         for i in range(200):
-            if i % 2:
-                (rid,) = orch.launch("quick", ["sleep", "1000"])
+            if i % 2:  # one pool per spec: a pool runs one spec
+                (rid,) = orch.launch("quick-cmd", ["sleep", "1000"])
             else:
-                (rid,) = orch.launch("quick", target=_sleeper)
+                (rid,) = orch.launch("quick-py", target=_sleeper)
             t0 = time.monotonic()
             assert orch.terminate(rid, wait=True, timeout=3 * grace) == [rid]
             worst = max(worst, time.monotonic() - t0)

@@ -149,5 +149,7 @@ def test_state_values_and_record_shape():
     assert rep.to_dict() == {
         "id": "web-1", "pool": "web", "state": "PENDING", "pid": None, "exit_code": None,
         "reason": None, "created_at": 100.0, "ended_at": None,
+        # added by the restart policy (the contract allows extra keys, never renames)
+        "slot": None, "restarts": 0, "ready": False, "started_at": None,
     }  # fmt: skip
     assert rep.to_record() == {**rep.to_dict(), "n": 1, "start_time": None}

@@ -18,6 +18,7 @@ import traceback
 
 import pytest
 
+from orchestrator import OrchestratorError
 from orchestrator.states import TRANSITIONS, ReplicaState
 from test_engine import FakeOS, Harness
 
@@ -50,31 +51,45 @@ def _reachable(old: S, new: S) -> bool:
 # -- workers (forked: closures and partials are fine) -------------------------------------
 
 
-def _work(delay: float, code: int) -> None:
+DELAYS = (0.0, 0.001, 0.005, 0.02, 0.05, 0.1)
+CODES = (0, 0, 0, 1, 3, 255)
+
+
+def _lot(seed: int) -> tuple[float, int]:
+    """This replica's delay and exit code: random, but fixed by the seed and its id (a pool
+    runs one spec, so the randomness lives in the worker, not in its launch)."""
+    rng = random.Random(f"{seed}:{os.environ['ORCHESTRATOR_REPLICA_ID']}")
+    return rng.choice(DELAYS), rng.choice(CODES)
+
+
+def _work(seed: int) -> None:
+    delay, code = _lot(seed)
     time.sleep(delay)
     sys.exit(code)
 
 
-def _stubborn(delay: float, code: int) -> None:
+def _stubborn(seed: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(delay)
+    delay, code = _lot(seed)
+    time.sleep(delay * 3)
     sys.exit(code)
 
 
-def _random_worker(rng: random.Random) -> tuple[dict, float]:
-    """Launch arguments of one random worker, and about how long it lives."""
-    delay = rng.choice((0.0, 0.001, 0.005, 0.02, 0.05, 0.1))
-    code = rng.choice((0, 0, 0, 1, 3, 255))
-    kind = rng.random()
-    if kind < 0.35:
-        return {"command": ["sh", "-c", f"sleep {delay:.3f}; exit {code}"]}, delay
-    if kind < 0.75:
-        return {"target": functools.partial(_work, delay, code)}, delay
-    if kind < 0.85:
-        return {"target": functools.partial(_stubborn, delay * 3, code)}, delay * 3
-    if kind < 0.93:
-        return {"command": ["sleep", "1000"]}, 1000.0
-    return {"command": ["sh", "-c", "kill -9 $$"]}, 0.0  # dies of a signal on its own
+def _kinds(seed: int) -> dict[str, tuple[dict, float]]:
+    """Worker kinds: launch arguments, and about how long one lives at most."""
+    return {
+        "sh": ({"command": ["sh", "-c", "sleep 0.0$(($$ % 6)); exit $(($$ % 4))"]}, 0.06),
+        "py": ({"target": functools.partial(_work, seed)}, 0.1),
+        "stubborn": ({"target": functools.partial(_stubborn, seed)}, 0.3),
+        "sleep": ({"command": ["sleep", "1000"]}, 1000.0),
+        "kill": ({"command": ["sh", "-c", "kill -9 $$"]}, 0.0),  # dies of a signal on its own
+    }
+
+
+def _random_worker(rng: random.Random, kinds: dict) -> tuple[str, dict, float]:
+    """A kind (the pool runs it), its launch arguments, and about how long it lives."""
+    kind = rng.choices(list(kinds), weights=(35, 40, 10, 8, 7))[0]
+    return (kind, *kinds[kind])
 
 
 # -- real processes -----------------------------------------------------------------------
@@ -91,6 +106,8 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
     histories: dict[str, list[tuple]] = {}
     violations: list[str] = []
     polls = [0]
+    kinds = _kinds(seed)
+    never = {"restart": "never"}  # the table under churn, not the restart policy (below)
 
     def record_error(where: str) -> None:
         with lock:
@@ -102,13 +119,14 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
         mine = per_thread.setdefault(k, [])
         try:
             while not stop.is_set():
-                pool = rng.choice(POOLS)
+                base = rng.choice(POOLS)
                 roll = rng.random()
                 if roll < 0.45:
-                    spec, life = _random_worker(rng)
+                    kind, spec, life = _random_worker(rng, kinds)
+                    pool = f"{base}-{kind}"  # a pool runs one spec
                     wait = rng.random() < 0.4
                     ids = orch.launch(pool, spec.get("command"), target=spec.get("target"),
-                                      count=rng.randint(1, 3), wait=wait, timeout=30)
+                                      count=rng.randint(1, 3), wait=wait, timeout=30, policy=never)
                     mine += ids
                     with lock:
                         launched.extend(ids)
@@ -124,7 +142,7 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
                         orch.terminate(*ids, wait=rng.random() < 0.3, timeout=30)
                 else:
                     n = rng.randint(0, 4)
-                    result = orch.scale(pool, n, command=["sleep", "1000"])
+                    result = orch.scale(f"{base}-scaled", n, command=["sleep", "1000"])
                     assert result["desired"] == n
                     mine += result["launched"]
                     with lock:
@@ -193,7 +211,7 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
     # Ids are never reused; within a pool, n grows with the order of creation.
     assert len(launched) == len(set(launched)), ctx
     for k, mine in per_thread.items():
-        for pool in POOLS:
+        for pool in {p["name"] for p in final["pools"]}:
             ns = [int(i.rpartition("-")[2]) for i in mine if i.rpartition("-")[0] == pool]
             assert ns == sorted(ns) and len(ns) == len(set(ns)), (ctx, k, pool)
     rows = sorted(final["replicas"], key=lambda r: (r["pool"], int(r["id"].rpartition("-")[2])))
@@ -203,6 +221,95 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
     # No process the test started is left: none alive, none unreaped.
     assert not procs.survivors(), ctx
     assert not procs.new_descendants(), ctx
+
+
+def test_random_crashes_under_restart_always(make_orchestrator, procs):
+    """Replicas SIGKILLed, segfaulting and exiting 0 at odd moments under --restart always,
+    while other threads scale, terminate and roll the pool: no exception anywhere, no id
+    reused, and once the crashes stop, the pool's live count comes back to its size."""
+    seed = _seed()
+    rng = random.Random(seed)
+    orch = make_orchestrator(grace=0.3)
+    policy = {"restart": "always", "backoff": [0.0, 0.05], "max_restarts": [100_000, 1]}
+    sizes = {"web": 6, "py": 4}
+    orch.launch("web", ["sleep", "1000"], count=sizes["web"], policy=policy)
+    orch.launch("py", target=functools.partial(time.sleep, 1000), count=sizes["py"], policy=policy)
+    stop = threading.Event()
+    errors: list[str] = []
+    seen_ids: set[str] = set()
+
+    def guarded(name, body) -> None:
+        try:
+            while not stop.is_set():
+                body()
+        except BaseException:
+            errors.append(f"{name}: {traceback.format_exc()}")
+            stop.set()
+
+    def crash() -> None:
+        st = orch.status()
+        victims = [r for r in st["replicas"] if r["pid"] and r["state"] == "RUNNING"]
+        for r in victims:
+            seen_ids.add(r["id"])
+        if victims:
+            r = rng.choice(victims)
+            procs.track(r["pid"])
+            try:
+                os.kill(r["pid"], rng.choice((signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM)))
+            except ProcessLookupError:
+                pass  # it ended meanwhile (and its pid is still pinned until we reaped it)
+        time.sleep(rng.uniform(0, 0.03))
+
+    def operate() -> None:
+        op = rng.random()
+        pool = rng.choice(list(sizes))
+        if op < 0.4:
+            sizes[pool] = rng.randint(2, 6)
+            orch.scale(pool, sizes[pool])
+        elif op < 0.6 and rng.random() < 0.3:
+            try:
+                orch.restart(pool=pool, max_unavailable=2, timeout=30)
+            except OrchestratorError as err:  # a new replica crashed too: that rollout stops
+                assert "failed" in str(err) or "timed out" in str(err), err
+        else:
+            live = [r["id"] for r in orch.status()["replicas"] if r["pool"] == pool and r["state"] == "RUNNING"]
+            if live and len(live) > 2:
+                orch.terminate(rng.choice(live))
+                sizes[pool] = max(0, sizes[pool] - 1)
+        time.sleep(rng.uniform(0, 0.05))
+
+    threads = [threading.Thread(target=guarded, args=("crasher", crash)),
+               threading.Thread(target=guarded, args=("operator", operate))]
+    for t in threads:
+        t.start()
+    stop.wait(min(SECONDS, 6))
+    stop.set()
+    for t in threads:
+        t.join(60)
+    ctx = f"seed {seed}"
+    assert not errors, f"{ctx}:\n" + "\n".join(errors)
+
+    def settled() -> bool:
+        st = orch.status()
+        for p in st["pools"]:
+            running = [r for r in st["replicas"] if r["pool"] == p["name"] and r["state"] == "RUNNING"]
+            if p["state"] != "ok" or len(running) != p["desired"] or len(st["replicas"]) != sum(
+                    q["desired"] for q in st["pools"]):
+                return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while not settled():
+        assert time.monotonic() < deadline, f"{ctx}: the pools did not come back: {orch.status()}"
+        time.sleep(0.02)
+    st = orch.status(all=True)
+    ids = [r["id"] for r in st["replicas"]]
+    assert len(ids) == len(set(ids)), ctx
+    for p in st["pools"]:
+        slots = sorted(r["slot"] for r in st["replicas"] if r["pool"] == p["name"] and r["state"] == "RUNNING")
+        # One replica a slot (a terminate frees a slot anywhere, so not always 0..size-1).
+        assert len(slots) == len(set(slots)) == p["desired"], (ctx, p, slots)
+        assert p["restarts"] > 0, (ctx, p)
 
 
 # -- the exit/terminate race on the fake OS (a terminate racing the reaper) ---------------------

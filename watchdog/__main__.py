@@ -26,6 +26,7 @@ Flow:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import resource
@@ -56,6 +57,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--token", default=None, help="also kill processes with this ORCHESTRATOR_DAEMON_TOKEN")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE, help="SIGTERM to SIGKILL, seconds")
     parser.add_argument("--remove", action="append", default=[], metavar="PATH", help="stale file or dir")
+    parser.add_argument("--lock", default=None, metavar="PATH",
+                        help="the parent's lock file: files are removed only while we hold its lock")
     return parser.parse_args(argv)
 
 
@@ -104,6 +107,25 @@ class _Feed:
                 break
             self.ledger.feed(data)
         return True
+
+
+def _take_lock(path: str | None) -> int | None:
+    """Take the dead parent's lock (a POSIX lock on its pid file), so that no new daemon can
+    start on this state dir while we sweep, and so that the stale files we remove are
+    proven stale: if a new daemon holds the lock already, the files are its own. Returns
+    the locked fd (the lock goes when we exit), or None if someone else holds it."""
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # gone: nothing of the parent's is left to remove by that name
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _remove(paths: Sequence[str]) -> list[dict[str, str]]:
@@ -205,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_cgroups = time.monotonic()
     cgroups = sweep_cgroups(ledger.cgroups)
     cgroups_ms = round((time.monotonic() - t_cgroups) * 1e3, 3)
+    lock_fd = _take_lock(args.lock)
     report = sweep(
         ledger.entries.values(),
         args.token,
@@ -212,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=args.grace,
         protect_pgids=protect,
     )
-    removed = _remove(args.remove)
+    # Another daemon already holds the lock: the files are its, not stale.
+    removed = _remove(args.remove) if args.lock is None or lock_fd is not None else [
+        {"path": p, "status": "kept: a new daemon holds the lock"} for p in args.remove]
     report["timings_ms"]["cgroups"] = cgroups_ms
     report.update(
         reason=reason,
@@ -230,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         removed=removed,
     )
     _write_report(args.state_dir, report)
-    return 0
+    return 0  # the lock, if we took it, goes with us
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class WatchdogLink:
         token: str | None = None,
         grace: float = 0.2,
         remove_files: Sequence[str] = (),
+        lock_file: str | None = None,
         python: str = sys.executable,
         batch: bool = False,
     ) -> None:
@@ -72,6 +73,7 @@ class WatchdogLink:
         self.token = token
         self.grace = grace
         self.remove_files = [os.fspath(p) for p in remove_files]
+        self.lock_file = os.fspath(lock_file) if lock_file is not None else None
         self.python = python
         # batch: add()/remove() only buffer, and the caller flush()es once per loop turn.
         # Each write wakes the watchdog; one per turn instead of two per replica is what
@@ -158,6 +160,8 @@ class WatchdogLink:
             argv += ["--token", self.token]
         for path in self.remove_files:
             argv += ["--remove", path]
+        if self.lock_file is not None:
+            argv += ["--lock", self.lock_file]
         return argv
 
     def stop(self) -> None:

@@ -1,0 +1,152 @@
+"""How a pool is supervised: its restart policy, probes, stop signal, ports.
+
+A ``Policy`` travels as plain data beside the spec (what runs) in ``launch``, is stored
+with the pool, and is compared with the pool's current one: a launch into an existing pool
+with another spec or policy is refused unless it asks to ``replace`` (a rolling restart
+onto the new one). The flags of ``launch`` and the keys of a config file's ``[pools.NAME]``
+table are the same names (``--max-restarts`` is ``max_restarts``).
+
+    restart        always | on-failure | never       replace a replica that ended on its own
+    backoff        [MIN, MAX] seconds               exponential with jitter, per slot
+    healthy_after  seconds RUNNING                  then the slot's backoff starts over
+    max_restarts   [N, S]                           the (N+1)-th replacement within S s: crashloop
+    ready          probe (see probes.py)            RUNNING only once ready
+    ready_timeout  seconds                          not ready by then: FAILED
+    start_secs     seconds                          without a probe: ready once it ran this long
+    live           probe, live_interval, live_failures   liveness; misses in a row: replaced
+    stop_signal    TERM, INT, HUP, ...              how a replica is asked to stop
+    grace          seconds                          before SIGKILL (None: the daemon's)
+    port_base      N                                slot s gets port N + s ({port}, $PORT)
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from . import probes
+from .errors import InvalidSpec
+
+RESTART_MODES = ("always", "on-failure", "never")
+
+
+def _number(value: Any, key: str, *, low: float = 0.0, integer: bool = False, above: bool = False) -> Any:
+    ok_type = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value):
+        raise InvalidSpec(f"{key} must be a finite {'whole ' if integer else ''}number, got {value!r}")
+    if value < low or (above and value == low):
+        raise InvalidSpec(f"{key} must be {'more than' if above else 'at least'} {low:g}, got {value!r}")
+    return value
+
+
+def signal_number(name: Any, key: str = "stop_signal") -> int:
+    """``TERM``, ``SIGTERM`` or ``15`` → 15; anything else is InvalidSpec."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        try:
+            return int(signal.Signals(name))
+        except ValueError:
+            raise InvalidSpec(f"{key}: no signal number {name}") from None
+    if isinstance(name, str):
+        text = name.strip().upper()
+        if text.isascii() and text.isdigit():
+            return signal_number(int(text), key)
+        try:
+            return int(signal.Signals[text if text.startswith("SIG") else "SIG" + text])
+        except KeyError:
+            pass
+    raise InvalidSpec(f"{key}: not a signal name: {name!r}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    restart: str = "on-failure"
+    backoff: tuple[float, float] = (0.1, 30.0)
+    healthy_after: float = 10.0
+    max_restarts: tuple[int, float] = (5, 60.0)
+    ready: str | None = None
+    ready_timeout: float = 60.0
+    start_secs: float = 0.0
+    live: str | None = None
+    live_interval: float = 10.0
+    live_failures: int = 3
+    stop_signal: str = "TERM"
+    grace: float | None = None
+    port_base: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.restart not in RESTART_MODES:
+            raise InvalidSpec(f"restart must be one of {', '.join(RESTART_MODES)}, got {self.restart!r}")
+        lo, hi = _pair(self.backoff, "backoff")
+        _number(lo, "backoff MIN")
+        _number(hi, "backoff MAX")
+        if hi < lo:
+            raise InvalidSpec(f"backoff MAX must be at least MIN, got {lo:g}:{hi:g}")
+        object.__setattr__(self, "backoff", (float(lo), float(hi)))
+        n, window = _pair(self.max_restarts, "max_restarts")
+        _number(n, "max_restarts N", integer=True)
+        _number(window, "max_restarts S", above=True)
+        object.__setattr__(self, "max_restarts", (int(n), float(window)))
+        _number(self.healthy_after, "healthy_after")
+        _number(self.ready_timeout, "ready_timeout", above=True)
+        _number(self.start_secs, "start_secs")
+        _number(self.live_interval, "live_interval", above=True)
+        _number(self.live_failures, "live_failures", low=1, integer=True)
+        if self.grace is not None:
+            _number(self.grace, "grace")
+        if self.port_base is not None:
+            _number(self.port_base, "port_base", low=1, integer=True)
+            if self.port_base > 65535:
+                raise InvalidSpec(f"port_base must be at most 65535, got {self.port_base}")
+        object.__setattr__(self, "stop_signal", signal.Signals(signal_number(self.stop_signal)).name[3:])
+        for key in ("ready", "live"):
+            text = getattr(self, key)
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InvalidSpec(f"{key} must be a probe string, got {text!r}")
+                spec = probes.parse(text, has_port=self.port_base is not None)
+                if key == "live" and spec.passive:
+                    raise InvalidSpec("live cannot be notify: a liveness probe asks, notify only listens")
+
+    @property
+    def signum(self) -> int:
+        return signal_number(self.stop_signal)
+
+    def to_wire(self) -> dict:
+        """Only what differs from the defaults: short in the journal, stable to compare."""
+        default = Policy()
+        return {k: _plain(v) for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "Policy":
+        if wire is None:
+            return cls()
+        if not isinstance(wire, dict):
+            raise InvalidSpec("policy must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(wire) - known
+        if unknown:
+            raise InvalidSpec(f"unknown policy key(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in wire.items()})
+
+
+def _pair(value: Any, key: str) -> tuple[Any, Any]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InvalidSpec(f"{key} must be a pair, got {value!r}")
+    return value[0], value[1]
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def parse_pair(text: str, sep: str, key: str) -> tuple[float, float]:
+    """``0.1:30`` or ``5/60`` from the command line."""
+    a, found, b = text.partition(sep)
+    try:
+        if not found:
+            raise ValueError
+        return float(a), float(b)
+    except ValueError:
+        raise InvalidSpec(f"{key} takes A{sep}B, got {text!r}") from None

@@ -1,0 +1,129 @@
+"""A pool: its desired size, its slots, and the bookkeeping of its restart policy.
+
+Pure state, no I/O: the engine decides with it and acts. A pool's states, as ``status``
+shows them:
+
+    ok          every replica that should run runs (or is starting)
+    backoff     a replacement is scheduled; ``restarts`` counts them
+    crashloop   a replacement would have been the (N+1)-th within S seconds: replacing
+                stopped (``reason`` says why) until an operator acts (scale, restart
+                --pool, launch --replace), and the pool's size follows what is left
+
+Slots: each live replica holds a slot 0..size-1 (a replacement takes the slot of the one
+it replaces; a surge replacement shares it for a moment), so N replicas of a server each
+get their own port (``port_base + slot``). Backoff is per slot: exponential from MIN to MAX
+with jitter, back to MIN once a replica of the slot has stayed healthy ``healthy_after``.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policy import Policy
+from .spec import Runtime
+from .states import Replica
+
+OK, BACKOFF, CRASHLOOP = "ok", "backoff", "crashloop"
+_STORED = 2  # the version of the pool row's JSON (1: the bare spec)
+
+
+@dataclass(eq=False)
+class Pool:
+    name: str
+    runtime: Runtime | None
+    policy: Policy = field(default_factory=Policy)
+    desired: int = 0
+    next_n: int = 1
+    live: dict[str, Replica] = field(default_factory=dict)  # non-terminal, in id order
+    state: str = OK
+    reason: str | None = None
+    restarts: int = 0  # replacements made since the pool was created
+    deleted: bool = False
+    pending: dict[int, Any] = field(default_factory=dict)  # slot -> Timer of a scheduled replacement
+    slot_restarts: dict[int, int] = field(default_factory=dict)
+    _recent: collections.deque = field(default_factory=collections.deque)  # monotonic times
+    _delay: dict[int, float] = field(default_factory=dict)  # slot -> current backoff
+
+    # -- slots ------------------------------------------------------------------------
+
+    def free_slots(self, count: int) -> list[int]:
+        """The ``count`` lowest slots that no live replica holds and no replacement awaits."""
+        held = {r.slot for r in self.live.values()} | set(self.pending)
+        out, slot = [], 0
+        while len(out) < count:
+            if slot not in held:
+                out.append(slot)
+            slot += 1
+        return out
+
+    def port(self, slot: int) -> int | None:
+        base = self.policy.port_base
+        return None if base is None else base + slot
+
+    # -- the restart policy -------------------------------------------------------------
+
+    def wants_replacement(self, failed: bool) -> bool:
+        mode = self.policy.restart
+        return not self.deleted and (mode == "always" or (mode == "on-failure" and failed))
+
+    def admit_replacement(self, now: float) -> bool:
+        """Count one replacement at monotonic ``now``; False (and crashloop) if it would be
+        the (N+1)-th within the window."""
+        limit, window = self.policy.max_restarts
+        while self._recent and now - self._recent[0] > window:
+            self._recent.popleft()
+        if len(self._recent) >= limit:
+            return False
+        self._recent.append(now)
+        self.restarts += 1
+        return True
+
+    def next_delay(self, slot: int) -> float:
+        low, high = self.policy.backoff
+        current = self._delay.get(slot)
+        current = low if current is None else min(max(current * 2, low), high)
+        self._delay[slot] = current
+        return current * random.uniform(0.8, 1.0) if current > low else current
+
+    def healthy(self, slot: int) -> None:
+        self._delay.pop(slot, None)
+
+    def crashloop(self, reason: str) -> None:
+        self.state, self.reason = CRASHLOOP, reason
+
+    def clear(self) -> None:
+        """An operator acted: forget the crash loop and the backoff history."""
+        self.state, self.reason = OK, None
+        self._recent.clear()
+        self._delay.clear()
+
+    def settle_state(self) -> None:
+        if self.state != CRASHLOOP:
+            self.state = BACKOFF if self.pending else OK
+
+    # -- what is stored and shown -------------------------------------------------------
+
+    def stored(self) -> dict:
+        """The pool row's JSON: the spec, the policy, and a crash loop to survive a restart."""
+        row: dict[str, Any] = {"v": _STORED, "spec": self.runtime.wire if self.runtime else None,
+                               "policy": self.policy.to_wire()}
+        if self.state == CRASHLOOP:
+            row["crashloop"] = self.reason
+        if self.deleted:
+            row["deleted"] = True
+        return row
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
+                "restarts": self.restarts, "spec": self.runtime.wire if self.runtime else None,
+                "policy": self.policy.to_wire()}
+
+
+def unpack_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
+    """(spec wire, policy wire, extras) of a stored pool row, old rows (a bare spec) too."""
+    if isinstance(spec_json, dict) and spec_json.get("v") == _STORED:
+        return spec_json.get("spec"), spec_json.get("policy"), spec_json
+    return spec_json, None, {}

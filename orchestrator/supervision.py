@@ -1,0 +1,304 @@
+"""Keeping pools alive: readiness and liveness, the restart policy, rolling restarts, and the
+commands built on them (restart, delete, signal).
+
+These are methods of the engine (``Engine`` inherits them): they read and change the
+engine's replica table from its loop thread, like everything else there; this file only
+keeps the policy apart from the table's mechanics (commands in, forks, exits, transitions).
+
+    exec succeeded ─► ready probe? ──yes─► retry until ready ─► RUNNING ─► liveness checks
+          │                │                     └ ready_timeout ─► FAILED (then stopped)
+          │                └ start_secs ─► RUNNING once it ran that long
+          ▼
+    ended on its own ─► restart policy ─► slot backoff ─► replacement (new id, same slot)
+                               └ (N+1)-th within S s ─► pool crashloop, size follows it out
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any, Callable, Iterable
+
+from . import probes, protocol
+from .errors import InvalidSpec
+from .policy import Policy, signal_number
+from .pools import CRASHLOOP, Pool, unpack_row
+from .rollout import Rollout
+from .states import Replica
+from .states import ReplicaState as S
+
+log = logging.getLogger("orchestrator")
+Reply = Callable[[dict], None]
+_LIVE = (S.PENDING, S.STARTING, S.RUNNING)
+
+
+class Supervision:
+    """Mixed into Engine; see the module docstring."""
+
+    _pools: dict[str, Pool]
+    _replicas: dict[str, Replica]
+    _procs: dict[int, Any]
+
+    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
+        """Recreate pools from the store at start-up (their ids continue where they
+        stopped) and, with ``relaunch``, bring each back to its desired size."""
+        for row in pools:
+            wire, policy_wire, extra = unpack_row(row.get("spec"))
+            runtime, policy = None, Policy()
+            try:
+                policy = Policy.from_wire(policy_wire)
+                if wire:
+                    runtime = self._prepare(wire)
+            except InvalidSpec as err:
+                log.error("pool %s: its spec no longer resolves: %s", row["name"], err)
+            pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
+            pool.deleted = bool(extra.get("deleted"))
+            if extra.get("crashloop"):
+                pool.crashloop(extra["crashloop"])
+            self._pools[pool.name] = pool
+            if relaunch and runtime is not None and not pool.deleted:
+                self._launch(pool, int(row["desired"]))
+            self._save_pool(pool)
+
+    def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Replace replicas with new ones (new ids, same slots): a rolling restart."""
+        timeout = protocol.wait_timeout(args)
+        if args.get("pool") is not None:
+            pool = self._pool(args["pool"])
+            unavailable = protocol.count(args.get("max_unavailable", 1), what="max_unavailable")
+            pool.clear()
+            self._cancel_replacements(pool)
+            olds = sorted((r for r in pool.live.values() if not self._leaving(r)),
+                          key=lambda r: r.slot if r.slot is not None else -1)
+            return self._start_rollout(pool, [r.id for r in olds], unavailable, reply, cmd_id, timeout)
+        ids = protocol.replica_ids(args.get("ids"), "restart", one_is_enough=True)
+        reps = [self._lookup(i) for i in ids]
+        live = [r for r in reps if r is not None and not r.state.terminal]
+        if len(live) != len(ids):
+            gone = sorted(set(ids) - {r.id for r in live})
+            raise InvalidSpec(f"not live, nothing to restart: {', '.join(gone)}")
+        by_pool: dict[str, list[str]] = {}
+        for r in live:
+            by_pool.setdefault(r.pool, []).append(r.id)
+        if len(by_pool) != 1:
+            raise InvalidSpec("restart replicas of one pool at a time")
+        (pool_name, olds), = by_pool.items()
+        return self._start_rollout(self._pools[pool_name], olds, len(olds), reply, cmd_id, timeout)
+
+    def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Terminate a pool's replicas and forget the pool (it does not come back on start)."""
+        pool = self._pool(args.get("pool"))
+        self._cancel_replacements(pool)
+        stopped = [r.id for r in list(pool.live.values()) if self._stop(r, reason="pool deleted")]
+        pool.desired = 0
+        pool.deleted = True
+        self._save_pool(pool)
+        return {"pool": pool.name, "terminated": stopped}
+
+    def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Send a signal to replicas' process trees (e.g. HUP to make a worker reload)."""
+        sig = signal_number(args.get("signal"), "signal")
+        if args.get("pool") is not None:
+            reps = list(self._pool(args["pool"]).live.values())
+        else:
+            ids = protocol.replica_ids(args.get("ids"), "signal", one_is_enough=True)
+            found = [self._lookup(i) for i in ids]
+            reps = [r for r in found if r is not None]
+        sent = []
+        for rep in reps:
+            proc = self._procs.get(rep.pid) if rep.pid is not None else None
+            if proc is not None and not proc.reaped:
+                escaped = self.os.escaped_descendants(proc.pid)
+                self.os.signal_group(proc.pid, sig)
+                for ident in escaped:
+                    self.os.signal_verified(ident, sig)
+                sent.append(rep.id)
+        return {"signal": signal.Signals(sig).name, "sent": sent}
+
+
+    # -- rollouts -------------------------------------------------------------------
+
+    def _start_rollout(self, pool: Pool, olds: list[str], width: int, reply: Reply, cmd_id: Any,
+                       timeout: float, *, then_scale: int | None = None) -> Any:
+        def done(result: dict | None, error: str | None) -> None:
+            self._rollouts.remove(rollout)
+            timer.cancel()
+            if then_scale is not None and error is None:
+                self._converge(pool, then_scale)
+                result = {**(result or {}), "ids": [r.id for r in pool.live.values() if not self._leaving(r)]}
+            if error is None:
+                self._outbox.append((reply, protocol.ok(cmd_id, result), True))
+            else:
+                self._outbox.append((reply, protocol.error(cmd_id, f"restart of pool {pool.name} failed: {error}",
+                                                           data=result), False))
+
+        rollout = Rollout(self, pool, olds, width, on_done=done)
+        self._rollouts.append(rollout)
+        timer = self.reactor.call_later(timeout, lambda: rollout.finish(f"timed out after {timeout:g} s"))
+        rollout.advance()
+        self._dirty = True
+        return protocol.DEFERRED
+
+    def replica(self, rid: str) -> Replica | None:
+        return self._replicas.get(rid)
+
+    def launch_into(self, pool: Pool, slot: int | None) -> str:
+        (rid,) = self._launch(pool, 1, slots=[slot if slot is not None else pool.free_slots(1)[0]], grow=False)
+        self._save_pool(pool)
+        return rid
+
+    def stop_for_rollout(self, rid: str) -> None:
+        rep = self._replicas.get(rid)
+        if rep is not None:
+            self._stop(rep, reason="restarted", lower_desired=False)
+
+    def _converge(self, pool: Pool, n: int) -> None:
+        """Bring the pool to ``n``: replicas and scheduled replacements of the highest slots
+        go first (the newest first among equals), so that what stays holds 0..n-1."""
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        held: list[tuple[int, int, Any]] = [(r.slot if r.slot is not None else -1, r.n, r) for r in live]
+        held += [(slot, -1, None) for slot in pool.pending]
+        held.sort(key=lambda h: (h[0], h[1]), reverse=True)
+        for slot, _, rep in held[: max(0, len(held) - n)]:
+            if rep is None:
+                pool.pending.pop(slot).cancel()
+            else:
+                self._stop(rep, reason="scaled down", lower_desired=False)
+        if len(held) < n:
+            self._launch(pool, n - len(held), grow=False)
+        pool.settle_state()
+        pool.desired = n
+        self._save_pool(pool)
+
+
+    # -- readiness and liveness -------------------------------------------------------
+
+    def _started(self, proc: Any) -> None:
+        """Its exec succeeded (or its callable is about to run): ready now, or once its
+        probe says so, or once it has run start_secs."""
+        rep = proc.replica
+        policy = self._pools[rep.pool].policy
+        if policy.ready is None:
+            if policy.start_secs > 0:
+                proc.cleanup.append(self.reactor.call_later(policy.start_secs, lambda: self._ready(proc)).cancel)
+            else:
+                self._ready(proc)
+            return
+        if policy.ready != "notify":
+            spec = self._probe(rep, policy.ready)
+            proc.cleanup.append(probes.retry_until_ready(
+                spec, self.reactor, self.os, deadline_s=policy.ready_timeout,
+                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why)).cancel)
+        else:
+            proc.cleanup.append(self.reactor.call_later(
+                policy.ready_timeout,
+                lambda: self._not_ready(proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)")).cancel)
+
+    def _probe(self, rep: Replica, text: str) -> Any:
+        pool = self._pools[rep.pool]
+        slot = rep.slot if rep.slot is not None else 0
+        return probes.parse(text).expand(slot, pool.port(slot))
+
+    def _notify_socket(self, rep: Replica) -> Any:
+        """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
+        name = f"orchestrator-{self.config.token or os.getpid()}-{rep.id}"
+        return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name)
+
+    def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
+        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        if proc is not None and fields.get("READY") == "1":
+            self._ready(proc)
+
+    def _ready(self, proc: Any) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.STARTING:
+            return
+        self._transition(rep, S.RUNNING)
+        rep.ready, rep.started_at = True, self.os.time()
+        pool = self._pools[rep.pool]
+        policy = pool.policy
+        if rep.slot is not None:
+            slot = rep.slot
+            proc.cleanup.append(self.reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
+        if policy.live is not None:
+            proc.cleanup.append(probes.Checker(
+                self._probe(rep, policy.live), self.reactor, self.os, policy.live_interval,
+                policy.live_failures, min(policy.live_interval, 5.0),
+                lambda why: self._liveness_failed(proc, why)).stop)
+
+    def _not_ready(self, proc: Any, why: str) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.STARTING:
+            return
+        self._transition(rep, S.FAILED, why)
+        self._signal_and_arm(rep)
+        self._ended_on_its_own(rep, failed=True)
+
+    def _liveness_failed(self, proc: Any, why: str) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.RUNNING:
+            return
+        log.warning("%s: liveness probe failed (%s); replacing it", rep.id, why)
+        proc.replace = True
+        self._stop(rep, reason="liveness probe failed", lower_desired=False)
+
+
+    def _ended_on_its_own(self, rep: Replica, *, failed: bool) -> None:
+        """The restart policy decides: replaced after a backoff (the pool keeps its size),
+        or not (the pool's desired size follows the replica out)."""
+        pool = self._pools[rep.pool]
+        if self._slot_taken(pool, rep.slot):
+            return  # a rolling restart's new replica holds the slot already: nothing to do
+        if self.closing or rep.slot is None or not pool.wants_replacement(failed) or pool.state == CRASHLOOP:
+            pool.desired -= 1
+            self._save_pool(pool)
+            return
+        self._replace(rep, reason=rep.reason or "ended", backoff=True)
+
+    def _slot_taken(self, pool: Pool, slot: int | None) -> bool:
+        return slot is not None and any(r.slot == slot and not self._leaving(r) for r in pool.live.values())
+
+    def _replace(self, rep: Replica, *, reason: str, backoff: bool) -> None:
+        """A new replica in ``rep``'s slot: now, or after the slot's backoff. The (N+1)-th
+        replacement within the window is not made: the pool is in a crash loop."""
+        pool = self._pools[rep.pool]
+        slot = rep.slot if rep.slot is not None else pool.free_slots(1)[0]
+        if self.closing or pool.deleted:
+            return
+        if backoff and not pool.admit_replacement(self.os.monotonic()):
+            limit, window = pool.policy.max_restarts
+            pool.crashloop(f"{limit} restarts within {window:g} s; last: {rep.id} {reason}")
+            pool.desired -= 1
+            self._save_pool(pool)
+            log.error("pool %s: crash loop (%s); not replacing %s until an operator acts", pool.name, pool.reason, rep.id)
+            self.journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
+            return
+        pool.slot_restarts[slot] = pool.slot_restarts.get(slot, 0) + 1
+        delay = pool.next_delay(slot) if backoff else 0.0
+        self.journal.event("restart", {"pool": pool.name, "replica": rep.id, "slot": slot, "delay": round(delay, 3),
+                                       "reason": reason})
+
+        def launch() -> None:
+            if pool.pending.pop(slot, None) is None or self.closing or pool.deleted:
+                return
+            pool.settle_state()
+            if self._slot_taken(pool, slot):
+                return
+            self._launch(pool, 1, slots=[slot], grow=False)
+            self._save_pool(pool)
+
+        pool.pending[slot] = self.reactor.call_later(delay, launch)
+        pool.settle_state()
+        self._save_pool(pool)
+
+    def _leaving(self, rep: Replica) -> bool:
+        """Asked to stop for a replacement (it still runs, but no longer counts)."""
+        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        return proc is not None and proc.replace and rep.state is S.STOPPING
+
+    def _cancel_replacements(self, pool: Pool) -> None:
+        for timer in pool.pending.values():
+            timer.cancel()
+        pool.pending.clear()
+        pool.settle_state()
