@@ -4,6 +4,7 @@ The public names; everything else is private. How the house is built, module by 
 docs/design.md.
 """
 
+from .version import __version__
 from .api import Orchestrator
 from .errors import (
     ChannelError,
@@ -20,6 +21,7 @@ from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaSt
 from .worker import Terminated
 
 __all__ = [
+    "__version__",
     "Orchestrator",
     "Client",
     "WorkerSpec",

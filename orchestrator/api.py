@@ -42,6 +42,9 @@ class Orchestrator(Verbs):
     kills every worker if this process dies without leaving the context (SIGKILL, OOM).
     ``db``: journal pools, replicas and events into that SQLite file (orchestrator.store);
     ids then continue across runs, and replicas of a run that was killed are recorded LOST.
+    ``cgroup``: "auto" or a cgroup2 dir gives each replica a cgroup of its own, in a subtree
+    made under this process's cgroup (or that dir) and removed by ``close()``; this process
+    itself stays where it is. None or "off" (the default): process groups.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Orchestrator(Verbs):
         call_timeout: float = 60.0,
         state_dir: str | None = None,
         db: str | os.PathLike | None = None,
+        cgroup: str | None = None,
     ) -> None:
         self._token = secrets.token_hex(8)
         self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token)
@@ -64,6 +68,8 @@ class Orchestrator(Verbs):
         # one, else a temporary dir that close() removes.
         self._state_dir = state_dir if state_dir is not None or db is None else os.path.dirname(os.path.abspath(db))
         self._db = db
+        self._cgroup = cgroup
+        self.containment: Any = None
         self._own_dir: str | None = None
         self._call_timeout = call_timeout
         self._engine: Engine | None = None
@@ -102,7 +108,15 @@ class Orchestrator(Verbs):
 
             store = Store(self._db)
         os_api = OSApi(pdeathsig=self._pdeathsig)
-        self._engine = Engine(self._config, os_api=os_api, watchdog=link, store=store)
+        if self._cgroup not in (None, "off"):
+            from .containment import detect
+
+            self.containment = detect(self._cgroup, self._state_dir or os.getcwd(), move_self=False,
+                                      name=f"orchestrator-embedded-{os.getpid()}-{self._token[:8]}")
+            if link is not None:
+                link.cgroup_subtree = self.containment.path  # killed and removed if this process dies
+        self._engine = Engine(self._config, os_api=os_api, watchdog=link, store=store,
+                              containment=self.containment)
         if link is not None:
             self._watchdog = WatchdogChild(link, self._engine.reactor, os_api)
         if store is not None:
@@ -154,6 +168,8 @@ class Orchestrator(Verbs):
                 engine.close()
                 if engine.store is not None:
                     engine.store.close()
+                if self.containment is not None:
+                    self.containment.close()
 
     # -- commands ---------------------------------------------------------------------
 

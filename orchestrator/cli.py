@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from . import logs
 from .errors import DaemonNotRunning, OrchestratorError
+from .pools import unpack_row
+from .version import __version__
 from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
@@ -36,6 +40,16 @@ def _positive_seconds(text: str) -> float:
     value = _seconds(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text!r}")
     return value
 
 
@@ -62,23 +76,42 @@ def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="orchestrator", description="Keep pools of worker processes alive.")
     ap.add_argument("--state-dir", default=None, help="default: $ORCHESTRATOR_STATE_DIR, "
                     "$XDG_STATE_HOME/orchestrator or ~/.local/state/orchestrator")
+    ap.add_argument("--version", action="version", version=f"orchestrator {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("start", parents=[common], help="start the daemon")
     p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
-    p.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--config", metavar="FILE", help="pools and [daemon] settings from this TOML file")
+    p.add_argument("--grace", type=_seconds, help="seconds from a replica's stop signal to SIGKILL (default 5)")
+    p.add_argument("--stop-budget", type=_positive_seconds, metavar="S",
+                   help="a stop (SIGTERM) finishes within this many seconds, graces cut to fit (default 30)")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve /metrics on 127.0.0.1:PORT (default: off)")
+    p.add_argument("--cgroup", metavar="auto|off|PATH", help="a cgroup per replica: auto (where this host allows it, "
+                   "else process groups), off, or under the cgroup2 dir PATH (default auto)")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--keep-replicas", type=_natural, default=KEEP_REPLICAS, help="ended replicas kept in state.db")
-    p.add_argument("--keep-events", type=_natural, default=KEEP_EVENTS, help="journal events kept in state.db")
-    p.add_argument("--keep-days", type=_positive_seconds, default=KEEP_SECONDS / 86400,
-                   help="history older than this many days is pruned")
+    p.add_argument("--keep-replicas", type=_natural, help=f"ended replicas kept in state.db (default {KEEP_REPLICAS})")
+    p.add_argument("--keep-events", type=_natural, help=f"journal events kept in state.db (default {KEEP_EVENTS})")
+    p.add_argument("--keep-days", type=_positive_seconds,
+                   help=f"history older than this many days is pruned (default {KEEP_SECONDS / 86400:g})")
 
     p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
-    p.add_argument("--timeout", type=_seconds, default=60.0)
+    p.add_argument("--timeout", type=_seconds, default=60.0, help="give up waiting after this many seconds (default 60)")
+
+    p = sub.add_parser("reload", parents=[common], help="re-read the config file and apply the difference")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("health", parents=[common], help="exit 0 only if the daemon, its watchdog and manager "
+                       "live and the loop answers within 1 s")
+    p.add_argument("--json", action="store_true")
+
+    sub.add_parser("metrics", parents=[common], help="the daemon's metrics, Prometheus text format")
+    logs.add_parser(sub, common)
 
     p = sub.add_parser("status", parents=[common], help="the daemon and its replicas")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--all", action="store_true", help="include ended replicas")
+    p.add_argument("--watch", action="store_true", help="a live table, redrawn in place, until Ctrl-C")
+    p.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between redraws (default 1)")
 
     p = sub.add_parser("launch", parents=[common], help="add replicas to a pool (its spec and policy)")
     p.add_argument("--pool", required=True, help="the pool's name")
@@ -152,10 +185,13 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-signal", metavar="SIG", help="how a replica is asked to stop (default TERM)")
     g.add_argument("--grace", type=_seconds, metavar="S", help="stop signal to SIGKILL (default: the daemon's)")
     g.add_argument("--port-base", type=int, metavar="N", help="slot s gets port N+s: {port}, $PORT")
+    g.add_argument("--memory-max", metavar="BYTES", help="cgroup memory.max of each replica: bytes or 512M, 2G")
+    g.add_argument("--pids-max", type=int, metavar="N", help="cgroup pids.max of each replica")
+    g.add_argument("--cpu-weight", type=int, metavar="W", help="cgroup cpu.weight of each replica, 1..10000")
 
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
-                 "live_failures", "stop_signal", "grace", "port_base")
+                 "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight")
 
 
 def _policy(args: argparse.Namespace) -> dict:
@@ -213,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OrchestratorError as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except OSError as err:  # a file of the state dir we may not read, a full disk: one line
         where = f": {err.filename}" if err.filename else ""
         print(f"orchestrator: {err.strerror or err}{where}", file=sys.stderr)
@@ -229,24 +268,71 @@ def _emit(args: argparse.Namespace, data: Any, lines: Sequence[str] = ()) -> Non
             print(line)
 
 
-def _client(paths: Any) -> Any:
+def _client(paths: Any, timeout: float | None = None) -> Any:
     from .channel import Client
 
-    return Client(paths.state_dir)
+    return Client(paths.state_dir) if timeout is None else Client(paths.state_dir, timeout=timeout)
+
+
+# start's settings: flag -> Daemon keyword (only the ones given are passed on, so that a
+# config file's [daemon] table fills in the rest)
+_START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
+                   "--config": "config_path", "--cgroup": "cgroup"}
+_RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 
 def cmd_start(args: argparse.Namespace, paths: Any) -> int:
     from . import daemon
 
-    retention = {"keep_replicas": args.keep_replicas, "keep_events": args.keep_events,
-                 "keep_seconds": args.keep_days * 86400}
+    if args.config is not None:
+        from . import config as config_file
+
+        args.config = os.path.abspath(args.config)
+        config_file.load(args.config)  # an invalid file: one line here, before anything starts
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in (*_START_SETTINGS, *_RETENTION)}
+    given = {flag: value for flag, value in given.items() if value is not None}
     if args.foreground:
         if args.own_argv:
             daemon.reexec_with_token()  # returns only if the token is there already
-        return daemon.run_foreground(paths, grace=args.grace, ready_fd=args.ready_fd, retention=retention)
-    pid = daemon.start_detached(paths, ["--grace", str(args.grace), "--keep-replicas", str(args.keep_replicas),
-                                        "--keep-events", str(args.keep_events), "--keep-days", str(args.keep_days)])
+        settings = {_START_SETTINGS[f]: v for f, v in given.items() if f in _START_SETTINGS}
+        kept = {_RETENTION[f]: v for f, v in given.items() if f in _RETENTION}
+        if kept:
+            settings["retention"] = {"keep_replicas": kept.get("keep_replicas", KEEP_REPLICAS),
+                                     "keep_events": kept.get("keep_events", KEEP_EVENTS),
+                                     "keep_seconds": kept.get("keep_days", KEEP_SECONDS / 86400) * 86400}
+        return daemon.run_foreground(paths, ready_fd=args.ready_fd, **settings)
+    pid = daemon.start_detached(paths, [item for flag, value in given.items() for item in (flag, str(value))])
     print(pid)
+    return EXIT_OK
+
+
+def cmd_reload(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        done = client.call("reload")
+    _emit(args, done, [f"{what}: {', '.join(names)}" for what, names in done.items() if names])
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace, paths: Any) -> int:
+    from .errors import ChannelError
+    from .metrics import format_health
+
+    try:
+        with _client(paths, timeout=1.0) as client:
+            info = client.call("health", timeout=1.0)
+    except ChannelError as err:  # the loop did not answer within 1 s: that is the failure
+        info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
+    ok = bool(info.get("healthy"))
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(format_health(ok, info) if "error" not in info else f"unhealthy: {info['error']}")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+def cmd_metrics(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        sys.stdout.write(client.call("metrics"))
     return EXIT_OK
 
 
@@ -262,6 +348,44 @@ def cmd_stop(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_status(args: argparse.Namespace, paths: Any) -> int:
+    if args.watch:
+        return _watch(args, paths)
+    code, data = _status(args, paths)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(_format_status(data))
+    return code
+
+
+def _watch(args: argparse.Namespace, paths: Any) -> int:
+    """Redraw the table in place (cursor home, clear to the end) until Ctrl-C."""
+    samples: dict[int, tuple[float, float]] = {}
+    try:
+        while True:
+            _, data = _status(args, paths)
+            table = _format_status(data, samples=samples, health=_health_line(paths, data))
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + table + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)  # a terminal's redraw rate, not a wait on the daemon
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _health_line(paths: Any, data: dict) -> str:
+    if not data["daemon"]["running"]:
+        return "health: daemon not running"
+    from .metrics import format_health
+
+    try:
+        with _client(paths, timeout=1.0) as client:
+            info = client.call("health", timeout=1.0)
+    except OrchestratorError as err:
+        return f"health: {err}"
+    return "health: " + format_health(bool(info.get("healthy")), info)
+
+
+def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
     from .paths import running_pid
 
     code = EXIT_OK
@@ -276,12 +400,9 @@ def cmd_status(args: argparse.Namespace, paths: Any) -> int:
         code = EXIT_NOT_RUNNING
         data = {"daemon": {"running": False, "pid": None, "watchdog_pid": None, "manager_pid": None,
                            "started_at": None}, **_stored_status(paths, args.all)}
-    data = {"state_dir": str(paths.state_dir), **data}
-    if args.json:
-        print(json.dumps(data))
-    else:
-        print(_format_status(data))
-    return code
+        for rep in data["replicas"]:
+            rep["last_known"] = True  # what the store last heard, not what runs now
+    return code, {"state_dir": str(paths.state_dir), **data}
 
 
 def _stored_status(paths: Any, include_terminal: bool) -> dict:
@@ -289,7 +410,13 @@ def _stored_status(paths: Any, include_terminal: bool) -> dict:
         return {"pools": [], "replicas": []}
     store = _open_store_readonly(paths)
     try:
-        pools = [{"name": p["name"], "desired": p["desired"]} for p in store.pools()]
+        pools = []
+        for p in store.pools():
+            spec, policy, extra = unpack_row(p["spec"])
+            if not extra.get("deleted"):
+                pools.append({"name": p["name"], "desired": p["desired"], "spec": spec, "policy": policy or {},
+                              "state": "crashloop" if extra.get("crashloop") else None,
+                              "reason": extra.get("crashloop")})
         return {"pools": pools, "replicas": store.replicas(include_terminal=include_terminal)}
     finally:
         store.close()
@@ -305,23 +432,86 @@ def _open_store_readonly(paths: Any) -> Any:
         raise OrchestratorError(str(err)) from None
 
 
-def _format_status(data: dict) -> str:
+def _format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
+    """The table: daemon, pools, then one line per replica with its uptime, restarts, CPU%
+    and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
+    command it runs. With the daemon down, replicas are what the store last knew."""
     d = data["daemon"]
+    now = time.time()
     if d["running"]:
-        head = f"daemon: running (pid {d['pid']}, watchdog {d['watchdog_pid']}, manager {d['manager_pid']})"
+        up = _duration(now - d["started_at"]) if d.get("started_at") else "?"
+        head = (f"daemon: running (pid {d['pid']}, watchdog {d['watchdog_pid']}, manager {d['manager_pid']}, "
+                f"up {up}, containment {d.get('containment', 'process-group')})")
     else:
-        head = "daemon: not running (from the store)"
+        head = "daemon: not running; replicas below are as last known, not live"
     out = [f"{head}  state dir: {data['state_dir']}"]
-    if data["pools"]:
-        out.append("pools: " + ", ".join(f"{p['name']}={p['desired']}" for p in data["pools"]))
-    if data["replicas"]:
-        out.append(f"{'ID':<20} {'STATE':<12} {'PID':>8}  REASON")
-        for r in data["replicas"]:
-            pid = "" if r["pid"] is None else r["pid"]
-            out.append(f"{r['id']:<20} {r['state']:<12} {pid:>8}  {r['reason'] or ''}")
-    else:
+    if health:
+        out.append(health)
+    for p in data["pools"]:
+        state = p.get("state") or ("stopped" if not d["running"] else "ok")
+        extra = f" ({p['reason']})" if p.get("reason") else ""
+        out.append(f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}")
+    commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
+    if not data["replicas"]:
         out.append("no replicas")
+        return "\n".join(out)
+    out.append(f"{'ID':<18} {'STATE':<12} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} {'CPU%':>6} {'RSS':>8}  COMMAND / REASON")
+    for r in data["replicas"]:
+        state = r["state"] if not r.get("last_known") else f"({r['state']})"
+        cpu, rss = _usage(r["pid"], samples) if d["running"] and r["pid"] else ("", "")
+        started = r.get("started_at") or (r.get("created_at") if r["state"] == "RUNNING" else None)
+        uptime = _duration(now - started) if started and r["ended_at"] is None and d["running"] else ""
+        tail = r["reason"] if r["reason"] and r["state"] not in ("RUNNING", "STARTING") else commands.get(r["pool"], "")
+        out.append(f"{r['id']:<18} {state:<12} {r['pid'] or '':>7} {uptime:>8} {r.get('restarts', 0):>8} "
+                   f"{cpu:>6} {rss:>8}  {tail}")
     return "\n".join(out)
+
+
+def _command_text(spec: dict | None) -> str:
+    if not spec:
+        return ""
+    if spec.get("command"):
+        return " ".join(spec["command"])
+    return spec.get("target") or "<python callable>"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _usage(pid: int, samples: dict | None) -> tuple[str, str]:
+    """CPU% (since the process started, or since the last sample) and RSS of ``pid``."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            t = p.cpu_times()
+            busy = t.user + t.system
+            rss = p.memory_info().rss
+            born = p.create_time()
+    except psutil.Error:
+        return "", ""
+    now = time.time()
+    last = samples.get(pid) if samples is not None else None
+    if samples is not None:
+        samples[pid] = (now, busy)
+    since, before = last if last is not None else (born, 0.0)
+    cpu = 100.0 * (busy - before) / max(now - since, 1e-3)
+    return f"{cpu:.1f}", _size(rss)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}G"
 
 
 def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
@@ -443,4 +633,8 @@ _COMMANDS = {
     "restart": cmd_restart,
     "delete": cmd_delete,
     "signal": cmd_signal,
+    "reload": cmd_reload,
+    "health": cmd_health,
+    "metrics": cmd_metrics,
+    "logs": logs.cmd_logs,
 }

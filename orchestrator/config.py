@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from .errors import InvalidSpec, OrchestratorError
-from .policy import Policy
+from .policy import LIMIT_KEYS, Policy, parse_size
 from .protocol import MAX_COUNT, pool_name
 from .spec import make_spec
 from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -53,9 +53,9 @@ LOG_MAX_BYTES = 10 << 20
 LOG_BACKUPS = 3
 CPU_WEIGHT_MAX = 10_000  # cgroup v2 cpu.weight is 1..10000
 
-POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy))
+# The cgroup limits are Policy fields too, but a [pools.NAME] table's own keys here (PoolDecl).
+POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name not in LIMIT_KEYS)
 SPEC_KEYS = ("command", "target", "env", "env_file", "cwd")
-LIMIT_KEYS = ("memory_max", "pids_max", "cpu_weight")
 POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", "log_max_bytes", "log_backups", *LIMIT_KEYS, *POLICY_KEYS)
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days")
@@ -433,26 +433,6 @@ class _Reader:
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _MODULE = re.compile(rf"{_IDENT}(?:\.{_IDENT})*")
 _TARGET = re.compile(rf"{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*")
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-
-
-def parse_size(value: Any, key: str = "size") -> int:
-    """Bytes from a positive integer or a string ``512M``, ``1.5G``, ``64KiB`` (powers of
-    1024, as systemd's MemoryMax= and cgroup tools read them)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise InvalidSpec(f"{key} must be a positive number of bytes, got {value!r}")
-        return value
-    if isinstance(value, str):
-        m = _SIZE.fullmatch(value)
-        if m:
-            n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-            if n >= 1:
-                return n
-    raise InvalidSpec(f"{key} must be a positive number of bytes or a size like \"512M\", got {value!r}")
-
-
 def read_env_file(path: str) -> dict[str, str]:
     """``KEY=VALUE`` lines (``#`` comments, blank lines, an optional ``export ``, a value
     in matching quotes unquoted), as ``launch --env-file`` reads them."""

@@ -37,15 +37,21 @@ from watchdog import WatchdogLink
 from watchdog.identity import scan
 from watchdog.ledger import Entry
 
-from . import logsink, probes
+from . import config as config_file
+from . import containment, logsink, probes
+from . import logs as log_files
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .errors import OrchestratorError, ShutdownRequested
+from .logs import LogCapture
+from .metrics import LagMonitor, MetricsServer, health
 from .paths import Paths, default_state_dir, running_pid, take_lock
 from .reactor import drain
 from .recovery import recover_leftovers
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
 from .store import Store, StoreError
+from .version import __version__
+from .worker import ready as sd_ready
 
 log = logging.getLogger("orchestrator")
 TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
@@ -187,11 +193,25 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
 class Daemon:
     """Runs in the foreground of its process until SIGTERM/SIGINT; see the module doc."""
 
-    def __init__(self, paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None,
-                 retention: dict | None = None) -> None:
+    def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
+                 retention: dict | None = None, config_path: str | None = None,
+                 stop_budget: float | None = None, metrics_port: int | None = None,
+                 cgroup: str | None = None) -> None:
         self.paths = paths
-        self.grace = grace
+        self.cgroup = cgroup  # auto | off | PATH (containment.detect); None: the config's, else auto
+        self.containment: Any = None
+        # Settings given on the command line win over the config file's [daemon] table,
+        # which wins over the built-in defaults.
+        self.config_path = config_path
+        self.config: config_file.Config | None = None
+        self._given = {"grace": grace, "stop_budget": stop_budget, "metrics_port": metrics_port}
+        self.grace = 5.0 if grace is None else grace
+        self.stop_budget = 30.0 if stop_budget is None else stop_budget
+        self.metrics_port = metrics_port
         self.retention = retention or {}
+        self.metrics_server: MetricsServer | None = None
+        self.log_capture: Any = None
+        self.lag: LagMonitor | None = None
         self.ready_fd = ready_fd
         self.started_at = time.time()
         self._signals: list[int] = []
@@ -268,8 +288,23 @@ class Daemon:
     def _record_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # only record: the loop acts on it
 
+    def _load_config(self) -> None:
+        """The config file's [daemon] settings, under what the command line gave."""
+        self.config = config_file.load(self.config_path)
+        d = self.config.daemon
+        self.grace = d.grace if self._given["grace"] is None else self._given["grace"]
+        self.stop_budget = d.stop_budget if self._given["stop_budget"] is None else self._given["stop_budget"]
+        self.metrics_port = d.metrics_port if self._given["metrics_port"] is None else self._given["metrics_port"]
+        if not self.retention:
+            self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
+                              "keep_seconds": d.keep_days * 86400}
+
     def _serve(self) -> int:
         paths = self.paths
+        if self.config_path is not None:
+            self._load_config()  # an invalid file: one line, and nothing started
+        # systemd's notify socket is ours (Type=notify), not the replicas'.
+        self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None)
         set_child_subreaper()
         self.os = OSApi(nofile=raise_fd_limit())
         token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
@@ -280,21 +315,47 @@ class Daemon:
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
         config = EngineConfig(grace=self.grace, token=token)
-        engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link)
+        # Before the watchdog and the manager start: they are born in the subtree's daemon/.
+        previous_cgroup = containment.previous(paths)
+        self.containment = containment.detect(
+            self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
+        log.info("containment: %s (%s)", self.containment.mode, self.containment.reason)
+        link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
+        engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link,
+                                      containment=self.containment)
         engine.journal.reopen = lambda: self._new_store()
         engine.extra_status = self._daemon_status
+        engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
         reactor = engine.reactor
         reactor.add_reader(self._sig_r, self._on_signal_wakeup)
         if self.log_sink is not None:
             reactor.add_writer(self.log_sink)
+        settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
+        self.log_capture = engine.log_capture = LogCapture(
+            paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self.watchdog = WatchdogChild(link, reactor, self.os)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
         try:
-            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0))
+            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
+                              cgroups=[previous_cgroup, self.containment.path])
+            containment.drop_previous(previous_cgroup, self.containment)
+            containment.record(paths, self.containment)
+            self._prune_logs()
             self.watchdog.start()
             # Pools first, then the channel: no command may see a half-restored table.
             engine.restore(self.store.load()[0])
+            if self.config is not None:
+                self._apply(self.config)
             engine.settle()
+            self.lag = LagMonitor(reactor, interval=1.0)
+            engine.metrics.lag = self.lag
+            if self.metrics_port is not None:
+                try:
+                    self.metrics_server = MetricsServer(
+                        reactor, self.metrics_port, self._render_metrics, self._healthz,
+                        on_outcome=engine.metrics.http_request)
+                except OSError as err:
+                    raise OrchestratorError(str(err)) from None
             self.manager.start()
             deadline = time.monotonic() + 30
             while not self.manager.ready:
@@ -303,6 +364,8 @@ class Daemon:
                 self._turn(1.0)
             log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
             self._notify(f"READY {os.getpid()}")
+            if self._systemd_notify:
+                sd_ready(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
             if self.ready_fd is None and sys.stdout.isatty():
                 print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
             while True:
@@ -365,6 +428,7 @@ class Daemon:
             "watchdog_pid": self.watchdog.pid if self.watchdog is not None else None,
             "manager_pid": self.manager.pid if self.manager is not None else None,
             "started_at": self.started_at,
+            **(self.containment.describe() if self.containment is not None else {}),
         }}
 
     # -- signals and orphans ----------------------------------------------------------
@@ -381,7 +445,13 @@ class Daemon:
                 elif self._stop_signal is None:
                     self._stop_signal = sig
             elif sig == signal.SIGHUP:
-                log.info("SIGHUP: nothing to reload")
+                if self.config_path is None:
+                    log.info("SIGHUP: no config file to reload (start --config FILE)")
+                    continue
+                try:
+                    log.info("SIGHUP: reloaded %s: %s", self.config_path, self._cmd_reload({}))
+                except OrchestratorError as err:
+                    log.error("SIGHUP: %s (the running config stays)", err)
 
     def reap_orphans(self) -> None:
         """Reap every exited child, including orphans re-parented to this subreaper. Each
@@ -404,8 +474,74 @@ class Daemon:
 
     # -- shutdown -------------------------------------------------------------------
 
+    # -- operations: config, health, metrics --------------------------------------------
+
+    def _apply(self, new: config_file.Config) -> dict:
+        """Make the table what the file declares: new pools started, changed ones rolled,
+        resized ones scaled, pools an earlier file declared and this one does not deleted."""
+        done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
+        for decl in new.pools.values():
+            done[self.engine.declare(decl.name, decl.spec, decl.policy, decl.size)].append(decl.name)
+        done["removed"] = self.engine.undeclare_missing(set(new.pools))
+        return done
+
+    def _prune_logs(self) -> None:
+        """Logs live as long as their replica's record: drop those the journal forgot."""
+        known = {r["id"] for r in self.store.replicas(include_terminal=True)}
+        ids = {name.split(".", 1)[0] for name in os.listdir(self.paths.logs)
+               if name.endswith((".out", ".err")) or ".out." in name or ".err." in name}
+        stale = ids - known - {"daemon"}
+        if stale:
+            log_files.remove(self.paths.logs, stale)
+
+    def _cmd_reload(self, args: dict) -> dict:
+        if self.config_path is None:
+            raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
+        new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
+        for decl in new.pools.values():  # refuse the whole file before changing anything
+            self.engine._prepare(decl.spec)
+        done = self._apply(new)
+        later = config_file.diff(self.config, new).daemon_changed
+        self.config = new
+        self.engine.config.grace = self.grace = new.daemon.grace if self._given["grace"] is None else self.grace
+        if self._given["stop_budget"] is None:
+            self.stop_budget = new.daemon.stop_budget
+        if later:
+            done["restart_needed"] = [k for k in later if k not in ("grace", "stop_budget")]
+        return done
+
+    def _daemon_parts(self) -> dict:
+        return {"started_at": self.started_at, "daemon_alive": True,
+                "watchdog_alive": self.watchdog is not None and self.watchdog.pid is not None,
+                "manager_alive": self.manager is not None and self.manager.pid is not None,
+                "version": __version__}
+
+    def _healthz(self) -> tuple[bool, dict]:
+        return health(self._daemon_parts(), self.lag.current() if self.lag else 0.0)
+
+    def _cmd_health(self, args: dict) -> dict:
+        return self._healthz()[1]
+
+    def _render_metrics(self) -> str:
+        engine = self.engine
+        if self.log_capture is not None:
+            totals = self.log_capture.totals()
+            engine.metrics.set_log_totals(totals["bytes"], totals["dropped"])
+        return engine.metrics.render(engine.status(), self._daemon_parts())
+
+    def _cmd_metrics(self, args: dict) -> str:
+        return self._render_metrics()
+
+    # -- shutdown -------------------------------------------------------------------
+
     def _shutdown(self, engine: Engine) -> None:
-        engine.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.lag is not None:
+            self.lag.stop()
+        engine.shutdown(self.stop_budget)
+        if self.log_capture is not None:
+            self.log_capture.close()  # what the replicas wrote last is drained into the files
         self._end_adopted()
         if self.manager is not None:
             self.manager.stop(5.0)  # EOF on its reply pipe: the manager exits by itself
@@ -422,6 +558,8 @@ class Daemon:
             except StoreError as err:
                 log.error("closing the journal: %s", err)
         engine.close()
+        if self.containment is not None and self.containment.close():
+            containment.forget(self.paths)  # the subtree is gone: nothing for a next start to kill
         log.info("daemon %d stopped", os.getpid())
 
     def _end_adopted(self) -> None:
@@ -445,10 +583,10 @@ class Daemon:
             self._lock_fd = None
 
 
-def run_foreground(paths: Paths, *, grace: float = 5.0, ready_fd: int | None = None,
-                   retention: dict | None = None) -> int:
+def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any) -> int:
+    """Run a daemon in this process until it is stopped; ``settings`` are Daemon's."""
     sys.stderr.flush()
-    daemon = Daemon(paths, grace=grace, ready_fd=ready_fd, retention=retention)
+    daemon = Daemon(paths, ready_fd=ready_fd, **settings)
     daemon.log_sink = logsink.install(fd=sys.stderr.fileno())
     return daemon.run()
 

@@ -22,6 +22,7 @@ after it is reaped. Process syscalls go through ``OSApi`` (spawner.py), store wr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -30,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import protocol
+from .containment import CgroupUnavailable, Cgroups, ProcessGroups
 from .errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
 from .journal import Journal
 from .policy import Policy
 from .pools import Pool
 from .reactor import Reactor, Timer
+from .metrics import Metrics
 from .spawner import OSApi, exit_reason
 from .spec import Runtime, prepare
 from .states import ReplicaState as S
@@ -47,6 +50,7 @@ log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)  # counted against a pool's desired size
 MAX_COUNT = protocol.MAX_COUNT
+SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class _Proc:
     escaped: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) outside its group
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
     replace: bool = False  # asked to stop in order to be replaced (liveness, restart)
+    cgroup: str | None = None  # its own cgroup (cgroup containment), else None: its process group
 
 
 class Engine(Supervision):
@@ -83,6 +88,7 @@ class Engine(Supervision):
         store: Any = None,
         watchdog: Any = None,
         reactor: Reactor | None = None,
+        containment: Cgroups | ProcessGroups | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         protocol.seconds(self.config.grace, "grace")  # a NaN grace would never SIGKILL
@@ -91,6 +97,10 @@ class Engine(Supervision):
         self.journal = Journal(store, self.os.time)
         self.journal.rebuild = self._save_everything
         self.watchdog = watchdog  # the watchdog's ledger feed (WatchdogLink), if any
+        # A cgroup per replica, or process groups (containment.py); the default keeps the
+        # engine off the cgroupfs (the fake-OS tests, the embedded API unless asked).
+        self.containment = containment or ProcessGroups("not asked for (the default)")
+        self.containment.attach(self.reactor)
         self._base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
@@ -98,6 +108,7 @@ class Engine(Supervision):
         self._replicas: dict[str, Replica] = {}
         self._ended: collections.deque[str] = collections.deque()
         self._procs: dict[int, _Proc] = {}
+        self._draining: dict[str, _Proc] = {}  # replica id -> reaped, its cgroup not empty yet
         self._pending: collections.deque[tuple[Replica, Runtime]] = collections.deque()
         self._spawn_scheduled = False
         self._waiters = Waiters(self._replicas)
@@ -106,6 +117,11 @@ class Engine(Supervision):
         # fails it says "not saved" instead. Read-only commands never depend on the disk.
         self._outbox: list[tuple[Reply, dict, bool]] = []
         self.extra_status: Callable[[], dict] | None = None
+        # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
+        self.extra_commands: dict[str, Callable[[dict], Any]] = {}
+        self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
+        self.log_capture: Any = None  # logs.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
         self._store_warned = -1e9
         self.closing = False
@@ -136,23 +152,27 @@ class Engine(Supervision):
             if not isinstance(cmd, dict) or not isinstance(op, str):
                 raise InvalidSpec("malformed command: expected an object with an 'op'")
             handler = self._COMMANDS.get(op)
-            if handler is None:
+            extra = self.extra_commands.get(op) if handler is None else None
+            if handler is None and extra is None:
                 raise InvalidSpec(f"unknown command {op!r}")
             if self.closing:
                 raise ShuttingDown("the orchestrator is shutting down")
             args = cmd.get("args") or {}
             if not isinstance(args, dict):
                 raise InvalidSpec("malformed command: 'args' must be an object")
-            result = handler(self, args, reply, cmd_id)
+            started = self.os.monotonic()
+            result = handler(self, args, reply, cmd_id) if handler is not None else extra(args)
         except OrchestratorError as err:
             self._journal_command(op, cmd_id, str(err))
             self._outbox.append((reply, protocol.error(cmd_id, err), False))
+            self.metrics.command(op, 0.0, False)
             return
         except Exception as err:  # the client boundary: a bug in a handler is that command's error
             log.exception("command %r failed", op)
             self._journal_command(op, cmd_id, f"internal error: {err}")
             self._outbox.append((reply, protocol.error(cmd_id, f"internal error: {type(err).__name__}: {err}", "internal"), False))
             return
+        self.metrics.command(op, self.os.monotonic() - started, True)
         self._journal_command(op, cmd_id, None)  # applied now, even if its reply waits
         if result is not protocol.DEFERRED:
             self._outbox.append((reply, protocol.ok(cmd_id, result), op not in protocol.READ_ONLY))
@@ -161,19 +181,27 @@ class Engine(Supervision):
         """One turn of the loop; ``timeout`` bounds the wait (None: until an event)."""
         self.reactor.run_once(timeout)
 
-    def shutdown(self) -> None:
-        """Stop every replica (TERM, grace, KILL) and wait until all are reaped; from now on
-        every command is refused. Desired sizes are kept: the next start brings the pools
-        back."""
+    def shutdown(self, budget: float | None = None) -> None:
+        """Stop every replica, all at once (stop signal, grace, KILL), and wait until all are
+        reaped; from now on every command is refused. With a ``budget`` (seconds) every
+        grace is cut so that all is over inside it (systemd's TimeoutStopSec, Kubernetes'
+        terminationGracePeriodSeconds). Desired sizes are kept: the next start brings the
+        pools back."""
         if self.closed:
             return
         self.closing = True
+        wait = self.config.grace + 1.0
+        if budget is not None:
+            self._stop_deadline = self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
+            wait = max(0.0, budget - SHUTDOWN_MARGIN)
         for rep in list(self._live_replicas()):
             self._stop(rep, reason="shutdown", lower_desired=False)
-        done = lambda: not self._procs  # noqa: E731
-        if not self.reactor.run_until(done, self.config.grace + 1.0):
+        done = lambda: not self._procs and not self._draining  # noqa: E731
+        if not self.reactor.run_until(done, wait):
             for proc in list(self._procs.values()):
                 proc.killed = True
+                if proc.cgroup is not None:
+                    self.containment.kill(proc.cgroup)
                 self.os.signal_group(proc.pid, signal.SIGKILL)
             self.reactor.run_until(done, 5.0)
         self._outbox.extend(self._waiters.fail_all(ShuttingDown("the orchestrator is shutting down")))
@@ -224,6 +252,7 @@ class Engine(Supervision):
         timeout = protocol.wait_timeout(args) if args.get("wait") or replace else None
         runtime = self._prepare(args.get("spec"))
         policy = Policy.from_wire(args.get("policy"))
+        self.containment.check_limits(policy.limits)
         pool = self._pools.get(name)
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
             pool.deleted, pool.runtime, pool.policy = False, runtime, policy
@@ -345,6 +374,8 @@ class Engine(Supervision):
             ids.append(rep.id)
         if grow:
             pool.desired += len(ids)
+        if ids:
+            self.metrics.launched(pool.name, len(ids))
         self._schedule_spawn()
         return ids
 
@@ -382,19 +413,28 @@ class Engine(Supervision):
         plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
                        self.config.token)
         notify = None
+        group = None
         try:
+            group = self.containment.prepare(rep.id, pool.policy.limits)
+            if group is not None:
+                plan = dataclasses.replace(plan, cgroup=group)
+                if self.watchdog is not None:
+                    self.watchdog.add_cgroup(group)
             if pool.policy.ready == "notify":
                 notify = self._notify_socket(rep)
                 plan.env.update(notify.env())
             sp = self.os.spawn(plan)
-        except OSError as err:  # fork/pipe/socket failed: EAGAIN, EMFILE, ENOMEM
+        except (OSError, CgroupUnavailable, ValueError) as err:  # fork/pipe/socket/mkdir failed, a limit refused
             if notify is not None:
                 notify.close()
-            self._transition(rep, S.FAILED, f"could not start: {err.strerror or err}")
+            if group is not None:
+                self._remove_cgroup(group)
+            why = err.strerror if isinstance(err, OSError) and err.strerror else err
+            self._transition(rep, S.FAILED, f"could not start: {why}")
             self._ended_on_its_own(rep, failed=True)
             return
         rep.pid, rep.start_time = sp.pid, sp.start_time
-        proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep)
+        proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep, cgroup=group)
         if notify is not None:
             proc.cleanup.append(notify.close)
         self._procs[sp.pid] = proc
@@ -425,8 +465,11 @@ class Engine(Supervision):
             return  # a stale event: a SIGCHLD scan got to it first in this turn
         if proc.ready_fd >= 0:
             self._on_ready(proc)  # the pipe is at EOF or holds the reason: settle it first
-        # The zombie still pins the group: end what the worker left in it before reaping.
-        self.os.signal_group(proc.pid, signal.SIGKILL)
+        if proc.cgroup is None:
+            # The zombie still pins the group: end what the worker left in it before reaping.
+            self.os.signal_group(proc.pid, signal.SIGKILL)
+        else:
+            self.containment.kill(proc.cgroup)  # what it left, whatever group or session it is in
         code = self.os.reap(proc.pid)
         proc.reaped = True
         if proc.kill_timer is not None and not proc.escaped:
@@ -438,10 +481,40 @@ class Engine(Supervision):
             self.watchdog.remove(proc.pid)
         for release in proc.cleanup:
             release()
+        if proc.cgroup is None:
+            self._record_end(proc, code)
+        else:  # ended once its cgroup is empty (an event, bounded: containment.DRAIN_TIMEOUT)
+            self._draining[proc.replica.id] = proc
+            self.containment.watch_empty(proc.cgroup, lambda empty: self._drained(proc, code, empty))
+
+    def _drained(self, proc: _Proc, code: int | None, empty: bool) -> None:
+        """The cgroup of a reaped replica is empty (or the wait gave up): remove it, end it."""
+        self._draining.pop(proc.replica.id, None)
+        path = proc.cgroup
+        assert path is not None
+        if not empty:
+            log.error("%s: its cgroup %s still holds processes after the kill; ending it anyway", proc.replica.id, path)
+        oom = self.containment.oom_killed(path)
+        self._remove_cgroup(path)
+        self._record_end(proc, code, oom=oom)
+
+    def _remove_cgroup(self, path: str) -> None:
+        status = self.containment.remove(path)
+        if status in ("removed", "missing"):
+            if self.watchdog is not None:
+                self.watchdog.remove_cgroup(path)
+        else:  # still registered: the watchdog kills it if we die; a clean stop retries
+            log.error("cannot remove cgroup %s: %s", path, status)
+
+    def _record_end(self, proc: _Proc, code: int | None, *, oom: bool = False) -> None:
+        """The replica's processes are all gone: record how it ended."""
         rep = proc.replica
         rep.pid = None
         self._dirty = True
-        reason = exit_reason(code) if code is not None else "exit status unknown (reaped elsewhere)"
+        if oom:
+            reason = "OOM-killed"
+        else:
+            reason = exit_reason(code) if code is not None else "exit status unknown (reaped elsewhere)"
         if rep.state is S.RUNNING:
             new = S.EXITED if code == 0 else S.FAILED
             self._transition(rep, new, reason, exit_code=code)
@@ -481,22 +554,48 @@ class Engine(Supervision):
     def _grace(self, rep: Replica) -> float:
         pool = self._pools.get(rep.pool)
         grace = pool.policy.grace if pool is not None else None
-        return self.config.grace if grace is None else grace
+        grace = self.config.grace if grace is None else grace
+        if self._stop_deadline is not None:  # a shutdown against a budget
+            grace = max(0.0, min(grace, self._stop_deadline - self.os.monotonic()))
+        return grace
+
+    def _proc_of(self, rep: Replica) -> _Proc | None:
+        """The live process of ``rep``, if any. A replica whose cgroup is being drained keeps
+        its (reaped) pid until it has ended, and that number may belong to a new replica
+        already: hence the identity check."""
+        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        return proc if proc is not None and proc.replica is rep else None
 
     def _signal_and_arm(self, rep: Replica) -> None:
-        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        proc = self._proc_of(rep)
         if proc is None or proc.kill_timer is not None:
             return
         pool = self._pools.get(rep.pool)
         sig = pool.policy.signum if pool is not None else signal.SIGTERM
-        # Walk the tree first: once the group dies, what left it is re-parented out of reach.
-        proc.escaped = self.os.escaped_descendants(proc.pid)
-        self.os.signal_group(proc.pid, sig)
-        for ident in proc.escaped:
-            self.os.signal_verified(ident, sig)
+        proc.escaped = self._signal_tree(proc, sig)
         proc.kill_timer = self.reactor.call_later(self._grace(rep), lambda: self._kill_after_grace(proc))
 
+    def _signal_tree(self, proc: _Proc, sig: int) -> list[tuple[int, int]]:
+        """``sig`` to every process of a live replica: its cgroup's, or its group and the
+        descendants that left it (returned: the kill after the grace reaches them too)."""
+        if proc.cgroup is not None:
+            if proc.pid not in self.containment.signal(proc.cgroup, sig):
+                self.os.signal_group(proc.pid, sig)  # forked, not in its cgroup yet: it alone
+            return []
+        # Walk the tree first: once the group dies, what left it is re-parented out of reach.
+        escaped = self.os.escaped_descendants(proc.pid)
+        self.os.signal_group(proc.pid, sig)
+        for ident in escaped:
+            self.os.signal_verified(ident, sig)
+        return escaped
+
     def _kill_after_grace(self, proc: _Proc) -> None:
+        if proc.cgroup is not None:
+            if not proc.reaped:  # once reaped, its exit killed the cgroup already
+                proc.killed = True
+                self.containment.kill(proc.cgroup)
+                self.os.signal_group(proc.pid, signal.SIGKILL)  # in case it had not joined yet
+            return
         if not proc.reaped:
             proc.killed = True
             proc.escaped += self.os.escaped_descendants(proc.pid)
@@ -509,6 +608,7 @@ class Engine(Supervision):
         old = transition(rep, new, reason, exit_code=exit_code, clock=self.os.time)
         self._dirty = True
         if new.terminal:
+            self.metrics.exited(rep.pool, _exit_kind(rep))
             pool = self._pools.get(rep.pool)
             if pool is not None:
                 pool.live.pop(rep.id, None)
@@ -575,6 +675,7 @@ class Engine(Supervision):
         err = self.journal.commit()
         if err is None:
             return True
+        self.metrics.store_failure()
         now = self.os.monotonic()
         if now - self._store_warned > 10.0:  # one line per 10 s, not one per turn
             self._store_warned = now
@@ -585,3 +686,19 @@ class Engine(Supervision):
             for reply, msg, durable in self._outbox
         ]
         return False
+
+
+def _exit_kind(rep: Replica) -> str:
+    """How a replica ended, for the metrics (a small closed set, never free text)."""
+    reason = rep.reason or ""
+    if rep.state is S.TERMINATED or rep.state is S.INTERRUPTED:
+        return "terminated"
+    if rep.state is S.LOST:
+        return "lost"
+    if reason.startswith("could not start"):
+        return "could_not_start"
+    if reason.startswith("not ready"):
+        return "not_ready"
+    if rep.exit_code is not None and rep.exit_code < 0:
+        return "signal"
+    return "exit_zero" if rep.exit_code == 0 else "exit_nonzero"

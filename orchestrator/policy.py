@@ -17,11 +17,18 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     stop_signal    TERM, INT, HUP, ...              how a replica is asked to stop
     grace          seconds                          before SIGKILL (None: the daemon's)
     port_base      N                                slot s gets port N + s ({port}, $PORT)
+    memory_max     bytes, or "512M"                 cgroup memory.max of each replica
+    pids_max       N                                cgroup pids.max of each replica
+    cpu_weight     1..10000                         cgroup cpu.weight of each replica
+
+The three limits need cgroup containment with the controller enabled (containment.py):
+elsewhere a launch that sets one is refused with one line.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import signal
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -30,6 +37,8 @@ from . import probes
 from .errors import InvalidSpec
 
 RESTART_MODES = ("always", "on-failure", "never")
+LIMIT_KEYS = ("memory_max", "pids_max", "cpu_weight")  # the cgroup limits (watchdog.cgroup.LIMITS)
+CPU_WEIGHT_MAX = 10_000
 
 
 def _number(value: Any, key: str, *, low: float = 0.0, integer: bool = False, above: bool = False) -> Any:
@@ -74,6 +83,9 @@ class Policy:
     stop_signal: str = "TERM"
     grace: float | None = None
     port_base: int | None = None
+    memory_max: int | None = None
+    pids_max: int | None = None
+    cpu_weight: int | None = None
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_MODES:
@@ -100,6 +112,14 @@ class Policy:
             if self.port_base > 65535:
                 raise InvalidSpec(f"port_base must be at most 65535, got {self.port_base}")
         object.__setattr__(self, "stop_signal", signal.Signals(signal_number(self.stop_signal)).name[3:])
+        if self.memory_max is not None:
+            object.__setattr__(self, "memory_max", parse_size(self.memory_max, "memory_max"))
+        if self.pids_max is not None:
+            _number(self.pids_max, "pids_max", low=1, integer=True)
+        if self.cpu_weight is not None:
+            _number(self.cpu_weight, "cpu_weight", low=1, integer=True)
+            if self.cpu_weight > CPU_WEIGHT_MAX:
+                raise InvalidSpec(f"cpu_weight must be at most {CPU_WEIGHT_MAX}, got {self.cpu_weight}")
         for key in ("ready", "live"):
             text = getattr(self, key)
             if text is not None:
@@ -112,6 +132,11 @@ class Policy:
     @property
     def signum(self) -> int:
         return signal_number(self.stop_signal)
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """The cgroup limits that are set (``memory_max``, ``pids_max``, ``cpu_weight``)."""
+        return {k: v for k in LIMIT_KEYS if (v := getattr(self, k)) is not None}
 
     def to_wire(self) -> dict:
         """Only what differs from the defaults: short in the journal, stable to compare."""
@@ -129,6 +154,26 @@ class Policy:
         if unknown:
             raise InvalidSpec(f"unknown policy key(s): {', '.join(sorted(unknown))}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in wire.items()})
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes from a positive integer or a string ``512M``, ``1.5G``, ``64KiB`` (powers of
+    1024, as systemd's MemoryMax= and cgroup tools read them)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise InvalidSpec(f"{key} must be a positive number of bytes, got {value!r}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+            if n >= 1:
+                return n
+    raise InvalidSpec(f"{key} must be a positive number of bytes or a size like \"512M\", got {value!r}")
 
 
 def _pair(value: Any, key: str) -> tuple[Any, Any]:

@@ -42,6 +42,7 @@ class Pool:
     reason: str | None = None
     restarts: int = 0  # replacements made since the pool was created
     deleted: bool = False
+    declared: bool = False  # by the config file: a reload without it deletes it
     pending: dict[int, Any] = field(default_factory=dict)  # slot -> Timer of a scheduled replacement
     slot_restarts: dict[int, int] = field(default_factory=dict)
     _recent: collections.deque = field(default_factory=collections.deque)  # monotonic times
@@ -114,6 +115,8 @@ class Pool:
             row["crashloop"] = self.reason
         if self.deleted:
             row["deleted"] = True
+        if self.declared:
+            row["declared"] = True
         return row
 
     def to_dict(self) -> dict:

@@ -3,7 +3,8 @@
 One turn (``run_once``):
 
     wait ── one epoll wait, bounded by the next timer; no wait at all when work is queued
-    1. readers   ── callbacks of the fds that are ready (pidfds, pipes, sockets)
+    1. readers   ── callbacks of the fds that are ready (pidfds, pipes, sockets; and, through
+                    one nested epoll, the EPOLLPRI fds of add_priority_reader: cgroup.events)
     2. inbox     ── callables handed in by other threads (call_soon_threadsafe)
     3. soon      ── callables queued during this turn (call_soon), in order
     4. timers    ── every due timer, in deadline order
@@ -22,6 +23,7 @@ import collections
 import heapq
 import itertools
 import os
+import select
 import selectors
 import threading
 import time
@@ -111,6 +113,11 @@ class Reactor:
         self._seq = itertools.count()
         self._turn_end: list[Callback] = []
         self._writers: dict[Writer, int | None] = {}  # writer -> the fd registered for EVENT_WRITE
+        # Priority readers (EPOLLPRI: cgroup.events): selectors cannot ask for EPOLLPRI, so
+        # they sit in an epoll of their own, whose fd is one plain reader of the main one
+        # (an epoll fd is readable while its ready list is not empty). Made on first use.
+        self._pri: select.epoll | None = None
+        self._pri_callbacks: dict[int, Callback] = {}
         self.closed = False
 
     # -- scheduling -------------------------------------------------------------------
@@ -150,6 +157,32 @@ class Reactor:
 
     def remove_reader(self, fd: int) -> None:
         self._sel.unregister(fd)
+
+    def add_priority_reader(self, fd: int, callback: Callback) -> None:
+        """Call ``callback`` while ``fd`` reports EPOLLPRI (or an error), level-triggered:
+        for files whose news is POLLPRI and which always report POLLIN, like cgroupfs's
+        ``cgroup.events`` (an EVENT_READ registration of those would spin). The callback
+        must consume the event (a cgroup.events fd: read it) or remove the fd."""
+        if self._pri is None:
+            self._pri = select.epoll()
+            self._sel.register(self._pri.fileno(), selectors.EVENT_READ, self._run_priority)
+        self._pri.register(fd, select.EPOLLPRI)
+        self._pri_callbacks[fd] = callback
+
+    def remove_priority_reader(self, fd: int) -> None:
+        """Forget ``fd`` (call before it is closed); a no-op once the reactor is closed."""
+        if self.closed:
+            return
+        del self._pri_callbacks[fd]
+        assert self._pri is not None
+        self._pri.unregister(fd)
+
+    def _run_priority(self) -> None:
+        assert self._pri is not None
+        for fd, _events in self._pri.poll(0):
+            callback = self._pri_callbacks.get(fd)  # an earlier callback may have removed it
+            if callback is not None:
+                callback()
 
     def add_writer(self, writer: Writer) -> None:
         """Flushed at the end of every turn, and woken by EVENT_WRITE while it holds data."""
@@ -219,5 +252,8 @@ class Reactor:
             self.closed = True
         self._inbox.clear()
         self._sel.close()
+        if self._pri is not None:
+            self._pri.close()
+            self._pri_callbacks.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)

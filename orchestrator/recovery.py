@@ -5,14 +5,20 @@ Every replica the store still calls live belongs to a run that ended uncleanly (
 descendants, if it is still alive with the recorded identity (pid *and* start time: never
 a reused pid), and the replica is recorded LOST through ``states.transition()``, like any
 other state change. Shared by the daemon's ``start`` and ``Orchestrator(db=...)``.
+
+In cgroup mode, the replica cgroups of the earlier daemon's subtree are killed whole first
+(``cgroups``: the subtrees recorded in the state dir): one ``cgroup.kill`` each reaches every
+process, whatever it did to its group, session, title or environment, so what survives the
+daemon and its watchdog killed together is gone before a replica is recorded LOST.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable
 
+from watchdog.cgroup import CgroupUnavailable, Subtree
 from watchdog.identity import is_alive
 from watchdog.ledger import Entry
 
@@ -23,9 +29,12 @@ from .states import Replica, ReplicaState, transition
 log = logging.getLogger("orchestrator")
 
 
-def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float = 1.0) -> tuple[int, int]:
+def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float = 1.0,
+                      cgroups: Iterable[str | None] = ()) -> tuple[int, int]:
     """Kill the leftovers of an unclean end and record their replicas LOST; returns
-    (lost, killed). Runs before the control loop starts."""
+    (lost, killed). ``cgroups``: daemon subtrees whose replica cgroups are killed and
+    removed first (None entries are skipped). Runs before the control loop starts."""
+    killed_cgroups = kill_cgroup_leftovers(cgroups)
     _, live = store.load()
     if not live:
         return 0, 0
@@ -48,7 +57,30 @@ def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float =
         rep.pid = None
         old = transition(rep, ReplicaState.LOST, f"daemon ended uncleanly; {found}")
         journal.transition(rep, old)
-    journal.event("recovery", {"lost": len(live), "killed": len(killed)})
+    journal.event("recovery", {"lost": len(live), "killed": len(killed), "cgroups": killed_cgroups})
     store.commit()
-    log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed", len(live), len(killed))
+    log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed, %d cgroup(s) killed",
+                len(live), len(killed), killed_cgroups)
     return len(live), len(killed)
+
+
+def kill_cgroup_leftovers(subtrees: Iterable[str | None]) -> int:
+    """Kill and remove every replica cgroup left in these subtrees; how many there were.
+
+    Only ``replicas/*`` is touched: ``daemon/`` may hold a new daemon (the same subtree is
+    reused) or a dead one's watchdog finishing its sweep."""
+    count = 0
+    for path in dict.fromkeys(p for p in subtrees if p):  # in order, each once
+        try:
+            tree = Subtree.open(path)
+        except CgroupUnavailable:
+            continue  # gone already (a clean stop removed it) or never made
+        report = tree.kill_all()
+        for rec in report["cgroups"]:
+            count += 1
+            if rec["populated"] is not False or rec["removed"] != "removed":
+                log.error("leftover cgroup %s: %s", rec["path"], rec)
+        if report["cgroups"]:
+            log.warning("killed %d leftover replica cgroup(s) of %s in %.1f ms", len(report["cgroups"]), path,
+                        report["duration_s"] * 1e3)
+    return count

@@ -22,6 +22,9 @@ multiprocessing's default 'fork' context on Linux.
 What the child does before it runs anything of the user's, in this order and why:
   * its own process group (a terminate that comes before the child has set it reaches
     the child alone, see OSApi.signal_group, and the child has forked nothing yet);
+  * in cgroup mode, its replica's cgroup (``LaunchPlan.cgroup``): one write of its pid to
+    ``cgroup.procs``, so that everything it will ever fork is born inside (~110 µs here,
+    the kernel's migration; see benchmarks/bench_containment.py);
   * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
     third layer against orphans, and the check closes the race where the parent died before
     the signal was armed;
@@ -51,6 +54,7 @@ from typing import Any, Callable, Iterable
 
 from setproctitle import setproctitle
 
+from watchdog.cgroup import join as join_cgroup
 from watchdog.identity import open_verified, proc_stat, start_time
 from watchdog.ledger import Entry
 from watchdog.reaper import sweep
@@ -133,6 +137,7 @@ class LaunchPlan:
     cwd: str | None = None
     stdout: int | None = None  # fds put on 1 and 2 in the child; None: inherited
     stderr: int | None = None
+    cgroup: str | None = None  # the replica's cgroup dir, joined first thing in the child
 
 
 @dataclass(slots=True)
@@ -289,6 +294,14 @@ def _child(
     code = 127
     try:
         os.setpgid(0, 0)
+        if plan.cgroup is not None:
+            # Before anything that could fork or run the user's code: every descendant is
+            # born inside. One open/write/close; a refusal is this replica's start failure.
+            try:
+                join_cgroup(plan.cgroup)
+            except OSError as err:
+                os.write(ready_w, f"cannot join cgroup {plan.cgroup}: {err.strerror or err}".encode("utf-8", "replace"))
+                os._exit(127)
         if pdeathsig:
             set_pdeathsig(pdeathsig)
             if os.getppid() != parent:

@@ -54,6 +54,7 @@ class Supervision:
                 log.error("pool %s: its spec no longer resolves: %s", row["name"], err)
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
             pool.deleted = bool(extra.get("deleted"))
+            pool.declared = bool(extra.get("declared"))
             if extra.get("crashloop"):
                 pool.crashloop(extra["crashloop"])
             self._pools[pool.name] = pool
@@ -86,6 +87,52 @@ class Supervision:
         (pool_name, olds), = by_pool.items()
         return self._start_rollout(self._pools[pool_name], olds, len(olds), reply, cmd_id, timeout)
 
+    # -- pools declared by a config file ---------------------------------------------------
+
+    def declare(self, name: str, spec: dict, policy: dict, size: int) -> str:
+        """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
+        config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
+        or resized. Returns what it did: added, changed, resized or unchanged."""
+        runtime = self._prepare(spec)
+        pol = Policy.from_wire(policy)
+        pool = self._pools.get(protocol.pool_name(name))
+        if pool is None or pool.deleted:
+            if pool is None:
+                pool = self._pools[name] = Pool(name, runtime, pol)
+            pool.deleted, pool.runtime, pool.policy = False, runtime, pol
+            pool.declared = True
+            pool.clear()
+            self._converge(pool, size)
+            return "added"
+        pool.declared = True
+        if runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy:
+            pool.runtime, pool.policy = runtime, pol
+            pool.clear()
+            olds = sorted((r for r in pool.live.values() if not self._leaving(r)),
+                          key=lambda r: r.slot if r.slot is not None else -1)
+
+            def logged(msg: dict) -> None:
+                if not msg.get("ok"):
+                    log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
+
+            self._save_pool(pool)
+            self._start_rollout(pool, [r.id for r in olds], 1, logged, None, protocol.DEFAULT_WAIT,
+                                then_scale=size)
+            return "changed"
+        if size == pool.desired:
+            self._save_pool(pool)
+            return "unchanged"
+        pool.clear()
+        self._converge(pool, size)
+        return "resized"
+
+    def undeclare_missing(self, names: set[str]) -> list[str]:
+        """Delete the pools an earlier config declared that the current one does not."""
+        gone = [p.name for p in self._pools.values() if p.declared and not p.deleted and p.name not in names]
+        for name in gone:
+            self._cmd_delete({"pool": name}, lambda _msg: None, None)
+        return gone
+
     def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """Terminate a pool's replicas and forget the pool (it does not come back on start)."""
         pool = self._pool(args.get("pool"))
@@ -107,12 +154,9 @@ class Supervision:
             reps = [r for r in found if r is not None]
         sent = []
         for rep in reps:
-            proc = self._procs.get(rep.pid) if rep.pid is not None else None
+            proc = self._proc_of(rep)
             if proc is not None and not proc.reaped:
-                escaped = self.os.escaped_descendants(proc.pid)
-                self.os.signal_group(proc.pid, sig)
-                for ident in escaped:
-                    self.os.signal_verified(ident, sig)
+                self._signal_tree(proc, sig)
                 sent.append(rep.id)
         return {"signal": signal.Signals(sig).name, "sent": sent}
 
@@ -206,7 +250,7 @@ class Supervision:
         return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name)
 
     def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
-        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        proc = self._proc_of(rep)
         if proc is not None and fields.get("READY") == "1":
             self._ready(proc)
 
@@ -273,8 +317,10 @@ class Supervision:
             self._save_pool(pool)
             log.error("pool %s: crash loop (%s); not replacing %s until an operator acts", pool.name, pool.reason, rep.id)
             self.journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
+            self.metrics.crashloop(pool.name)
             return
         pool.slot_restarts[slot] = pool.slot_restarts.get(slot, 0) + 1
+        self.metrics.restarted(pool.name)
         delay = pool.next_delay(slot) if backoff else 0.0
         self.journal.event("restart", {"pool": pool.name, "replica": rep.id, "slot": slot, "delay": round(delay, 3),
                                        "reason": reason})
@@ -294,7 +340,7 @@ class Supervision:
 
     def _leaving(self, rep: Replica) -> bool:
         """Asked to stop for a replacement (it still runs, but no longer counts)."""
-        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        proc = self._proc_of(rep)
         return proc is not None and proc.replace and rep.state is S.STOPPING
 
     def _cancel_replacements(self, pool: Pool) -> None:

@@ -126,6 +126,7 @@ class DaemonUnderTest:
         self.state_dir = state_dir
         self.pid: int | None = None
         self.seen: set[Ident] = set()
+        self.removed_subtree: str | None = None  # what teardown had to remove (see there)
 
     def start(self, *extra: str) -> int:
         proc = cli(self.state_dir, "start", *extra)
@@ -161,4 +162,24 @@ class DaemonUnderTest:
             pass
         left = survivors(self.seen)
         kill_all(left)
+        self.removed_subtree = self._remove_cgroup_subtree()
         return left
+
+    def _remove_cgroup_subtree(self) -> str | None:
+        """A daemon killed together with its watchdog leaves its cgroup subtree behind (the
+        next ``start`` would kill what is in it and a clean stop remove it): kill and remove
+        it here, by the path the daemon recorded in its state dir. Returns the path if there
+        was one to remove."""
+        record = self.state_dir / "cgroup"
+        if not record.exists() or cli(self.state_dir, "status").returncode != 3:
+            return None  # stopped cleanly (the record goes with the subtree), or still running
+        from watchdog import cgroup
+
+        path = record.read_text().strip()
+        record.unlink()
+        if cgroup.refusal(path, cgroup.find_mount(), None) is not None or not os.path.isdir(path):
+            return None  # not a subtree of ours, or its watchdog removed it
+        tree = cgroup.Subtree(path)
+        tree.kill_all(timeout=5)
+        tree.destroy()
+        return path

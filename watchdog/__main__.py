@@ -16,11 +16,13 @@ Flow:
    once, quietly. Feed EOF without ``Q`` is only a hint (forked workers may hold the write
    end, or the parent closed it by mistake): if the parent is verifiably gone, go to 4,
    otherwise keep watching the pidfd alone.
-4. Parent died: read what is left in the feed; kill the ledger's replica cgroups whole
-   (``sweep_cgroups``: one ``cgroup.kill`` each, one bounded wait on their events fds,
-   rmdir); ``sweep()`` the ledger's processes (plus the token), which finds whatever lives
-   outside those cgroups; remove the ``--remove`` paths; write
-   ``<state_dir>/watchdog-report.json`` atomically; exit 0.
+4. Parent died: read what is left in the feed; kill the ledger's replica cgroups whole, and
+   every other cgroup in ``--cgroup-subtree``'s replicas/ (``sweep_cgroups``: one
+   ``cgroup.kill`` each, one bounded wait on their events fds, rmdir); ``sweep()`` the
+   ledger's processes (plus the token), which finds whatever lives outside those cgroups;
+   remove the ``--remove`` paths and, out of its daemon/ first, the emptied subtree (both
+   only while holding the lock); write ``<state_dir>/watchdog-report.json`` atomically;
+   exit 0.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import cgroup
 from .identity import proc_stat
 from .ledger import Ledger
 from .parent import ParentWatch
@@ -59,6 +62,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--remove", action="append", default=[], metavar="PATH", help="stale file or dir")
     parser.add_argument("--lock", default=None, metavar="PATH",
                         help="the parent's lock file: files are removed only while we hold its lock")
+    parser.add_argument("--cgroup-subtree", default=None, metavar="DIR",
+                        help="the parent's cgroup subtree: every replicas/* cgroup in it is killed, then it is removed")
     return parser.parse_args(argv)
 
 
@@ -146,6 +151,34 @@ def _remove(paths: Sequence[str]) -> list[dict[str, str]]:
     return results
 
 
+def _replica_cgroups(subtree: str | None) -> list[str]:
+    """The cgroups in ``subtree``/replicas (sweep_cgroups checks each one before a kill)."""
+    if subtree is None:
+        return []
+    replicas = os.path.join(subtree, "replicas")
+    try:
+        return [os.path.join(replicas, name) for name in sorted(os.listdir(replicas))
+                if os.path.isdir(os.path.join(replicas, name))]
+    except OSError:  # gone already, or never made
+        return []
+
+
+def _remove_subtree(subtree: str) -> dict[str, Any]:
+    """Remove the dead parent's emptied subtree: move out of its daemon/ first (we were born
+    there), then rmdir what is empty. Never raises: the report says what stayed."""
+    why = cgroup.refusal(subtree, cgroup.find_mount(), None)
+    if why is not None:
+        return {"refused": why}
+    tree = cgroup.Subtree(subtree)
+    own = cgroup.own_path()
+    if own is not None and own.startswith(tree.path + "/"):
+        try:
+            tree.leave()
+        except cgroup.CgroupUnavailable as exc:
+            return {"kept": str(exc)}
+    return tree.destroy()
+
+
 def _write_report(state_dir: str, report: dict[str, Any]) -> str:
     """Write the report atomically: readers see the old file, or the whole new one."""
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -223,9 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     # Cgroups first: one write per replica reaches every descendant, setsid'ed or not, and
-    # leaves the process sweep only what lives outside them.
+    # leaves the process sweep only what lives outside them. With the subtree known, also
+    # the replica cgroups the parent made but had not registered yet (the feed lags a turn).
     t_cgroups = time.monotonic()
-    cgroups = sweep_cgroups(ledger.cgroups)
+    cgroups = sweep_cgroups(dict.fromkeys([*ledger.cgroups, *_replica_cgroups(args.cgroup_subtree)]))
     cgroups_ms = round((time.monotonic() - t_cgroups) * 1e3, 3)
     lock_fd = _take_lock(args.lock)
     report = sweep(
@@ -238,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Another daemon already holds the lock: the files are its, not stale.
     removed = _remove(args.remove) if args.lock is None or lock_fd is not None else [
         {"path": p, "status": "kept: a new daemon holds the lock"} for p in args.remove]
+    if args.cgroup_subtree is not None:
+        # Like the files: only while no new daemon can be using it (we hold the lock).
+        report["subtree"] = (_remove_subtree(args.cgroup_subtree) if args.lock is None or lock_fd is not None
+                             else {"kept": "a new daemon holds the lock"})
     report["timings_ms"]["cgroups"] = cgroups_ms
     report.update(
         reason=reason,

@@ -49,8 +49,8 @@ import time
 from collections.abc import Iterable
 
 __all__ = [
-    "CgroupUnavailable", "Subtree", "find_mount", "own_path", "require_own_path", "join", "kill",
-    "send_signal", "populated", "events_fd", "wait_unpopulated", "remove", "kill_and_remove",
+    "CgroupUnavailable", "Subtree", "find_mount", "read_mount", "own_path", "require_own_path", "join", "kill",
+    "send_signal", "signal_members", "populated", "events_fd", "wait_unpopulated", "remove", "kill_and_remove",
     "oom_killed", "refusal", "EVENTS_POLL_MASK", "LIMITS",
 ]  # fmt: skip
 
@@ -97,6 +97,12 @@ def _parse_mount(mountinfo_text: str | None = None) -> tuple[str, str] | None:
         if sep and len(fields) >= 5 and tail and tail[0] == "cgroup2":
             return _unescape(fields[3]), _unescape(fields[4])
     return None
+
+
+def read_mount() -> tuple[str, str] | None:
+    """``(root, mount point)`` of the cgroup2 mount, from /proc/self/mountinfo (~25 µs):
+    what ``signal_members`` takes, read once by a caller that signals often."""
+    return _parse_mount()
 
 
 def find_mount(mountinfo_text: str | None = None) -> str | None:
@@ -168,8 +174,15 @@ def join(path: str, pid: int = 0) -> None:
 
 
 def _read(path: str) -> str:
-    with open(path, encoding="ascii") as f:
-        return f.read()
+    # os-level: a third of what open() and a text wrapper cost, on the loop's hot path
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("ascii")
 
 
 def _write(path: str, text: str) -> None:
@@ -204,8 +217,15 @@ def send_signal(path: str, sig: int) -> int:
     signal: each one is pinned with a pidfd and re-checked to be in that cgroup after
     opening, then signalled through the pidfd (the watchdog's identity rule).
     """
-    mount = _parse_mount()
-    sent = 0
+    return len(signal_members(path, sig))
+
+
+def signal_members(path: str, sig: int, mount: tuple[str, str] | None = None) -> list[int]:
+    """``send_signal``, returning the pids that got the signal. ``mount``: what
+    ``read_mount()`` returned, for a caller that signals many cgroups (None: read now)."""
+    if mount is None:
+        mount = _parse_mount()
+    sent = []
     for where, pid in _members(path):
         try:
             fd = os.pidfd_open(pid)
@@ -214,7 +234,7 @@ def send_signal(path: str, sig: int) -> int:
         try:
             if _path_of(pid, mount) == where:
                 _signal.pidfd_send_signal(fd, sig)
-                sent += 1
+                sent.append(pid)
         except ProcessLookupError:
             pass
         finally:
@@ -330,9 +350,15 @@ def remove(path: str) -> str:
     Never raises: EBUSY (still populated, or a child that could not go) is a result to
     report, and the caller decides whether to kill and wait first. ENOENT is fine.
     """
-    if not os.path.isdir(path):
+    try:
+        os.rmdir(path)  # a leaf, the usual case: one syscall
+        return "removed"
+    except (FileNotFoundError, NotADirectoryError):
         return "missing"
-    for top in _cgroup_dirs(path):
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            return f"error: {exc.strerror}"
+    for top in _cgroup_dirs(path):  # busy: cgroups below it go first (deepest first)
         try:
             os.rmdir(top)
         except FileNotFoundError:

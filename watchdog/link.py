@@ -68,6 +68,7 @@ class WatchdogLink:
         lock_file: str | None = None,
         python: str = sys.executable,
         batch: bool = False,
+        cgroup_subtree: str | None = None,
     ) -> None:
         self.state_dir = os.fspath(state_dir)
         self.token = token
@@ -75,6 +76,10 @@ class WatchdogLink:
         self.remove_files = [os.fspath(p) for p in remove_files]
         self.lock_file = os.fspath(lock_file) if lock_file is not None else None
         self.python = python
+        # The daemon's cgroup subtree (watchdog.cgroup.Subtree), if it has one: on the
+        # daemon's death every replica cgroup in it is killed, registered yet or not, and
+        # the subtree is removed. Set it before start().
+        self.cgroup_subtree = cgroup_subtree
         # batch: add()/remove() only buffer, and the caller flush()es once per loop turn.
         # Each write wakes the watchdog; one per turn instead of two per replica is what
         # keeps it off a churning daemon's back. The ledger then lags by at most a turn,
@@ -162,6 +167,8 @@ class WatchdogLink:
             argv += ["--remove", path]
         if self.lock_file is not None:
             argv += ["--lock", self.lock_file]
+        if self.cgroup_subtree is not None:
+            argv += ["--cgroup-subtree", self.cgroup_subtree]
         return argv
 
     def stop(self) -> None:

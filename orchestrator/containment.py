@@ -1,0 +1,350 @@
+"""What holds a replica's process tree together: a cgroup of its own, or its process group.
+
+    start --cgroup auto|off|PATH ──► detect() ──► Cgroups        one cgroup per replica
+                                           └────► ProcessGroups  the process-group design
+
+The engine calls one interface in both modes (``ProcessGroups`` is the no-op variant): the
+cgroup ``prepare``d for a replica goes into its ``LaunchPlan`` (the forked child joins it
+before anything else), a stop ``signal``s every member, SIGKILL is one ``kill``
+(``cgroup.kill``), and the replica has ended once ``watch_empty`` says its cgroup holds no
+process; then its cgroup is ``remove``d. Without a cgroup (``path`` None everywhere) the
+engine signals the replica's process group and the descendants that left it, as before.
+
+Layout (``watchdog.cgroup.Subtree``): under the daemon's own cgroup (``auto``) or a given
+cgroup dir (``PATH``), ``orchestrator-<sha1(state dir)[:12]>/`` with ``daemon/`` (the daemon
+moves itself in, so its watchdog and manager are born there, outside every replica's
+cgroup) and ``replicas/<replica id>/``. The subtree's path is recorded in the state dir
+(``cgroup``, 0600): a later ``start`` kills what a daemon and a watchdog that were killed
+together left in it, wherever the new daemon's own cgroup is (``previous`` / recovery.py).
+A clean stop removes the replica cgroups, moves the daemon back out and removes the subtree.
+
+Why each step is where it is:
+  * ``auto`` falls back to process groups with a one-line reason (no cgroup2 mount, a
+    hierarchy this user may not write, ...); ``PATH`` that cannot be used is an error: the
+    operator asked for it by name.
+  * The wait for an empty cgroup is the ``cgroup.events`` fd polled for EPOLLPRI in the
+    reactor (``Reactor.add_priority_reader``): no poll loop, and bounded by a timer, so a
+    cgroup that never empties (a process in uninterruptible sleep) cannot wedge the loop.
+  * Limits (``memory_max``, ``pids_max``, ``cpu_weight``) are refused with one line when the
+    controller is not enabled for replica cgroups, and in process-group mode: a limit
+    silently not applied is worse than a refusal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Callable
+
+from watchdog import cgroup
+from watchdog.cgroup import CgroupUnavailable, Subtree
+
+from .errors import InvalidSpec, OrchestratorError
+
+log = logging.getLogger("orchestrator")
+
+__all__ = ["Cgroups", "ProcessGroups", "CgroupUnavailable", "detect", "subtree_name", "previous", "record",
+           "forget", "drop_previous", "RECORD_NAME", "DRAIN_TIMEOUT"]
+
+RECORD_NAME = "cgroup"  # in the state dir: the subtree of the daemon that runs (or last ran) there
+DRAIN_TIMEOUT = 3.0  # seconds a replica's cgroup may take to empty after its main process exited
+
+
+def subtree_name(state_dir: Any) -> str:
+    """``orchestrator-<12 hex>``: one subtree per state dir, the same one on every start."""
+    digest = hashlib.sha1(os.path.abspath(os.fspath(state_dir)).encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{cgroup.MARK}-{digest[:12]}"
+
+
+class ProcessGroups:
+    """No cgroups: a replica is its process group plus the descendants that left it."""
+
+    mode = "process-group"
+    path: str | None = None  # no subtree
+    controllers: frozenset[str] = frozenset()
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def attach(self, reactor: Any) -> None:
+        pass
+
+    def check_limits(self, limits: dict[str, Any]) -> None:
+        """InvalidSpec (one line) if any limit is set: there is no cgroup to hold it."""
+        if limits:
+            key = next(iter(limits))
+            raise InvalidSpec(f"{key} needs cgroup containment, and this daemon uses process groups ({self.reason})")
+
+    def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
+        if limits:
+            key = next(iter(limits))
+            raise CgroupUnavailable(f"{key} needs cgroup containment, and this daemon uses process groups")
+        return None
+
+    def leftovers(self) -> list[str]:
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        return {"containment": self.mode, "containment_reason": self.reason, "cgroup_subtree": None}
+
+    def close(self) -> bool:
+        return True
+
+
+class _Watch:
+    """One replica cgroup awaited empty: its events fd in the reactor, and a deadline."""
+
+    __slots__ = ("fd", "path", "callback", "deadline", "timer")
+
+    def __init__(self, fd: int, path: str, callback: Callable[[bool], None], deadline: float) -> None:
+        self.fd, self.path, self.callback, self.deadline = fd, path, callback, deadline
+        self.timer: Any = None
+
+
+class Cgroups:
+    """One cgroup per replica under the daemon's ``Subtree``; see the module docstring."""
+
+    mode = "cgroup"
+
+    def __init__(self, subtree: Subtree, reason: str, *, moved_self: bool = True) -> None:
+        self.subtree = subtree
+        self.path = subtree.path
+        self.reason = reason
+        self.moved_self = moved_self
+        self.controllers = subtree.controllers  # read once: they do not change under us
+        self._mount = cgroup.read_mount()  # for the identity checks of signal()
+        self.reactor: Any = None
+        self._watches: dict[int, _Watch] = {}
+
+    def attach(self, reactor: Any) -> None:
+        """The loop's reactor: ``watch_empty`` registers its fds there."""
+        self.reactor = reactor
+
+    # -- limits ---------------------------------------------------------------------
+
+    def check_limits(self, limits: dict[str, Any]) -> None:
+        """InvalidSpec (one line) for a limit whose controller replica cgroups lack."""
+        for key in limits:
+            controller = cgroup.LIMITS[key][1]
+            if controller not in self.controllers:
+                have = ", ".join(sorted(self.controllers)) or "none"
+                raise InvalidSpec(f"{key} needs the cgroup {controller} controller, which is not enabled "
+                                  f"for replica cgroups here (enabled: {have})")
+
+    # -- one replica ----------------------------------------------------------------
+
+    def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str:
+        """Create the replica's cgroup with its limits; its path. CgroupUnavailable or
+        ValueError (a limit the kernel refused) say why not, in one line."""
+        return self.subtree.make_replica(replica_id, limits)
+
+    def signal(self, path: str, sig: int) -> list[int]:
+        """Send ``sig`` to every process of the cgroup (identity-checked); their pids. An
+        error (EMFILE) is logged and sends nothing more: the kill after the grace is
+        ``cgroup.kill``, one write, which needs no fd per process."""
+        try:
+            return cgroup.signal_members(path, sig, self._mount)
+        except OSError as err:
+            log.error("cannot signal the processes of cgroup %s: %s", path, err.strerror or err)
+            return []
+
+    def kill(self, path: str) -> str:
+        """SIGKILL the whole cgroup (``cgroup.kill``); see ``watchdog.cgroup.kill``."""
+        try:
+            return cgroup.kill(path)
+        except (OSError, ValueError) as err:
+            log.error("cannot kill cgroup %s: %s", path, getattr(err, "strerror", None) or err)
+            return f"error: {err}"
+
+    def watch_empty(self, path: str, callback: Callable[[bool], None], timeout: float = DRAIN_TIMEOUT) -> None:
+        """Call ``callback(True)`` once the cgroup holds no process (now, if it is empty or
+        gone), or ``callback(False)`` after ``timeout`` seconds if it still does. Never
+        raises: without an fd to wait on (EMFILE), it looks again every 50 ms until then."""
+        assert self.reactor is not None, "attach() the reactor first"
+        deadline = self.reactor.monotonic() + timeout
+        try:
+            fd = cgroup.events_fd(path)
+        except FileNotFoundError:
+            callback(True)
+            return
+        except OSError as err:
+            log.warning("cannot wait on %s/cgroup.events (%s): looking every 50 ms", path, err.strerror or err)
+            self._look_again(path, callback, deadline)
+            return
+        if not cgroup.populated(fd):  # ENOENT/ENODEV read as empty; events_fd has read it once already
+            os.close(fd)
+            callback(True)
+            return
+        watch = _Watch(fd, path, callback, deadline)
+        self._watches[fd] = watch
+        self.reactor.add_priority_reader(fd, lambda: self._changed(watch))
+        watch.timer = self.reactor.call_at(deadline, lambda: self._done(watch, False))
+
+    def _look_again(self, path: str, callback: Callable[[bool], None], deadline: float) -> None:
+        def look() -> None:
+            try:
+                empty = not cgroup.populated(path)
+            except OSError:
+                empty = False
+            if empty or self.reactor.monotonic() >= deadline:
+                callback(empty)
+            else:
+                self.reactor.call_later(0.05, look)
+
+        self.reactor.call_later(0.05, look)
+
+    def _changed(self, watch: _Watch) -> None:
+        try:
+            empty = not cgroup.populated(watch.fd)  # the read re-arms the fd
+        except OSError as err:  # not ENOENT/ENODEV (those read as empty): unread, it would spin
+            log.error("reading %s/cgroup.events: %s; looking every 50 ms", watch.path, err.strerror or err)
+            del self._watches[watch.fd]
+            self._forget(watch)
+            self._look_again(watch.path, watch.callback, watch.deadline)
+            return
+        if empty:
+            self._done(watch, True)
+
+    def _done(self, watch: _Watch, empty: bool) -> None:
+        if self._watches.pop(watch.fd, None) is None:
+            return  # the other of event and deadline came first
+        self._forget(watch)
+        watch.callback(empty)
+
+    def _forget(self, watch: _Watch) -> None:
+        self.reactor.remove_priority_reader(watch.fd)
+        os.close(watch.fd)
+        watch.timer.cancel()
+
+    def remove(self, path: str) -> str:
+        """rmdir the replica's cgroup: "removed", "missing", "busy" or "error: ..."."""
+        return cgroup.remove(path)
+
+    def oom_killed(self, path: str) -> bool:
+        """Did the kernel OOM-kill a process of this cgroup (memory.events oom_kill)?"""
+        if "memory" not in self.controllers:
+            return False  # no memory.events to read
+        try:
+            return cgroup.oom_killed(path)
+        except (OSError, ValueError):
+            return False
+
+    def leftovers(self) -> list[str]:
+        return self.subtree.leftovers()
+
+    # -- the daemon's status and its end ----------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {"containment": self.mode, "containment_reason": self.reason, "cgroup_subtree": self.path}
+
+    def close(self) -> bool:
+        """A clean end: kill and remove what is left of replica cgroups (nothing, normally),
+        move this process back out (if it moved in) and remove the subtree. Never raises;
+        True if the subtree is gone."""
+        while self._watches:  # the loop is over: nobody is told any more
+            self._forget(self._watches.popitem()[1])
+        report = self.subtree.kill_all()
+        for rec in report["cgroups"]:
+            log.warning("cgroup %s was left at the end: %s", rec["path"], rec)
+        if self.moved_self:
+            try:
+                self.subtree.leave()
+            except CgroupUnavailable as err:
+                log.warning("the subtree %s stays: %s", self.path, err)
+                return False
+        result = self.subtree.destroy()
+        left = {path: status for path, status in result.items() if status not in ("removed", "missing")}
+        if left:
+            log.warning("could not remove every cgroup of %s: %s", self.path, left)
+        return not left
+
+
+def detect(choice: str, state_dir: Any, *, move_self: bool = True, name: str | None = None) -> Cgroups | ProcessGroups:
+    """The containment for ``--cgroup choice``: "off", "auto" (cgroups where this process
+    may make them, else process groups with the reason) or an absolute cgroup dir, under
+    which the subtree is made (an OrchestratorError if it cannot be used).
+
+    ``move_self``: the calling process moves into the subtree's ``daemon/`` (the daemon;
+    call it before starting children that must stay out of replica cgroups). The embedded
+    API leaves its host process where it is.
+    """
+    if choice == "off":
+        return ProcessGroups("--cgroup off")
+    name = name or subtree_name(state_dir)
+    try:
+        if choice == "auto":
+            parent = cgroup.require_own_path()
+        else:
+            mount = cgroup.find_mount()
+            why = "no cgroup2 mount in /proc/self/mountinfo" if mount is None else None
+            if why is None and not (os.path.isabs(choice) and os.path.normpath(choice) == choice
+                                    and (choice == mount or choice.startswith(mount.rstrip("/") + "/"))):
+                why = f"not a normalised absolute path under the cgroup2 mount {mount}"
+            if why is not None:
+                raise CgroupUnavailable(why)
+            parent = choice
+        try:
+            subtree = Subtree.create(parent, name, move_self=move_self)
+        except CgroupUnavailable:
+            if os.path.isfile(os.path.join(parent, "cgroup.procs")):
+                Subtree(os.path.join(parent, name)).destroy()  # the dirs it made: removed if empty
+            raise
+    except CgroupUnavailable as err:
+        if choice != "auto":
+            raise OrchestratorError(f"--cgroup {choice}: {err}") from None
+        return ProcessGroups(f"no usable cgroup2: {err}")
+    controllers = ", ".join(sorted(subtree.controllers)) or "none"
+    reason = f"a cgroup per replica under {subtree.replicas_dir} (controllers: {controllers})"
+    return Cgroups(subtree, reason, moved_self=move_self)
+
+
+# -- the state dir's record of the subtree ----------------------------------------------
+
+
+def previous(paths: Any) -> str | None:
+    """The subtree recorded in the state dir by an earlier daemon, if it is one we may
+    kill leftovers in (``watchdog.cgroup.refusal``: under the cgroup2 mount, below an
+    ``orchestrator`` dir); None if there is none or it does not qualify (logged)."""
+    from .paths import check_file
+
+    try:
+        if not check_file(paths, RECORD_NAME):
+            return None
+        text = (paths.state_dir / RECORD_NAME).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError, OrchestratorError) as err:
+        log.warning("ignoring the state dir's %s file: %s", RECORD_NAME, err)
+        return None
+    why = cgroup.refusal(text, cgroup.find_mount(), None)
+    if why is not None:
+        log.warning("ignoring the recorded cgroup subtree %r: %s", text, why)
+        return None
+    return text
+
+
+def record(paths: Any, containment: Cgroups | ProcessGroups) -> None:
+    """Write the subtree in use to the state dir (0600), or remove the record if none."""
+    from .paths import write_private
+
+    if containment.path is None:
+        forget(paths)
+    else:
+        write_private(paths, RECORD_NAME, (containment.path + "\n").encode("utf-8", "surrogateescape"))
+
+
+def forget(paths: Any) -> None:
+    (paths.state_dir / RECORD_NAME).unlink(missing_ok=True)
+
+
+def drop_previous(path: str | None, current: Cgroups | ProcessGroups) -> None:
+    """Remove an earlier daemon's subtree once recovery has emptied it, unless it is the one
+    in use (best effort: what cannot go is logged)."""
+    if path is None or path == current.path:
+        return
+    try:
+        result = Subtree.open(path).destroy()
+    except CgroupUnavailable:
+        return
+    left = {p: s for p, s in result.items() if s not in ("removed", "missing")}
+    if left:
+        log.warning("an earlier daemon's cgroup subtree could not be removed: %s", left)
