@@ -73,17 +73,15 @@ class ProcessGroups:
     def check_limits(self, limits: dict[str, Any]) -> None:
         """InvalidSpec (one line) if any limit is set: there is no cgroup to hold it."""
         if limits:
-            key = next(iter(limits))
-            raise InvalidSpec(f"{key} needs cgroup containment, and this daemon uses process groups ({self.reason})")
+            raise InvalidSpec(self._refusal(limits))
 
     def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
-        if limits:
-            key = next(iter(limits))
-            raise CgroupUnavailable(f"{key} needs cgroup containment, and this daemon uses process groups")
+        if limits:  # a pool restored from the store that a cgroup daemon made
+            raise CgroupUnavailable(self._refusal(limits))
         return None
 
-    def leftovers(self) -> list[str]:
-        return []
+    def _refusal(self, limits: dict[str, Any]) -> str:
+        return f"{next(iter(limits))} needs cgroup containment, and this daemon uses process groups ({self.reason})"
 
     def describe(self) -> dict[str, Any]:
         return {"containment": self.mode, "containment_reason": self.reason, "cgroup_subtree": None}
@@ -229,9 +227,6 @@ class Cgroups:
             return cgroup.oom_killed(path)
         except (OSError, ValueError):
             return False
-
-    def leftovers(self) -> list[str]:
-        return self.subtree.leftovers()
 
     # -- the daemon's status and its end ----------------------------------------------
 

@@ -136,9 +136,6 @@ class FakeCgroups(Cgroups):
     def oom_killed(self, path: str) -> bool:
         return path in self.oom
 
-    def leftovers(self) -> list[str]:
-        return sorted(self.members)
-
     def close(self) -> bool:
         return True
 
