@@ -188,8 +188,12 @@ def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list)
     actions: dict[str, int] = {}
     for proc in report.get("processes", []):
         actions[proc.get("action", "?")] = actions.get(proc.get("action", "?"), 0) + 1
+    # With cgroups, one cgroup.kill each ends a replica's whole tree before the process
+    # sweep looks: those processes are reported as "none" (nothing left to signal).
+    groups = len(report.get("cgroups") or [])
+    found = ", ".join(f"{n} {'already gone' if a == 'none' else a}" for a, n in sorted(actions.items()))
     print(f"   every process gone in {gone_ms:.1f} ms; survivors: {len(left)}; watchdog report: "
-          + ", ".join(f"{n} {a}" for a, n in sorted(actions.items())))
+          + (f"{groups} replica cgroups killed whole; processes: " if groups else "processes: ") + found)
 
     t0 = time.monotonic()
     d2 = _Daemon(paths)
