@@ -46,6 +46,7 @@ from .errors import OrchestratorError, ShutdownRequested
 from .logs import LogCapture
 from .metrics import LagMonitor, MetricsServer, health
 from .paths import Paths, default_state_dir, running_pid, take_lock
+from .policy import LIMIT_KEYS, Policy
 from .reactor import drain
 from .recovery import recover_leftovers
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
@@ -57,6 +58,11 @@ log = logging.getLogger("orchestrator")
 TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
 REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5
 WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is the bound
+
+
+def _policy_of(decl: config_file.PoolDecl) -> dict:
+    """A config pool's policy, its cgroup limits included (they are policy keys on launch)."""
+    return {**decl.policy, **{k: v for k in LIMIT_KEYS if (v := getattr(decl, k)) is not None}}
 
 
 def _is_watchdog(pid: int | None) -> bool:
@@ -429,6 +435,8 @@ class Daemon:
             "manager_pid": self.manager.pid if self.manager is not None else None,
             "started_at": self.started_at,
             **(self.containment.describe() if self.containment is not None else {}),
+            "logs": self.log_capture.totals() if self.log_capture is not None else None,
+            "config": self.config_path,
         }}
 
     # -- signals and orphans ----------------------------------------------------------
@@ -481,7 +489,7 @@ class Daemon:
         resized ones scaled, pools an earlier file declared and this one does not deleted."""
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
         for decl in new.pools.values():
-            done[self.engine.declare(decl.name, decl.spec, decl.policy, decl.size)].append(decl.name)
+            done[self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)].append(decl.name)
         done["removed"] = self.engine.undeclare_missing(set(new.pools))
         return done
 
@@ -500,6 +508,7 @@ class Daemon:
         new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
         for decl in new.pools.values():  # refuse the whole file before changing anything
             self.engine._prepare(decl.spec)
+            self.engine.containment.check_limits(Policy.from_wire(_policy_of(decl)).limits)
         done = self._apply(new)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new

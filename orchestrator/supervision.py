@@ -95,6 +95,7 @@ class Supervision:
         or resized. Returns what it did: added, changed, resized or unchanged."""
         runtime = self._prepare(spec)
         pol = Policy.from_wire(policy)
+        self.containment.check_limits(pol.limits)
         pool = self._pools.get(protocol.pool_name(name))
         if pool is None or pool.deleted:
             if pool is None:
