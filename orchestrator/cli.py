@@ -445,6 +445,8 @@ def _format_status(data: dict, *, samples: dict | None = None, health: str | Non
     else:
         head = "daemon: not running; replicas below are as last known, not live"
     out = [f"{head}  state dir: {data['state_dir']}"]
+    if (d.get("logs") or {}).get("dropped"):
+        out.append(f"logs: {d['logs']['dropped']} bytes of replica output dropped (disk full or too fast)")
     if health:
         out.append(health)
     for p in data["pools"]:

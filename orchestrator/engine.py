@@ -414,7 +414,11 @@ class Engine(Supervision):
                        self.config.token)
         notify = None
         group = None
+        captured = None
         try:
+            if self.log_capture is not None:
+                captured = self.log_capture.open(rep.id)
+                plan = dataclasses.replace(plan, stdout=captured.stdout, stderr=captured.stderr)
             group = self.containment.prepare(rep.id, pool.policy.limits)
             if group is not None:
                 plan = dataclasses.replace(plan, cgroup=group)
@@ -427,6 +431,8 @@ class Engine(Supervision):
         except (OSError, CgroupUnavailable, ValueError) as err:  # fork/pipe/socket/mkdir failed, a limit refused
             if notify is not None:
                 notify.close()
+            if captured is not None:
+                captured.finish()
             if group is not None:
                 self._remove_cgroup(group)
             why = err.strerror if isinstance(err, OSError) and err.strerror else err
@@ -437,6 +443,9 @@ class Engine(Supervision):
         proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep, cgroup=group)
         if notify is not None:
             proc.cleanup.append(notify.close)
+        if captured is not None:
+            captured.spawned()  # the child has its ends; what it writes until its exit is drained
+            proc.cleanup.append(captured.finish)
         self._procs[sp.pid] = proc
         self.reactor.add_reader(sp.exit_fd, lambda: self._on_exit(proc))
         self.reactor.add_reader(sp.ready_fd, lambda: self._on_ready(proc))
@@ -618,7 +627,7 @@ class Engine(Supervision):
         self.journal.transition(rep, old)
 
     def _save_pool(self, pool: Pool) -> None:
-        if pool.runtime is not None:
+        if pool.runtime is not None and self.journal.store is not None:
             self.journal.pool(pool.name, pool.stored(), pool.desired, pool.next_n)
 
     def _journal_command(self, op: Any, cmd_id: Any, error: str | None) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 import signal
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import probes
@@ -136,12 +136,22 @@ class Policy:
     @property
     def limits(self) -> dict[str, int]:
         """The cgroup limits that are set (``memory_max``, ``pids_max``, ``cpu_weight``)."""
-        return {k: v for k in LIMIT_KEYS if (v := getattr(self, k)) is not None}
+        return self._derived()[1]
 
     def to_wire(self) -> dict:
         """Only what differs from the defaults: short in the journal, stable to compare."""
-        default = Policy()
-        return {k: _plain(v) for k, v in asdict(self).items() if v != getattr(default, k)}
+        return dict(self._derived()[0])
+
+    def _derived(self) -> tuple[dict, dict]:
+        # Computed once: a policy is immutable, and these are asked on every save and spawn.
+        cached = self.__dict__.get("_cache")
+        if cached is None:
+            wire = {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                    if getattr(self, f.name) != f.default}
+            limits = {k: v for k in LIMIT_KEYS if (v := getattr(self, k)) is not None}
+            cached = (wire, limits)
+            object.__setattr__(self, "_cache", cached)
+        return cached
 
     @classmethod
     def from_wire(cls, wire: Any) -> "Policy":

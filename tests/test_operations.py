@@ -192,3 +192,31 @@ def test_cli_manners(daemon: DaemonUnderTest) -> None:
         line = [ln for ln in helps.splitlines() if option in ln]
         assert line, option
     assert "default" in helps
+
+
+def test_replica_logs_through_the_cli_and_a_chatty_replica_never_blocks(daemon: DaemonUnderTest) -> None:
+    from orchestrator import Client
+
+    daemon.start()
+    talk = ["sh", "-c", 'echo "hello from $ORCHESTRATOR_REPLICA_ID"; echo oops >&2; exec sleep 1000']
+    assert cli(daemon.state_dir, "launch", "--pool", "p", "--count", "2", "--wait", "--", *talk).returncode == 0
+    wait_for(lambda: cli(daemon.state_dir, "logs", "p-2").stdout == "hello from p-2\n", 10, "p-2's output")
+    assert cli(daemon.state_dir, "logs", "p-1", "--stderr").stdout == "oops\n"
+    pooled = cli(daemon.state_dir, "logs", "--pool", "p").stdout.splitlines()
+    assert pooled == ["p-1 | hello from p-1", "p-2 | hello from p-2"]
+    # a replica that writes as fast as it can: the command round trip stays short
+    assert cli(daemon.state_dir, "launch", "--pool", "loud", "--", "yes", "x" * 100).returncode == 0
+    with Client(daemon.state_dir) as client:
+        client.ping()
+        times = []
+        for _ in range(200):
+            t0 = time.monotonic()
+            client.ping()
+            times.append(time.monotonic() - t0)
+    times.sort()
+    assert times[int(0.99 * len(times))] < 0.2, times[-5:]  # an order of magnitude over the target
+    assert (daemon.state_dir / "logs" / "loud-1.out").stat().st_size > 1 << 20
+    assert cli(daemon.state_dir, "stop").returncode == 0
+    assert cli(daemon.state_dir, "logs", "p-1").stdout == "hello from p-1\n"  # with the daemon down
+    unknown = cli(daemon.state_dir, "logs", "p-99")
+    assert unknown.returncode == 1 and len(unknown.stderr.strip().splitlines()) == 1
