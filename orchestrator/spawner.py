@@ -332,12 +332,10 @@ def _child(
             resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
         if plan.cwd is not None:
             os.chdir(plan.cwd)
-        if plan.run is not None:
-            # Right before the mask is cleared: a SIGTERM that came after fork is pending,
-            # and raises Terminated out of pthread_sigmask below, which ends the worker as
-            # the signal would have (except Terminated, below); one arriving later during
-            # our setup or the target's import does the same. Never for a command: it execs.
-            install_sigterm_handler()
+        # SIGTERM is at its default here: one that came after fork (pending until now) or
+        # during the rest of our set-up (unpickling the target, the title) kills the worker
+        # as it should, with nothing of ours in between to swallow an exception. The
+        # Terminated handler is installed by _run_python right before the target runs.
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         if plan.argv is not None:
             os.execve(plan.exe, plan.argv, plan.env)  # type: ignore[arg-type]
@@ -373,6 +371,7 @@ def _run_python(run: Callable[[], Any]) -> int:
     """Run a Python target; its exit code as a process would have it. An uncaught
     Terminated (SIGTERM) does not return: the worker dies of the signal."""
     try:
+        install_sigterm_handler()  # from here on SIGTERM raises Terminated in the target
         run()
     except Terminated as term:
         exit_as_killed(term.signum)
