@@ -38,6 +38,7 @@ from .policy import Policy
 from .pools import Pool
 from .reactor import Reactor, Timer
 from .metrics import Metrics
+from .oom import was_oom_killed
 from .spawner import OSApi, exit_reason
 from .spec import Runtime, prepare
 from .states import ReplicaState as S
@@ -518,6 +519,10 @@ class Engine(Supervision):
     def _record_end(self, proc: _Proc, code: int | None, *, oom: bool = False) -> None:
         """The replica's processes are all gone: record how it ended."""
         rep = proc.replica
+        if not oom and code == -signal.SIGKILL and not proc.killed and proc.cgroup is None:
+            # A SIGKILL we did not send: the kernel log says whether the OOM killer sent it
+            # (bounded: at most 0.5 s and 8 MiB of /dev/kmsg, and only for such an exit).
+            oom = bool(was_oom_killed(proc.pid, rep.created_at))
         rep.pid = None
         self._dirty = True
         if oom:
