@@ -209,26 +209,12 @@ def _policy(args: argparse.Namespace) -> dict:
 
 
 def _env_file(path: str) -> dict[str, str]:
-    env: dict[str, str] = {}
+    from .config import read_env_file  # the config file's env_file reads the same format
+
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as err:
-        raise OrchestratorError(f"--env-file {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise OrchestratorError(f"--env-file {path}: not UTF-8 text") from None
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.removeprefix("export ").partition("=")
-        if not sep or not key.strip():
-            raise OrchestratorError(f"--env-file {path}:{number}: expected KEY=VALUE")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        env[key.strip()] = value
-    return env
+        return read_env_file(path)
+    except OrchestratorError as err:
+        raise OrchestratorError(f"--env-file {err}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
