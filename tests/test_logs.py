@@ -746,8 +746,11 @@ def test_every_option_states_its_default() -> None:
         assert action.help and "default" in action.help, action.dest
 
 
+# A terminal's Ctrl-C: the test may itself run as a background job, whose children inherit
+# SIGINT ignored (POSIX), and Python then leaves it ignored.
 CLI_SCRIPT = """
-import argparse, sys
+import argparse, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from orchestrator import logs
 from orchestrator.paths import Paths
 common = argparse.ArgumentParser(add_help=False)
