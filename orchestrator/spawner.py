@@ -28,13 +28,18 @@ What the child does before it runs anything of the user's, in this order and why
   * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
     third layer against orphans, and the check closes the race where the parent died before
     the signal was armed;
+  * a raised oom_score_adj (the OOM killer takes a replica before the daemon or its
+    watchdog), one open/write/close;
   * signal handlers back to their defaults and an empty signal mask. The parent blocks
     every signal across fork, so a SIGTERM sent right after fork stays pending until the
     child has dropped the parent's Python handler, and then kills it as it should;
-  * every inherited fd above 2 closed, so no worker holds the daemon's pipes, locks or
+  * its captured stdout/stderr (``LaunchPlan.stdout/stderr``) on 1 and 2, then every
+    other inherited fd above 2 closed, so no worker holds the daemon's pipes, locks or
     sockets (a held write end would hide the daemon's death from whoever waits for EOF);
+  * its working directory (``LaunchPlan.cwd``: the launching caller's by default);
   * for a command: execve, with the ready pipe close-on-exec, so EOF means "exec
-    succeeded"; for a callable: title set, ready pipe closed, the callable run, exit.
+    succeeded"; for a callable: title set, ready pipe closed, then the SIGTERM handler
+    that raises ``orchestrator.Terminated`` (worker.py), the callable run, exit.
 A failure before that point writes one line to the ready pipe and exits 127: the engine
 turns it into FAILED("could not start: ...").
 """
