@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -17,50 +16,16 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from . import logs
+from .argtypes import natural as _natural
+from .argtypes import port as _port
+from .argtypes import positive_seconds as _positive_seconds
+from .argtypes import seconds as _seconds
 from .errors import DaemonNotRunning, OrchestratorError
 from .pools import unpack_row
 from .version import __version__
 from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
-
-
-def _seconds(text: str) -> float:
-    """A finite, non-negative number of seconds (argparse's float takes nan and inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text!r}")
-    return value
-
-
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):

@@ -99,6 +99,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from .argtypes import natural
 from .errors import InvalidSpec, OrchestratorError, UnknownReplica
 from .protocol import parse_replica_id, pool_name
 
@@ -911,16 +912,6 @@ def remove(logs_dir: str | os.PathLike, replica_ids: Iterable[str]) -> int:
 # -- the command --------------------------------------------------------------------------
 
 
-def _lines_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``logs`` to the CLI's subparsers."""
     p = sub.add_parser("logs", parents=[common],
@@ -931,7 +922,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="replica id(s); more than one prefixes each line with its id (default: none, give --pool)")
     p.add_argument("--pool", metavar="P", default=None,
                    help="every replica of pool P that has logs, each line prefixed with its id (default: none)")
-    p.add_argument("--lines", "-n", type=_lines_arg, default=10, metavar="N",
+    p.add_argument("--lines", "-n", type=natural, default=10, metavar="N",
                    help="lines shown from the end of each log; 0 shows none (default 10)")
     p.add_argument("--stderr", action="store_true",
                    help="show the captured stderr instead of stdout (default: stdout)")
