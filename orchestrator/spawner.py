@@ -65,6 +65,7 @@ from watchdog.ledger import Entry
 from watchdog.reaper import sweep
 
 from .oom import worker_oom_score_adj
+from .targets import TargetRef, load_target
 from .worker import Terminated, exit_as_killed, install_sigterm_handler
 
 _PR_SET_PDEATHSIG = 1
@@ -348,6 +349,8 @@ def _child(
         run = plan.run
         if isinstance(run, bytes):
             run = unpickle_target(run)
+        elif isinstance(run, TargetRef):
+            run = load_target(run, plan.cwd)  # a bad target: "could not start: ..." like an exec failure
         setproctitle(f"orchestrator: replica {plan.replica_id}")
         os.close(ready_w)
         ready_w = -1

@@ -9,7 +9,6 @@ unpickles, so neither the Manager server nor the daemon ever runs user code to r
 from __future__ import annotations
 
 import base64
-import importlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import InvalidSpec
 from .spawner import LaunchPlan
+from .targets import TargetRef
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +29,7 @@ class WorkerSpec:
     pickled: bytes | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None  # absolute; None: wherever the forking process is
+    pythonpath: tuple[str, ...] = ()  # where a target is looked for first: the launching caller's PYTHONPATH
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.command, self.target, self.func, self.pickled)]
@@ -53,7 +54,11 @@ class WorkerSpec:
         if self.cwd is not None and (not isinstance(self.cwd, str) or not os.path.isabs(self.cwd)):
             raise InvalidSpec(f"cwd must be an absolute path, got {self.cwd!r}")
         # The kernel takes C strings: a NUL would make exec raise deep in the spawn path.
-        texts = [*(self.command or ()), self.target or "", self.cwd or "", *self.env, *self.env.values()]
+        if not all(isinstance(p, str) for p in self.pythonpath):
+            raise InvalidSpec("pythonpath must be a list of strings")
+        object.__setattr__(self, "pythonpath", tuple(self.pythonpath))
+        texts = [*(self.command or ()), self.target or "", self.cwd or "", *self.env, *self.env.values(),
+                 *self.pythonpath]
         if any("\0" in t for t in texts):
             raise InvalidSpec("a command, target, cwd or env entry holds a NUL byte")
 
@@ -68,6 +73,8 @@ class WorkerSpec:
             wire["command"] = list(self.command)
         elif self.target is not None:
             wire["target"] = self.target
+            if self.pythonpath:
+                wire["pythonpath"] = list(self.pythonpath)
         else:
             data = self.pickled
             if data is None:
@@ -81,7 +88,7 @@ class WorkerSpec:
     def from_wire(cls, wire: Any) -> "WorkerSpec":
         if not isinstance(wire, dict):
             raise InvalidSpec("spec must be an object")
-        unknown = set(wire) - {"command", "target", "pickled", "env", "cwd"}
+        unknown = set(wire) - {"command", "target", "pickled", "env", "cwd", "pythonpath"}
         if unknown:
             raise InvalidSpec(f"unknown spec field(s): {', '.join(sorted(unknown))}")
         env = wire.get("env") or {}
@@ -101,7 +108,11 @@ class WorkerSpec:
         target = wire.get("target")
         if target is not None and not isinstance(target, str):
             raise InvalidSpec("target must be MODULE:FUNCTION")
-        return cls(command=command, target=target, pickled=pickled, env=env, cwd=wire.get("cwd"))
+        pythonpath = wire.get("pythonpath") or ()
+        if not isinstance(pythonpath, (list, tuple)):
+            raise InvalidSpec("pythonpath must be a list of strings")
+        return cls(command=command, target=target, pickled=pickled, env=env, cwd=wire.get("cwd"),
+                   pythonpath=tuple(pythonpath))
 
 
 def make_spec(
@@ -115,34 +126,13 @@ def make_spec(
     where = os.path.abspath(cwd) if cwd is not None else None
     if callable(target):
         return WorkerSpec(func=target, env=dict(env or {}), cwd=where)
+    # A target is imported in the worker, from the caller's PYTHONPATH (recorded with the
+    # spec, made absolute), never in the daemon.
+    path = tuple(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p) if target else ()
     return WorkerSpec(
-        command=tuple(command) if command is not None else None, target=target, env=dict(env or {}), cwd=where
+        command=tuple(command) if command is not None else None, target=target, env=dict(env or {}), cwd=where,
+        pythonpath=path,
     )
-
-
-def resolve_target(target: str) -> Callable[[], Any]:
-    """Import ``module:function`` now, in the orchestrator, so a bad target is a clear error
-    at launch time and every forked worker finds the module already imported."""
-    mod_name, _, attr = target.partition(":")
-    # The boundary to user code: whatever its import raises (SyntaxError, SystemExit, a
-    # RuntimeError of its own) is a bad target for this launch, not a crash of the loop.
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise InvalidSpec(f"cannot import module {mod_name!r}: {err}") from None
-    except (Exception, SystemExit) as err:
-        raise InvalidSpec(f"cannot import module {mod_name!r}: {type(err).__name__}: {err}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise InvalidSpec(f"module {mod_name!r} has no attribute {attr!r}") from None
-        except (Exception, SystemExit) as err:  # a module __getattr__ of the user's
-            raise InvalidSpec(f"{target}: {type(err).__name__}: {err}") from None
-    if not callable(obj):
-        raise InvalidSpec(f"{target} is not callable")
-    return obj
 
 
 def resolve_executable(command: tuple[str, ...], env: dict[str, str], cwd: str | None = None) -> str:
@@ -213,7 +203,7 @@ def prepare(wire: Any, base_env: dict[str, str]) -> Runtime:
     else:
         rt.env = dict(spec.env)
         if spec.target is not None:
-            rt.run = resolve_target(spec.target)
+            rt.run = TargetRef(spec.target, spec.pythonpath)
         else:
             import dill  # noqa: F401  (loaded once here, not in every forked worker)
 

@@ -134,8 +134,6 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
         (("launch", "--pool", "web", "--"), "nothing to run"),
         (("launch", "--pool", "web", "--", ""), "empty command"),
         (("launch", "--pool", "web", "--", "no-such-command-xyz"), "command not found"),
-        (("launch", "--pool", "web", "--target", "no_such_module_xyz:f"), "cannot import"),
-        (("launch", "--pool", "web", "--target", "os:no_such_function"), "no attribute"),
         (("launch", "--pool", "web", "--target", "nocolon"), "MODULE:FUNCTION"),
         (("launch", "--pool", "web", "--count", "-2", "--", "true"), "count"),
         (("launch", "--pool", "bad pool!", "--", "true"), "pool name"),
@@ -172,6 +170,20 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
     assert after["replicas"] == before["replicas"] and after["pools"] == before["pools"]
     assert after["daemon"]["pid"] == before["daemon"]["pid"]
     assert after["daemon"]["manager_pid"] == before["daemon"]["manager_pid"]
+
+
+def test_a_target_that_cannot_be_imported_fails_its_replica(daemon: DaemonUnderTest) -> None:
+    """The daemon never imports a target: the worker does, and a bad one is that replica's
+    "could not start", which `launch --wait` reports with exit 1."""
+    daemon.start()
+    for pool, target, message in (("t1", "no_such_module_xyz:f", "cannot import"),
+                                  ("t2", "os:no_such_function", "no attribute")):
+        proc = cli(daemon.state_dir, "launch", "--pool", pool, "--restart", "never", "--wait", "--target", target)
+        assert proc.returncode == 1, (target, proc.stdout, proc.stderr)
+        assert proc.stdout.split() == [f"{pool}-1"]
+        assert message in proc.stderr and "could not start" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert daemon.status()["replicas"] == []
 
 
 def test_commands_to_a_daemon_that_is_not_running(state_dir: Path) -> None:

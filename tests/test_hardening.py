@@ -412,3 +412,40 @@ def test_a_sweeping_watchdog_and_a_new_start_do_not_collide(daemon: DaemonUnderT
     assert second.returncode == 1 and "already running" in second.stderr
     states = {r["id"]: r["state"] for r in daemon.status(all=True)["replicas"]}
     assert all(states[r["id"]] == "LOST" for r in old["replicas"]), states
+
+
+# -- the daemon never imports or runs user code (the worker imports its target) ------------
+
+
+def test_a_target_is_imported_in_the_worker_from_the_callers_pythonpath(daemon: DaemonUnderTest, tmp_path: Path) -> None:
+    pid = daemon.start()
+    lib = tmp_path / "only_here"
+    lib.mkdir()
+    out = tmp_path / "imported.txt"
+    module = lib / "orch_user_target.py"
+    module.write_text(textwrap.dedent(f"""
+        import os, threading, time
+        threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()  # a thread at import
+        with open({str(out)!r}, "a") as f:
+            f.write(f"v1 {{os.getpid()}}\\n")
+        def main():
+            time.sleep(1000)
+    """))
+    env = cli_env({"PYTHONPATH": f"{lib}{os.pathsep}{cli_env()['PYTHONPATH']}"})
+
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "launch",
+                               "--pool", "u", "--wait", "--target", "orch_user_target:main"],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    first = launch()
+    assert first.returncode == 0, first.stderr
+    version, importer = out.read_text().split()
+    assert version == "v1" and int(importer) != pid  # imported in the worker, not the daemon
+    assert len(os.listdir(f"/proc/{pid}/task")) == 1  # the daemon stays single-threaded
+    module.write_text(module.read_text().replace('"v1 ', '"v2 '))
+    second = launch()  # edited between two launches: the next replica runs the new code
+    assert second.returncode == 0, second.stderr
+    assert out.read_text().split()[2] == "v2"
+    assert cli(daemon.state_dir, "launch", "--pool", "u2", "--restart", "never", "--wait", "--target",
+               "orch_user_target:main").returncode == 1  # without the caller's PYTHONPATH: not found
