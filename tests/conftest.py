@@ -98,6 +98,20 @@ class ProcessTracker:
 
 
 @pytest.fixture
+def daemon(tmp_path):
+    """A daemon driven through the CLI (helpers.DaemonUnderTest) in ``tmp_path/state``; the
+    teardown stops it and fails the test if anything it was seen to own is left."""
+    from helpers import DaemonUnderTest
+
+    d = DaemonUnderTest(tmp_path / "state")
+    try:
+        yield d
+    finally:
+        left = d.teardown()
+        assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
 def orch_test_tag(request: pytest.FixtureRequest) -> str:
     """A value unique to this test, for ORCH_TEST_TAG."""
     return f"{uuid.uuid4().hex[:12]}:{request.node.nodeid}"

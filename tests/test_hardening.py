@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, tree, wait_for
+from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, tree, wait_for
 from orchestrator import Client, OrchestratorError
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 def sized(pools: list[dict]) -> list[dict]:
     """A pool's name and size (status shows more of it since the restart policy landed)."""
     return [{"name": p["name"], "desired": p["desired"]} for p in pools]
-
-
-@pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonUnderTest(tmp_path / "state")
-    try:
-        yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:

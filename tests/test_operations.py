@@ -24,16 +24,6 @@ from test_supervision_cli import free_port_range
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonUnderTest(tmp_path / "state")
-    try:
-        yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
-
-
 def write_config(path: Path, web_size: int = 2, web_cmd: str = "1000", extra: str = "", port: int | None = None) -> Path:
     metrics = f"metrics_port = {port}\n" if port else ""
     path.write_text(f"""

@@ -22,16 +22,6 @@ from orchestrator import ChannelError, Client, DaemonNotRunning, ShuttingDown
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonUnderTest(tmp_path / "state")
-    try:
-        yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
-
-
 def tagged(tag: str) -> set[Ident]:
     """Every live process carrying ORCH_TEST_TAG=tag (set by this test, inherited by all
     the daemon starts): the sweep that finds what a snapshot could have missed."""

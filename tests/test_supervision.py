@@ -128,7 +128,6 @@ def test_a_crash_loop_stops_replacing_until_an_operator_scales(h):
     p = pool(h)
     assert p["state"] == "crashloop" and "3 restarts within 60 s" in p["reason"]
     assert [r["slot"] for r in live(h)] == [1] and p["desired"] == 1
-    events = [d for _, _, d in h.journal.transitions]  # noqa: F841 - the journal saw it all
     result = h.ok("scale", pool="web", n=2)
     assert pool(h)["state"] == "ok" and pool(h)["reason"] is None
     assert len(result["launched"]) == 1 and sorted(r["slot"] for r in live(h)) == [0, 1]
