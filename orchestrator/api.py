@@ -61,7 +61,7 @@ class Orchestrator(Verbs):
         cgroup: str | None = None,
     ) -> None:
         self._token = secrets.token_hex(8)
-        self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token)
+        self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token, spawners=True)
         self._pdeathsig = pdeathsig
         self._use_watchdog = watchdog
         # The watchdog writes its report into the state dir: beside the journal if there is
@@ -152,6 +152,9 @@ class Orchestrator(Verbs):
         try:
             if self._watchdog is not None:
                 self._watchdog.start()
+            # From this thread (the replicas' PDEATHSIG follows it), and ready before the
+            # first launch: else that one would be forked from this (maybe big) process.
+            engine.start_spawners(wait=10.0)
             self._started.set()
             while not self._stop:
                 engine.run_once(None)
@@ -194,6 +197,12 @@ class Orchestrator(Verbs):
     @property
     def watchdog_pid(self) -> int | None:
         return self._watchdog.pid if self._watchdog is not None else None
+
+    @property
+    def spawner_pids(self) -> set[int]:
+        """The spawner processes that fork this orchestrator's replicas (zygote.py)."""
+        engine = self._engine
+        return set(engine.system_pids()) if engine is not None and self._thread is not None else set()
 
     @property
     def pid(self) -> int:

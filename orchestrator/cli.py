@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment addition")
     p.add_argument("--env-file", metavar="FILE", help="KEY=VALUE lines ('#' comments) added to the environment")
     p.add_argument("--cwd", metavar="DIR", help="where the replicas run (default: this directory)")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="import MODULE once in the pool's spawner, so each replica of a --target starts warm")
     p.add_argument("--wait", action="store_true", help="return once every new replica is ready; exit 1 if any failed")
     p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds (default 3600)")
     p.add_argument("--replace", action="store_true", help="roll an existing pool onto this spec and policy")
@@ -486,7 +488,7 @@ def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
         try:
             ids = client.launch(args.pool, cmd or None, target=args.target, count=args.count, env=env,
                                 wait=args.wait, timeout=args.timeout, cwd=args.cwd, policy=policy,
-                                replace=args.replace)
+                                replace=args.replace, preload=[m for arg in args.preload for m in arg.split(",") if m])
         except OrchestratorError as err:  # a wait that timed out still made replicas: say which
             made = err.data.get("ids") if isinstance(err.data, dict) else None
             if made:

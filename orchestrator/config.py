@@ -329,9 +329,11 @@ class _Reader:
                 raise self.fail((*here, key), _unprefixed(str(err), key)) from None
 
         size = check("size", _integer, low=0, high=MAX_COUNT)
-        spec = self._spec(here, table)
-        policy = self._policy(here, table)
         preload = check("preload", _modules)
+        if preload and "command" in table:
+            raise self.fail((*here, "preload"), "is for a Python target; a command imports nothing")
+        spec = self._spec(here, table, preload or ())
+        policy = self._policy(here, table)
         return PoolDecl(
             name=name,
             size=1 if size is None else size,
@@ -346,7 +348,7 @@ class _Reader:
             line=self.lines.find(here),
         )
 
-    def _spec(self, here: tuple[str, ...], table: dict) -> dict:
+    def _spec(self, here: tuple[str, ...], table: dict, preload: tuple[str, ...] = ()) -> dict:
         has_command, has_target = "command" in table, "target" in table
         if has_command and has_target:
             first, second = sorted(("command", "target"), key=lambda k: self.lines.find((*here, k)))
@@ -391,7 +393,7 @@ class _Reader:
                 raise self.fail((*here, "cwd"), f"must be a directory name, got {value!r}")
             cwd = os.path.normpath(os.path.join(self.base_dir, value))
         try:
-            return make_spec(command=command, target=target, env=env, cwd=cwd).to_wire()
+            return make_spec(command=command, target=target, env=env, cwd=cwd, preload=preload).to_wire()
         except InvalidSpec as err:
             # what is left: a NUL byte, or a bad name from the env file
             key = "env_file" if "env_file" in table and "env" in str(err) else "command" if has_command else "target"

@@ -320,7 +320,7 @@ class Daemon:
         self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        config = EngineConfig(grace=self.grace, token=token)
+        config = EngineConfig(grace=self.grace, token=token, spawners=True)
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
         self.containment = containment.detect(
@@ -348,6 +348,7 @@ class Daemon:
             containment.record(paths, self.containment)
             self._prune_logs()
             self.watchdog.start()
+            engine.start_spawners()  # until one is ready, replicas are forked here
             # Pools first, then the channel: no command may see a half-restored table.
             engine.restore(self.store.load()[0])
             if self.config is not None:
@@ -433,6 +434,7 @@ class Daemon:
             "running": True, "pid": os.getpid(),
             "watchdog_pid": self.watchdog.pid if self.watchdog is not None else None,
             "manager_pid": self.manager.pid if self.manager is not None else None,
+            "spawner_pids": sorted(self.engine.system_pids()) if self.engine is not None else [],
             "started_at": self.started_at,
             **(self.containment.describe() if self.containment is not None else {}),
             "logs": self.log_capture.totals() if self.log_capture is not None else None,
@@ -575,7 +577,8 @@ class Daemon:
         """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
         setsid) outlive their replica; a clean stop ends them too, and their descendants."""
         me = os.getpid()
-        system = {self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None} - {None}
+        system = {self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None,
+                  *self.engine.system_pids()} - {None}
         adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
                    for st in scan().values() if st.ppid == me and st.pid not in system and st.state != "Z"]
         if adopted:

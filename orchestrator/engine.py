@@ -44,6 +44,7 @@ from .spec import Runtime, prepare
 from .states import ReplicaState as S
 from .states import Replica, transition
 from .supervision import Supervision
+from .zygote import HOLD, Spawners
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")
@@ -61,6 +62,7 @@ class EngineConfig:
     keep_ended: int = 1000  # terminal replicas kept in memory for `status --all`
     env: dict[str, str] | None = None  # base environment of command workers (default: ours)
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
+    spawners: bool = False  # replicas made by spawner processes (zygote.py), not forked here
 
 
 @dataclass(eq=False, slots=True)
@@ -103,6 +105,10 @@ class Engine(Supervision):
         self.containment = containment or ProcessGroups("not asked for (the default)")
         self.containment.attach(self.reactor)
         self._base_env = dict(self.config.env if self.config.env is not None else os.environ)
+        # Started by start_spawners(), from the loop's thread: the replicas' PDEATHSIG follows it.
+        self.spawners = Spawners(self.reactor, self.os, watchdog, self._base_env, self._spawners_changed) \
+            if self.config.spawners else None
+        self._held: list[tuple[Replica, Runtime]] = []  # waiting for their pool's preload spawner
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
@@ -207,6 +213,8 @@ class Engine(Supervision):
             self.reactor.run_until(done, 5.0)
         self._outbox.extend(self._waiters.fail_all(ShuttingDown("the orchestrator is shutting down")))
         self.settle()
+        if self.spawners is not None:
+            self.spawners.stop()
 
     def close(self) -> None:
         """Release the loop's fds. Call after shutdown()."""
@@ -235,9 +243,20 @@ class Engine(Supervision):
         """A SIGCHLD scan found ``pid`` exited: handle it if it is a replica's (True)."""
         proc = self._procs.get(pid)
         if proc is None:
-            return False
+            return self.spawners is not None and self.spawners.exited(pid)
         self._on_exit(proc)
         return True
+
+    def start_spawners(self, wait: float = 0.0) -> None:
+        """Start the default spawner; ``wait``: run the loop until it is ready (bounded)."""
+        if self.spawners is not None:
+            self.spawners.start()
+            if wait:
+                self.reactor.run_until(self.spawners.settled, wait)
+
+    def system_pids(self) -> set[int]:
+        """Our children that are not replicas (the spawners)."""
+        return self.spawners.pids() if self.spawners is not None else set()
 
     # -- facts for the daemon -------------------------------------------------------
 
@@ -405,11 +424,22 @@ class Engine(Supervision):
             return
         for _ in range(min(len(self._pending), self.config.spawn_batch)):
             rep, rt = self._pending.popleft()
-            if rep.state is S.PENDING:  # not interrupted while it waited
-                self._spawn(rep, rt)
+            if rep.state is not S.PENDING:  # interrupted while it waited
+                continue
+            via = self.spawners.pick(rt.key) if self.spawners is not None else None
+            if via is HOLD:
+                self._held.append((rep, rt))
+            else:
+                self._spawn(rep, rt, via)
         self._schedule_spawn()  # the rest of a burst, after the next round of events
 
-    def _spawn(self, rep: Replica, rt: Runtime) -> None:
+    def _spawners_changed(self) -> None:
+        """A spawner became ready or failed: what waited for it is spawned now."""
+        self._pending.extendleft(reversed(self._held))
+        self._held.clear()
+        self._schedule_spawn()
+
+    def _spawn(self, rep: Replica, rt: Runtime, via: Any = None) -> None:
         pool = self._pools[rep.pool]
         plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
                        self.config.token)
@@ -428,7 +458,7 @@ class Engine(Supervision):
             if pool.policy.ready == "notify":
                 notify = self._notify_socket(rep)
                 plan.env.update(notify.env())
-            sp = self.os.spawn(plan)
+            sp = self.os.spawn(plan, via)
         except (OSError, CgroupUnavailable, ValueError) as err:  # fork/pipe/socket/mkdir failed, a limit refused
             if notify is not None:
                 notify.close()

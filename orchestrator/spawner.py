@@ -65,7 +65,7 @@ from watchdog.ledger import Entry
 from watchdog.reaper import sweep
 
 from .oom import worker_oom_score_adj
-from .targets import TargetRef, load_target
+from .targets import TargetRef, load_preload, load_target
 from .worker import Terminated, exit_as_killed, install_sigterm_handler
 
 _PR_SET_PDEATHSIG = 1
@@ -144,6 +144,12 @@ class LaunchPlan:
     stdout: int | None = None  # fds put on 1 and 2 in the child; None: inherited
     stderr: int | None = None
     cgroup: str | None = None  # the replica's cgroup dir, joined first thing in the child
+    preload: tuple[str, ...] = ()  # imported before the target (at once if the spawner has them)
+    pythonpath: tuple[str, ...] = ()  # the launching caller's, for the preload modules
+
+
+class SpawnerLost(Exception):
+    """A spawner (zygote.Spawner) died or stalled during a request: fork here instead."""
 
 
 @dataclass(slots=True)
@@ -166,9 +172,25 @@ class OSApi:
     monotonic = staticmethod(time.monotonic)
     time = staticmethod(time.time)
 
-    def spawn(self, plan: LaunchPlan) -> Spawned:
-        """Fork one worker from ``plan``; raises OSError when no child could be made."""
+    def spawn(self, plan: LaunchPlan, via: Any = None) -> Spawned:
+        """Make one worker from ``plan``: through the spawner ``via`` (zygote.Spawner) if
+        given, else by forking here. Raises OSError when no child could be made."""
         ready_r, ready_w = os.pipe()
+        if via is not None:
+            try:
+                pid, start = via.fork(plan, ready_w, self.pdeathsig, self.nofile)
+            except SpawnerLost:
+                os.close(ready_w)
+                via.reap_lost(ready_r)
+                os.close(ready_r)
+                ready_r, ready_w = os.pipe()  # and fork it here, below
+            except OSError:
+                os.close(ready_r)
+                os.close(ready_w)
+                raise
+            else:
+                os.close(ready_w)
+                return self._watch(pid, ready_r, start)
         parent = os.getpid()
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
         before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
@@ -184,6 +206,13 @@ class OSApi:
         after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.close(ready_w)
+        # The kernel's start time is the fork's CLOCK_BOOTTIME in clock ticks (10 ms). When
+        # the fork fell inside one tick it is known exactly without reading /proc, whose
+        # first lookup of a new pid costs ~100-200 µs here; otherwise (~2%) read it.
+        tick = before // _TICK_NS
+        return self._watch(pid, ready_r, tick if after // _TICK_NS == tick else None)
+
+    def _watch(self, pid: int, ready_r: int, start: int | None) -> Spawned:
         try:
             exit_fd = os.pidfd_open(pid)
         except OSError:  # EMFILE: we could not watch it, so it must not run untracked
@@ -191,12 +220,7 @@ class OSApi:
             os.waitpid(pid, 0)
             os.close(ready_r)
             raise
-        # The kernel's start time is the fork's CLOCK_BOOTTIME in clock ticks (10 ms). When
-        # the fork fell inside one tick it is known exactly without reading /proc, whose
-        # first lookup of a new pid costs ~100-200 µs here; otherwise (~2%) read it.
-        tick = before // _TICK_NS
-        start = tick if after // _TICK_NS == tick else start_time(pid)
-        return Spawned(pid, exit_fd, ready_r, start)
+        return Spawned(pid, exit_fd, ready_r, start if start is not None else start_time(pid))
 
     def signal_group(self, pgid: int, sig: int) -> bool:
         """Signal the group led by one of OUR unreaped children: the child (a zombie at
@@ -296,6 +320,7 @@ def _child(
     pdeathsig: int | None,
     maxfd: int,
     nofile: tuple[int, int] | None = None,
+    go_fd: int | None = None,
 ) -> None:  # pragma: no cover - exercised through real processes only
     code = 127
     try:
@@ -328,6 +353,10 @@ def _child(
             _signal.signal(_signal.SIGINT, _signal.default_int_handler)
             for sig in _PYTHON_IGNORED:
                 _signal.signal(sig, _signal.SIG_IGN)
+        if go_fd is not None and os.read(go_fd, 1) != b"g":
+            # From a spawner that died before it told our parent our pid: run nothing.
+            os.write(ready_w, f"lost {os.getpid()}: the spawner died before this worker could run".encode())
+            os._exit(127)
         if plan.stdout is not None:
             os.dup2(plan.stdout, 1)
         if plan.stderr is not None:
@@ -346,6 +375,8 @@ def _child(
         if plan.argv is not None:
             os.execve(plan.exe, plan.argv, plan.env)  # type: ignore[arg-type]
         os.environ.update(plan.env)
+        if plan.preload:  # imported already where a preload spawner made us
+            load_preload(plan.preload, plan.pythonpath, plan.cwd)
         run = plan.run
         if isinstance(run, bytes):
             run = unpickle_target(run)

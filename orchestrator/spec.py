@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -17,6 +18,9 @@ from typing import Any, Callable, Sequence
 from .errors import InvalidSpec
 from .spawner import LaunchPlan
 from .targets import TargetRef
+from .zygote import SpawnerKey
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +34,7 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None  # absolute; None: wherever the forking process is
     pythonpath: tuple[str, ...] = ()  # where a target is looked for first: the launching caller's PYTHONPATH
+    preload: tuple[str, ...] = ()  # modules imported once where the pool's replicas are made
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.command, self.target, self.func, self.pickled)]
@@ -57,6 +62,11 @@ class WorkerSpec:
         if not all(isinstance(p, str) for p in self.pythonpath):
             raise InvalidSpec("pythonpath must be a list of strings")
         object.__setattr__(self, "pythonpath", tuple(self.pythonpath))
+        if isinstance(self.preload, str) or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in self.preload):
+            raise InvalidSpec(f"preload must be module names, got {self.preload!r}")
+        if self.preload and self.command is not None:
+            raise InvalidSpec("preload is for Python targets; a command imports nothing")
+        object.__setattr__(self, "preload", tuple(self.preload))
         texts = [*(self.command or ()), self.target or "", self.cwd or "", *self.env, *self.env.values(),
                  *self.pythonpath]
         if any("\0" in t for t in texts):
@@ -73,8 +83,6 @@ class WorkerSpec:
             wire["command"] = list(self.command)
         elif self.target is not None:
             wire["target"] = self.target
-            if self.pythonpath:
-                wire["pythonpath"] = list(self.pythonpath)
         else:
             data = self.pickled
             if data is None:
@@ -82,15 +90,17 @@ class WorkerSpec:
 
                 data = dill.dumps(self.func, recurse=True)
             wire["pickled"] = base64.b64encode(data).decode("ascii")
-            if self.func is not None:
-                _remember(wire["pickled"], self.func)
+        if self.pythonpath and self.command is None:
+            wire["pythonpath"] = list(self.pythonpath)
+        if self.preload:
+            wire["preload"] = list(self.preload)
         return wire
 
     @classmethod
     def from_wire(cls, wire: Any) -> "WorkerSpec":
         if not isinstance(wire, dict):
             raise InvalidSpec("spec must be an object")
-        unknown = set(wire) - {"command", "target", "pickled", "env", "cwd", "pythonpath"}
+        unknown = set(wire) - {"command", "target", "pickled", "env", "cwd", "pythonpath", "preload"}
         if unknown:
             raise InvalidSpec(f"unknown spec field(s): {', '.join(sorted(unknown))}")
         env = wire.get("env") or {}
@@ -113,19 +123,11 @@ class WorkerSpec:
         pythonpath = wire.get("pythonpath") or ()
         if not isinstance(pythonpath, (list, tuple)):
             raise InvalidSpec("pythonpath must be a list of strings")
+        preload = wire.get("preload") or ()
+        if not isinstance(preload, (list, tuple)):
+            raise InvalidSpec("preload must be a list of module names")
         return cls(command=command, target=target, pickled=pickled, env=env, cwd=wire.get("cwd"),
-                   pythonpath=tuple(pythonpath))
-
-
-_LIVE: dict[str, Callable[[], Any]] = {}  # pickled text -> the callable it was made from, here
-_LIVE_MAX = 64  # the callables of the newest specs; an older one is unpickled by its workers
-
-
-def _remember(pickled: str, func: Callable[[], Any]) -> None:
-    _LIVE.pop(pickled, None)
-    _LIVE[pickled] = func
-    while len(_LIVE) > _LIVE_MAX:
-        del _LIVE[next(iter(_LIVE))]
+                   pythonpath=tuple(pythonpath), preload=tuple(preload))
 
 
 def make_spec(
@@ -133,18 +135,21 @@ def make_spec(
     target: str | Callable[[], Any] | None = None,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
+    preload: Sequence[str] = (),
 ) -> WorkerSpec:
     """A WorkerSpec from the arguments the API and the CLI take; a relative ``cwd`` is the
     caller's, made absolute here."""
     where = os.path.abspath(cwd) if cwd is not None else None
+    preload = tuple(preload)
+    # A target and preload modules are imported where the replicas are made, from the
+    # caller's PYTHONPATH (recorded with the spec, made absolute), never in the daemon.
+    path = tuple(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p) \
+        if target is not None and command is None and (preload or not callable(target)) else ()
     if callable(target):
-        return WorkerSpec(func=target, env=dict(env or {}), cwd=where)
-    # A target is imported in the worker, from the caller's PYTHONPATH (recorded with the
-    # spec, made absolute), never in the daemon.
-    path = tuple(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p) if target else ()
+        return WorkerSpec(func=target, env=dict(env or {}), cwd=where, pythonpath=path, preload=preload)
     return WorkerSpec(
         command=tuple(command) if command is not None else None, target=target, env=dict(env or {}), cwd=where,
-        pythonpath=path,
+        pythonpath=path, preload=preload,
     )
 
 
@@ -175,6 +180,9 @@ class Runtime:
     exe: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     templated: bool = False  # argv or env hold {slot}/{port}: expanded per replica
+    preload: tuple[str, ...] = ()
+    pythonpath: tuple[str, ...] = ()
+    key: SpawnerKey = SpawnerKey()  # the spawner that makes its replicas
 
     def plan(self, replica_id: str, pool: str, slot: int | None, port: int | None, token: str | None) -> LaunchPlan:
         """What one replica is made from: its argv and environment, slot and port filled in."""
@@ -191,7 +199,8 @@ class Runtime:
             env = {**extra, **env}
         if self.templated and argv is not None:
             argv = tuple(expand(a, slot, port) for a in argv)
-        return LaunchPlan(replica_id, argv, self.exe, self.run, env, self.cwd)
+        return LaunchPlan(replica_id, argv, self.exe, self.run, env, self.cwd,
+                          preload=self.preload, pythonpath=self.pythonpath)
 
 
 def expand(text: str, slot: int | None, port: int | None) -> str:
@@ -215,16 +224,12 @@ def prepare(wire: Any, base_env: dict[str, str]) -> Runtime:
         rt.argv, rt.exe, rt.env = spec.command, resolve_executable(spec.command, env, spec.cwd), env
     else:
         rt.env = dict(spec.env)
-        if spec.target is not None:
-            rt.run = TargetRef(spec.target, spec.pythonpath)
-        else:
-            # The same process pickled it (the embedded API): fork the live callable and
-            # spare every worker the unpickling (~0.3 ms of copy-on-write faults each).
-            # From another process, only the worker ever unpickles it.
-            rt.run = _LIVE.get(rt.wire["pickled"])
-            if rt.run is None:
-                import dill  # noqa: F401  (loaded once here, not in every forked worker)
-
-                rt.run = spec.pickled
+        # Only the worker ever imports the target or unpickles a callable.
+        rt.run = TargetRef(spec.target, spec.pythonpath) if spec.target is not None else spec.pickled
+        if spec.pickled is not None:
+            import dill  # noqa: F401  (for a worker forked here, not by a spawner: loaded once)
+        if spec.preload:
+            rt.preload, rt.pythonpath = spec.preload, spec.pythonpath
+            rt.key = SpawnerKey(spec.preload, spec.pythonpath, spec.cwd)
     rt.templated = any("{slot}" in t or "{port}" in t for t in (*(spec.command or ()), *spec.env.values()))
     return rt

@@ -34,6 +34,21 @@ def load_target(ref: TargetRef, cwd: str | None) -> Callable[[], Any]:
     return resolve_target(ref.target)
 
 
+def load_preload(modules: tuple[str, ...], pythonpath: tuple[str, ...], cwd: str | None) -> None:
+    """Import a pool's ``preload`` modules (in its spawner, once; or in a worker forked
+    without one), from the caller's PYTHONPATH and the pool's cwd first, like a target."""
+    import sys
+
+    sys.path[:0] = [p for p in (*pythonpath, cwd or os.getcwd()) if p not in sys.path]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise InvalidSpec(f"cannot import preload module {name!r}: {err}") from None
+        except (Exception, SystemExit) as err:
+            raise InvalidSpec(f"cannot import preload module {name!r}: {type(err).__name__}: {err}") from None
+
+
 def resolve_target(target: str) -> Callable[[], Any]:
     """Import ``module:function`` here (in a worker: see load_target); a bad target is an
     InvalidSpec with one line that says why."""

@@ -46,13 +46,16 @@ class Verbs:
         cwd: str | os.PathLike | None = None,
         policy: dict[str, Any] | None = None,
         replace: bool = False,
+        preload: Sequence[str] = (),
     ) -> list[str]:
         """Add ``count`` (default 1) replicas to ``pool``; returns their ids. ``wait``: until
         each is ready. ``cwd``: where they run (default: this process's working directory, so
         that a relative path means what it means to the caller). ``policy``: the pool's
         restart policy and probes (keys of policy.Policy); a pool runs one spec and one
-        policy: ``replace`` rolls it onto new ones (``count`` is then its new size)."""
-        spec = make_spec(command, target, env, os.getcwd() if cwd is None else cwd).to_wire()
+        policy: ``replace`` rolls it onto new ones (``count`` is then its new size).
+        ``preload``: modules a Python target's replicas start with, imported once in the
+        pool's spawner process, never in the daemon."""
+        spec = make_spec(command, target, env, os.getcwd() if cwd is None else cwd, preload).to_wire()
         args: dict[str, Any] = {"pool": pool, "spec": spec, "wait": wait, "timeout": timeout}
         if count is not None:
             args["count"] = count

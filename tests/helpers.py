@@ -143,8 +143,8 @@ class DaemonUnderTest:
 
     def status(self, all: bool = False) -> dict:  # noqa: A002
         data = status(self.state_dir, all)
-        for key in ("watchdog_pid", "manager_pid"):
-            pid = data["daemon"].get(key)
+        for pid in (data["daemon"].get("watchdog_pid"), data["daemon"].get("manager_pid"),
+                    *data["daemon"].get("spawner_pids", ())):
             if pid and (ident := Ident.of(pid)):
                 self.seen.add(ident)
         for rep in data["replicas"]:

@@ -50,7 +50,6 @@ size = 3
 env = { MODE = "prod", PORT_COPY = "{port}" }
 env_file = "web.env"
 cwd = "srv"
-preload = ["json", "email.parser"]
 log_max_bytes = 4096
 log_backups = 1
 memory_max = "512M"
@@ -72,6 +71,7 @@ port_base = 8100
 
 [pools.jobs]
 target = "myapp.jobs:main"
+preload = ["json", "email.parser"]
 """
 
 
@@ -94,7 +94,6 @@ def test_every_key_is_parsed(tmp_path):
         "cwd": str(tmp_path / "srv"),
     }
     assert web.env == web.spec["env"] and web.cwd == str(tmp_path / "srv")
-    assert web.preload == ("json", "email.parser")
     assert (web.log_max_bytes, web.log_backups) == (4096, 1)
     assert (web.memory_max, web.pids_max, web.cpu_weight) == (512 << 20, 64, 200)
     assert Policy.from_wire(web.policy) == Policy(
@@ -106,7 +105,8 @@ def test_every_key_is_parsed(tmp_path):
     assert WorkerSpec.from_wire(web.spec).to_wire() == web.spec
     assert Policy.from_wire(web.policy).to_wire() == web.policy
     jobs = cfg.pools["jobs"]
-    assert jobs.spec == {"target": "myapp.jobs:main", "cwd": str(tmp_path)}
+    assert jobs.spec == {"target": "myapp.jobs:main", "cwd": str(tmp_path), "preload": ["json", "email.parser"]}
+    assert jobs.preload == ("json", "email.parser")
 
 
 def test_every_table_key_is_covered_by_the_full_example():
@@ -114,7 +114,7 @@ def test_every_table_key_is_covered_by_the_full_example():
 
     doc = tomllib.loads(FULL)
     assert set(doc["daemon"]) == set(config.DAEMON_KEYS)
-    assert set(doc["pools"]["web"]) | {"target"} == set(config.POOL_KEYS)
+    assert set(doc["pools"]["web"]) | {"target", "preload"} == set(config.POOL_KEYS)  # preload: of jobs
     assert set(config.POLICY_KEYS) == {
         "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
@@ -146,7 +146,7 @@ def test_size_zero_and_cgroup_modes():
 
 
 def test_sizes_and_a_single_preload_module():
-    cfg = parse('[pools.a]\ncommand = ["x"]\nmemory_max = "1.5G"\nlog_max_bytes = "64KiB"\npreload = "json"\n')
+    cfg = parse('[pools.a]\ntarget = "m:f"\nmemory_max = "1.5G"\nlog_max_bytes = "64KiB"\npreload = "json"\n')
     a = cfg.pools["a"]
     assert a.memory_max == 3 << 29 and a.log_max_bytes == 64 << 10 and a.preload == ("json",)
     assert config.parse_size(12345) == 12345
@@ -235,7 +235,8 @@ BAD_VALUES = [
     ('[pools.web]\ncommand = ["x"]\npids_max = 0\n', 3, "pools.web.pids_max", "at least 1"),
     ('[pools.web]\ncommand = ["x"]\ncpu_weight = 20000\n', 3, "pools.web.cpu_weight", "10000"),
     ('[pools.web]\ncommand = ["x"]\nlog_backups = -1\n', 3, "pools.web.log_backups", "at least 0"),
-    ('[pools.web]\ncommand = ["x"]\npreload = ["not a module"]\n', 3, "pools.web.preload", "module names"),
+    ('[pools.web]\ntarget = "m:f"\npreload = ["not a module"]\n', 3, "pools.web.preload", "module names"),
+    ('[pools.web]\ncommand = ["x"]\npreload = ["json"]\n', 3, "pools.web.preload", "Python target"),
     ('[pools.web]\ncommand = ["x"]\nenv = { PORT = 8080 }\n', 3, "pools.web.env.PORT", "strings"),
     ('[pools.web]\ncommand = ["x"]\nenv = "A=1"\n', 3, "pools.web.env", "table"),
     ('[pools.web]\ncommand = ["x"]\ncwd = 5\n', 3, "pools.web.cwd", "directory"),
@@ -422,7 +423,7 @@ def test_diff_sees_daemon_settings():
 @pytest.mark.parametrize(
     "extra",
     [
-        'env = { A = "1" }', 'cwd = "/elsewhere"', 'preload = ["json"]', 'memory_max = "1G"',
+        'env = { A = "1" }', 'cwd = "/elsewhere"', 'memory_max = "1G"',
         "pids_max = 10", "cpu_weight = 50", "log_max_bytes = 1000", "log_backups = 0",
         "live_failures = 5", 'stop_signal = "INT"', "port_base = 9000",
     ],
@@ -430,6 +431,11 @@ def test_diff_sees_daemon_settings():
 def test_key_changes_with_what_runs_and_how(extra):
     base = '[pools.a]\ncommand = ["x"]\n'
     assert parse(base, base_dir="/srv").pools["a"].key() != parse(base + extra + "\n", base_dir="/srv").pools["a"].key()
+
+
+def test_key_changes_with_preload():
+    base = '[pools.a]\ntarget = "m:f"\n'
+    assert parse(base, base_dir="/srv").pools["a"].key() != parse(base + 'preload = ["json"]\n', base_dir="/srv").pools["a"].key()
 
 
 def test_key_ignores_size_and_spelling():

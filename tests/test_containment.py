@@ -176,7 +176,7 @@ def cg_h(fake: FakeOS):
     harness.link = harness.engine.watchdog = FakeLink()
     plans = []
     spawn = fake.spawn
-    fake.spawn = lambda plan: (plans.append(plan), spawn(plan))[1]
+    fake.spawn = lambda plan, via=None: (plans.append(plan), spawn(plan, via))[1]
     harness.plans = plans
     try:
         yield harness

@@ -74,7 +74,7 @@ class FakeOS:
     def time(self) -> float:
         return 1_700_000_000.0 + self.now
 
-    def spawn(self, plan: LaunchPlan) -> Spawned:
+    def spawn(self, plan: LaunchPlan, via: object = None) -> Spawned:
         if self.spawn_error is not None:
             raise self.spawn_error
         pid, self._next_pid = self._next_pid, self._next_pid + 1
@@ -1025,7 +1025,7 @@ def test_terminate_right_after_launch_never_leaks_nor_waits_the_grace(make_orche
         assert row["exit_code"] in (None, -signal.SIGTERM), row
     slow = [r for r in rows if r["id"] == slowest]
     assert worst < grace / 2, f"a terminate took {worst:.2f}s: it waited for the grace: {slow}"
-    assert not procs.new_descendants() - {Ident.of(orch.watchdog_pid)}
+    assert not procs.new_descendants() - {Ident.of(p) for p in (orch.watchdog_pid, *orch.spawner_pids)}
     orch.close()
     assert not procs.survivors()
 
@@ -1097,9 +1097,9 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
     durable_at_fork: list[bool] = []
     spawn = fake.spawn
 
-    def checking_spawn(plan):
+    def checking_spawn(plan, via=None):
         durable_at_fork.append(plan.replica_id in h.journal.committed_ids)
-        return spawn(plan)
+        return spawn(plan, via)
 
     fake.spawn = checking_spawn
     h.launch(count=5)

@@ -1,0 +1,489 @@
+"""The spawner: a small process, started by exec, that forks the replicas (a zygote).
+
+Why: ``fork()`` copies the page tables of whatever forks, so a launcher holding 1 GiB forks
+~25x slower than a small one, and forking a process that runs threads (an embedding
+program) is the classic fork hazard. The daemon and the embedded API therefore fork
+nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh interpreter of
+~15 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
+forks the worker. A pool with ``preload`` modules gets a spawner of its own that imported
+them once, so its replicas start warm (gunicorn's ``preload_app``, CPython's
+``set_forkserver_preload``); the daemon itself never imports them.
+
+The replica is made with ``clone(CLONE_PARENT)``: its parent is the launcher, not the
+spawner. So the launcher reaps it, gets its exact exit status and holds its pidfd exactly
+as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spawner that
+dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
+raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
+
+One request at a time, synchronously (a fork takes ~0.2 ms here): the launcher sends the
+plan with its fds (ready pipe, captured stdout and stderr) over a socketpair; the spawner
+clones, answers with the pid, and only then lets the child go on, through a one-byte pipe.
+A spawner killed before it answered never let its child run: the child says
+``lost PID`` on its ready pipe and exits 127, and the launcher reaps it. Nothing a user
+wrote ever runs untracked. While a spawner is down (restarting with the shared backoff,
+or when clone is refused, e.g. by a seccomp filter) the launcher forks the plan itself,
+as it did before spawners existed.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import dataclasses
+import logging
+import os
+import pickle
+import platform
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any, Callable
+
+from .spawner import SpawnerLost
+
+log = logging.getLogger("orchestrator")
+
+_HEADER = struct.Struct("!I")
+_FD = array.array("i")
+_MAX_FRAME = 256 << 20  # a pickled closure may be large; a corrupt length must not be
+_REPLY_TIMEOUT = 5.0  # a spawner that takes longer to fork is treated as lost
+_LOST_WAIT = 2.0  # bound on hearing from (and reaping) the child of a lost request
+_MAX_PRELOAD_SPAWNERS = 8  # beyond: those pools' replicas import their preload themselves
+_CLONE_PARENT = 0x00008000
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
+_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+# -- frames: a 4-byte length, then a pickle; fds ride on the first byte ---------------------
+
+def send_frame(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    frame = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [frame], list(fds)) if fds else sock.send(frame)
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+def recv_frame(sock: socket.socket, maxfds: int = 0) -> tuple[Any, list[int]] | None:
+    """One frame and the fds that came with it; None at EOF."""
+    if maxfds:
+        # Close-on-exec, as every fd of ours: a ready pipe left open would outlive the exec.
+        # (socket.recv_fds drops its flags argument in 3.11, hence recvmsg.)
+        head, anc, flags, _ = sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(maxfds * _FD.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        fds = list(fds)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("fds lost in transit (MSG_CTRUNC)")
+    else:
+        head, fds = sock.recv(_HEADER.size), []
+    if not head:
+        return None
+    head = _read_exactly(sock, head, _HEADER.size)
+    (size,) = _HEADER.unpack(head)
+    if size > _MAX_FRAME:
+        raise OSError(f"frame of {size} bytes")
+    return pickle.loads(_read_exactly(sock, b"", size)), fds
+
+
+def _read_exactly(sock: socket.socket, have: bytes, size: int) -> bytes:
+    chunks, n = [have], len(have)
+    while n < size:
+        chunk = sock.recv(min(size - n, 1 << 20))
+        if not chunk:
+            raise EOFError("the peer closed mid-frame")
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
+
+
+# -- the launcher's side ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpawnerKey:
+    """What a spawner has imported: its pool's preload modules, found from that pool's
+    PYTHONPATH and cwd. The default spawner has the empty key."""
+
+    preload: tuple[str, ...] = ()
+    pythonpath: tuple[str, ...] = ()
+    cwd: str | None = None
+
+
+class Spawner:
+    """One spawner process, supervised as a system child of the launcher."""
+
+    def __init__(self, key: SpawnerKey, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str]) -> None:
+        from .children import Backoff, SystemChild
+
+        self.key = key
+        self.reactor = reactor
+        self._watchdog = watchdog
+        self._env = env
+        self.sock: socket.socket | None = None
+        self.ready = False
+        self.failed = False  # once it has failed, its pool no longer waits for it
+        self.refused = False  # clone is not allowed here: fork in the launcher from now on
+        self.on_change: Callable[[], None] | None = None  # told when it becomes ready or fails
+        name = "spawner" + (f" [preload {','.join(key.preload)}]" if key.preload else "")
+        self.child = SystemChild(name, reactor, os_api, self._start, self._exited, Backoff())
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid
+
+    def _start(self) -> int:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [sys.executable, "-c", "from orchestrator.zygote import main; main()"]
+        try:
+            # posix_spawn: vfork-like, so the launcher's size costs nothing and no thread of
+            # an embedding program runs in between; the socket lands on fd 3 (dup2 clears
+            # its close-on-exec there, so no concurrent fork elsewhere inherits it).
+            pid = os.posix_spawn(sys.executable, argv, self._env,
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.ready = False
+        hello = {"parent": os.getpid(), "sys_path": list(sys.path), "preload": self.key.preload,
+                 "pythonpath": self.key.pythonpath, "cwd": self.key.cwd}
+        try:
+            send_frame(ours, hello)
+        except OSError:
+            pass  # it died at once: its pidfd brings the restart
+        ours.setblocking(False)
+        self.reactor.add_reader(ours.fileno(), self._on_hello)
+        if self._watchdog is not None:
+            from watchdog.identity import start_time
+
+            start = start_time(pid)
+            if start is not None:
+                self._watchdog.add(pid, start, None, "process", "spawner")
+        return pid
+
+    def _on_hello(self) -> None:
+        """Its first frame: ready (preload imported) or why not. Read once, then the
+        socket is used synchronously, one request at a time."""
+        sock = self.sock
+        if sock is None:
+            return
+        self.reactor.remove_reader(sock.fileno())
+        try:
+            sock.setblocking(True)
+            sock.settimeout(_REPLY_TIMEOUT)
+            got = recv_frame(sock)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            got = None
+        msg = got[0] if got is not None else None
+        if isinstance(msg, dict) and msg.get("ready"):
+            self.ready = True
+            log.debug("%s %d ready", self.child.name, self.pid)
+        else:
+            if isinstance(msg, dict) and "error" in msg:
+                log.error("%s: %s; its pool's replicas import it themselves", self.child.name, msg["error"])
+            self._close()  # it died (its pidfd restarts it), or exits after the error
+            self.failed = True
+        if self.on_change is not None:
+            self.on_change()
+
+    def fork(self, plan: Any, ready_w: int, pdeathsig: int | None,
+             nofile: tuple[int, int] | None) -> tuple[int, int | None]:
+        """(pid, start time in ticks or None) of a new child of ours made from ``plan``.
+        OSError: no child could be made (EAGAIN...). SpawnerLost: the launcher must fork
+        it itself, after ``reap_lost`` has dealt with any child that was made."""
+        sock = self.sock
+        assert sock is not None and self.ready
+        fds = [ready_w] + [fd for fd in (plan.stdout, plan.stderr) if fd is not None]
+        request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None),
+                   "stdout": plan.stdout is not None, "stderr": plan.stderr is not None,
+                   "pdeathsig": pdeathsig, "nofile": nofile}
+        try:
+            send_frame(sock, request, fds)
+            got = recv_frame(sock)
+        except TimeoutError:
+            got = self._kill_and_drain()
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            self._lost(f"{type(err).__name__}: {err}")
+            raise SpawnerLost(str(err)) from None
+        if got is None:
+            self._lost("it closed its socket")
+            raise SpawnerLost("closed")
+        reply = got[0]
+        if "pid" in reply:
+            return reply["pid"], reply["start"]
+        if reply.get("refused"):
+            self.refused = True
+            self.ready = False
+            log.warning("%s: clone(CLONE_PARENT) refused (%s); forking in the launcher from now on",
+                        self.child.name, reply["error"])
+            raise SpawnerLost(reply["error"])
+        raise OSError(reply["errno"], reply["error"])
+
+    def _kill_and_drain(self) -> tuple[Any, list[int]] | None:
+        """It stalled: kill it (our unreaped child, its pid pinned). What it sent before it
+        died is still in the socket: a pid there is a child it may have let run, ours now."""
+        pid = self.child.pid
+        if pid is not None:
+            self.child.os.kill_child(pid, signal.SIGKILL)
+        try:
+            if self.sock is not None:
+                self.sock.settimeout(_LOST_WAIT)
+                return recv_frame(self.sock)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            pass
+        finally:
+            self._close()
+        return None
+
+    def _lost(self, why: str) -> None:
+        log.warning("%s lost during a launch (%s); forking in the launcher until it is back", self.child.name, why)
+        pid = self.child.pid
+        if pid is not None:
+            self.child.os.kill_child(pid, signal.SIGKILL)
+        self._close()
+
+    def reap_lost(self, ready_r: int) -> None:
+        """After SpawnerLost, with every other write end of the ready pipe closed: a child the
+        lost spawner made but never let go says ``lost PID`` and exits 127; reap it. EOF at
+        once: no child was made. Bounded."""
+        deadline = time.monotonic() + _LOST_WAIT
+        data = b""
+        while len(data) < 64 and (left := deadline - time.monotonic()) > 0:
+            if not select.select([ready_r], [], [], left)[0]:
+                break
+            chunk = os.read(ready_r, 64)
+            if not chunk:
+                break
+            data += chunk
+        if data.startswith(b"lost "):
+            try:
+                os.waitpid(int(data.split()[1].rstrip(b":")), 0)
+            except (ValueError, IndexError, ChildProcessError):
+                pass
+
+    def _close(self) -> None:
+        self.ready = False
+        if self.sock is not None:
+            try:
+                self.reactor.remove_reader(self.sock.fileno())
+            except (KeyError, ValueError, OSError):
+                pass
+            self.sock.close()
+            self.sock = None
+
+    def _exited(self, pid: int, code: int | None) -> None:
+        self._close()
+        if self._watchdog is not None:
+            self._watchdog.remove(pid)
+        if not self.failed and not self.child.stopping:
+            self.failed = True  # a pool waits for its first start only
+            if self.on_change is not None:
+                self.on_change()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """EOF on its socket: a spawner exits by itself when it reads it."""
+        self.child.stop(self._close, timeout)
+
+
+HOLD = object()  # pick(): wait for this pool's preload spawner to be ready
+
+
+class Spawners:
+    """The launcher's spawners: the default one, and one per distinct preload."""
+
+    def __init__(self, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str],
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.reactor, self.os, self.watchdog, self.env = reactor, os_api, watchdog, env
+        self.on_change = on_change
+        self._by_key: dict[SpawnerKey, Spawner] = {}
+        self.enabled = _SYS_CLONE is not None
+
+    def start(self) -> None:
+        """Start the default spawner now (in the loop's thread: PDEATHSIG follows it)."""
+        if self.enabled:
+            self._get(SpawnerKey())
+
+    def _get(self, key: SpawnerKey) -> Spawner | None:
+        sp = self._by_key.get(key)
+        if sp is None:
+            if key.preload and sum(1 for k in self._by_key if k.preload) >= _MAX_PRELOAD_SPAWNERS:
+                return None
+            sp = self._by_key[key] = Spawner(key, self.reactor, self.os, self.watchdog, self.env)
+            sp.on_change = self.on_change
+            sp.child.start()
+        return sp
+
+    def pick(self, key: SpawnerKey) -> Spawner | None | object:
+        """The spawner that makes replicas for ``key`` now; None: fork in the launcher (it
+        is starting or restarting, or clone is refused here); HOLD: a preload spawner's
+        first start, which its pool waits for (else each replica would import it itself,
+        all at once: the cost and the memory preload exists to spare). on_change says when
+        to ask again."""
+        if not self.enabled:
+            return None
+        sp = self._get(key)
+        if sp is None:
+            return None
+        if sp.ready:
+            return sp
+        if sp.refused:
+            self.enabled = False
+        elif key.preload and not sp.failed and sp.pid is not None:
+            return HOLD
+        return None
+
+    def settled(self) -> bool:
+        """The default spawner is ready, or will not be soon (failed, refused, not started)."""
+        sp = self._by_key.get(SpawnerKey())
+        return not self.enabled or sp is None or sp.ready or sp.failed or sp.pid is None
+
+    def pids(self) -> set[int]:
+        return {sp.pid for sp in self._by_key.values() if sp.pid is not None}
+
+    def exited(self, pid: int) -> bool:
+        """A SIGCHLD scan found ``pid`` exited: True if it was one of ours (now handled)."""
+        for sp in self._by_key.values():
+            if sp.child.owns(pid):
+                sp.child.exited()
+                return True
+        return False
+
+    def stop(self) -> None:
+        for sp in self._by_key.values():
+            sp.stop()
+
+
+# -- the spawner's side -----------------------------------------------------------------------
+
+def _clone_parent() -> Callable[[], int]:
+    """clone(CLONE_PARENT | SIGCHLD) with Python's fork bookkeeping around it, holding the
+    GIL throughout (PyDLL), as os.fork() does. Returns 0 in the child."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = (ctypes.c_long,) + (ctypes.c_ulong,) * 5
+    api = ctypes.pythonapi
+    flags = _CLONE_PARENT | int(signal.SIGCHLD)
+
+    def clone() -> int:
+        api.PyOS_BeforeFork()
+        pid = syscall(_SYS_CLONE, flags, 0, 0, 0, 0)
+        if pid == 0:
+            api.PyOS_AfterFork_Child()
+            return 0
+        err = ctypes.get_errno()
+        api.PyOS_AfterFork_Parent()
+        if pid < 0:
+            raise OSError(err, os.strerror(err))
+        return pid
+
+    return clone
+
+
+def _serve(sock: socket.socket, parent: int) -> None:
+    from . import spawner as sp
+    import _signal
+
+    clone = _clone_parent()
+    maxfd = os.sysconf("SC_OPEN_MAX")
+    while True:
+        got = recv_frame(sock, maxfds=3)
+        if got is None:
+            return  # the launcher closed our socket: it is stopping, or gone
+        req, fds = got
+        ready_w, rest = fds[0], fds[1:]
+        plan = req["plan"]
+        if req["stdout"]:
+            plan = dataclasses.replace(plan, stdout=rest.pop(0))
+        if req["stderr"]:
+            plan = dataclasses.replace(plan, stderr=rest.pop(0))
+        go_r, go_w = os.pipe()
+        old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, sp._ALL_SIGNALS)
+        before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+        try:
+            pid = clone()
+        except OSError as err:
+            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            refused = err.errno in (1, 22, 38)  # EPERM, EINVAL, ENOSYS: a filter, not a shortage
+            reply = {"errno": err.errno, "error": err.strerror or str(err), "refused": refused}
+        else:
+            if pid == 0:  # pragma: no cover - the child: never returns
+                os.close(go_w)
+                sp._child(plan, ready_w, parent, req["pdeathsig"], maxfd, req["nofile"], go_fd=go_r)
+            after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            tick = before // _TICK_NS
+            reply = {"pid": pid, "start": tick if after // _TICK_NS == tick else None}
+        os.close(go_r)
+        for fd in fds:
+            os.close(fd)
+        try:
+            send_frame(sock, reply)
+        except OSError:
+            os.close(go_w)  # the launcher is gone: the child never runs
+            return
+        if "pid" in reply:
+            os.write(go_w, b"g")  # the launcher has its pid: now it may run
+        os.close(go_w)
+
+
+def main() -> None:
+    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # whatever else the launcher let us inherit
+    sock = socket.socket(fileno=3)
+    try:
+        got = recv_frame(sock)
+    except (OSError, EOFError):
+        got = None
+    if got is None:
+        os._exit(0)
+    hello = got[0]
+    from setproctitle import getproctitle, setproctitle
+
+    from .spawner import set_pdeathsig
+
+    set_pdeathsig(signal.SIGKILL)  # never outlive the launcher...
+    if os.getppid() != hello["parent"]:
+        os._exit(0)  # ...which may have died before that was armed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    getproctitle()  # set up once here, not in every forked worker
+    preload = tuple(hello["preload"])
+    setproctitle("orchestrator: spawner" + (f" [preload {','.join(preload)}]" if preload else ""))
+    sys.path[:] = hello["sys_path"]
+    try:
+        import dill  # noqa: F401  (every worker of a pickled callable needs it: loaded once here)
+
+        if preload:
+            from .targets import load_preload
+
+            load_preload(preload, tuple(hello["pythonpath"]), hello["cwd"])
+    except BaseException as err:  # a user's import: whatever it raises is its error
+        _say(sock, {"error": f"cannot preload: {type(err).__name__}: {err}".replace("\n", " ")[:1000]})
+        os._exit(1)
+    if _say(sock, {"ready": True}):
+        try:
+            _serve(sock, hello["parent"])
+        except (OSError, EOFError):
+            pass  # the launcher went away mid-frame
+    os._exit(0)
+
+
+def _say(sock: socket.socket, msg: dict) -> bool:
+    try:
+        send_frame(sock, msg)
+        return True
+    except OSError:  # the launcher is gone already: nothing to say it to
+        return False
+
+
+if __name__ == "__main__":
+    main()
