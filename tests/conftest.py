@@ -10,8 +10,9 @@ start), so a leftover is found even when the test never saw its pid.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -30,6 +31,7 @@ class ProcessTracker:
         self.seen: set[Ident] = set()
         self._me = psutil.Process()
         self._before = self._descendants()
+        self.exempt: list[Callable[[], set[int]]] = []  # pids of running system children (spawners)
 
     def _descendants(self) -> set[Ident]:
         out = set()
@@ -67,7 +69,8 @@ class ProcessTracker:
 
     def survivors(self) -> list[Ident]:
         """Every process this test started that is still alive (zombies do not count)."""
-        return sorted(i for i in self.seen | self.new_descendants() | self.tagged() if i.alive())
+        exempt = {pid for pids in self.exempt for pid in pids()}
+        return sorted(i for i in self.seen | self.new_descendants() | self.tagged() if i.alive() and i.pid not in exempt)
 
     def zombies(self) -> list[Ident]:
         """Children of the test process that exited and nobody reaped."""
@@ -145,6 +148,7 @@ def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
         made.append(orch)
         orch.start()
         procs.track(orch.watchdog_pid)
+        procs.exempt.append(lambda: orch.spawner_pids)  # its own until it closes
         return orch
 
     try:
@@ -158,3 +162,96 @@ def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
                 errors.append(err)
         if errors:
             raise errors[0]
+
+
+# -- the session's sweep: nothing any test started outlives the session -------------------
+
+SESSION_TAG_VAR = "ORCH_SESSION_TAG"
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    """The process that runs the session (xdist's workers have ``workerinput``)."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller tags the session before xdist starts its workers, so that they, and
+    everything any test starts (daemons, their children, detached ones too), inherit the
+    tag in their environment. Always a new value: a pytest run by a test is a session of
+    its own, and sessions running side by side never see each other's tag."""
+    if _is_controller(config):
+        os.environ[SESSION_TAG_VAR] = f"{uuid.uuid4().hex}:{os.getpid()}"
+
+
+def session_leftovers(tag: str) -> list[Ident]:
+    """One /proc scan: the live processes carrying ``tag`` in their environment, and every
+    descendant of those or of this process (one that replaced or cleared its environment
+    is still found by its parentage); never this process or one of its ancestors."""
+    me = psutil.Process()
+    exempt = {me.pid, *(p.pid for p in me.parents())}
+    children: dict[int, list[psutil.Process]] = {}
+    roots: list[psutil.Process] = []
+    for p in psutil.process_iter(["ppid"]):
+        if p.pid in exempt:
+            continue
+        children.setdefault(p.info["ppid"], []).append(p)
+        try:
+            if p.environ().get(SESSION_TAG_VAR) == tag:
+                roots.append(p)
+        except (psutil.Error, OSError):
+            continue
+    found: dict[int, psutil.Process] = {}
+    todo = [*roots, *children.get(me.pid, [])]
+    while todo:
+        p = todo.pop()
+        if p.pid not in found:
+            found[p.pid] = p
+            todo.extend(children.get(p.pid, []))
+    out = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(Ident((p.pid, p.create_time())))
+        except psutil.Error:
+            continue
+    return sorted(out)
+
+
+def _describe(ident: Ident) -> str:
+    try:
+        return f"pid {ident.pid}: {' '.join(psutil.Process(ident.pid).cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {ident.pid}: (gone)"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In the controller, after xdist has stopped its workers: kill, by identity, whatever
+    of this session is still alive, say what it was, and fail the session. A test's own
+    teardown should have ended it; this is the net for what no test saw."""
+    tag = os.environ.get(SESSION_TAG_VAR)
+    if not _is_controller(session.config) or not tag:
+        return
+    left = session_leftovers(tag)
+    if not left:
+        return
+    lines = [f"{len(left)} process(es) of this session left behind (killed now):",
+             *(f"  {_describe(i)}" for i in left)]
+    kill_all(left)
+    gone: list[psutil.Process] = []
+    for ident in left:
+        try:
+            p = psutil.Process(ident.pid)
+            if p.create_time() == ident[1]:
+                gone.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(gone, timeout=5)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in lines:
+            reporter.write_line(line, red=True)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
