@@ -2,40 +2,59 @@
 
 The public names; everything else is private. How the house is built, module by module:
 docs/design.md.
+
+Each name is imported on first use (PEP 562), so that ``import orchestrator`` costs
+nothing: the spawner process and a worker that only wants ``Terminated`` or ``ready()``
+load just what they use, not the daemon.
 """
 
-from .version import __version__
-from .api import Orchestrator
-from .errors import (
-    ChannelError,
-    DaemonNotRunning,
-    InvalidSpec,
-    OrchestratorError,
-    ShutdownRequested,
-    ShuttingDown,
-    UnknownReplica,
-)
-from .channel import Client
-from .spec import WorkerSpec
-from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
-from .worker import Terminated
+from __future__ import annotations
 
-__all__ = [
-    "__version__",
-    "Orchestrator",
-    "Client",
-    "WorkerSpec",
-    "ReplicaState",
-    "Replica",
-    "TERMINAL",
-    "TRANSITIONS",
-    "IllegalTransition",
-    "OrchestratorError",
-    "InvalidSpec",
-    "UnknownReplica",
-    "ShuttingDown",
-    "DaemonNotRunning",
-    "ChannelError",
-    "ShutdownRequested",
-    "Terminated",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "__version__": "version",
+    "Orchestrator": "api",
+    "Client": "channel",
+    "WorkerSpec": "spec",
+    "ReplicaState": "states",
+    "Replica": "states",
+    "TERMINAL": "states",
+    "TRANSITIONS": "states",
+    "IllegalTransition": "states",
+    "OrchestratorError": "errors",
+    "InvalidSpec": "errors",
+    "UnknownReplica": "errors",
+    "ShuttingDown": "errors",
+    "DaemonNotRunning": "errors",
+    "ChannelError": "errors",
+    "ShutdownRequested": "errors",
+    "Terminated": "worker",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .api import Orchestrator
+    from .channel import Client
+    from .errors import (ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
+                         ShuttingDown, UnknownReplica)
+    from .spec import WorkerSpec
+    from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
+    from .version import __version__
+    from .worker import Terminated

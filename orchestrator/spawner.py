@@ -6,18 +6,14 @@ unreaped zombies pin their pids; ``OSApi.sweep`` (the watchdog's identity-checke
 for processes that are not our children, such as a dead daemon's leftovers; and
 ``signal_pidfd`` for a daemon that ``orchestrator stop`` found through its lock.
 
-Start method: a plain ``os.fork()`` from the control loop's thread, then ``execve`` for a
-command or the callable for a Python target. Measured side by side on the 2-core reference
-machine (``benchmarks/bench_churn.py --forkserver``, batches of 20): raw fork 930
-replicas/s, ``multiprocess.Process`` with fork 638/s, with forkserver 35/s (3.11's
-forkserver re-runs ``__main__`` in every child, gh-98552), this spawner 629/s for a Python
-target. Fork is the only one that reaches the targets; its hazard is forking a
-multi-threaded process. The
-daemon is single-threaded by construction (the Manager server and its bridge threads live
-in their own process), so the hazard does not arise there; in the embedded API the loop
-thread forks, and a command worker execs at once. A Python-target worker forked from an
-embedding process that runs other threads carries the usual fork caveats, exactly like
-multiprocessing's default 'fork' context on Linux.
+Start method: the child is made by a spawner process (``zygote.py``) with
+``clone(CLONE_PARENT)``, so it is our child all the same, and ``OSApi.spawn`` watches it as
+such; while no spawner is ready, by a plain ``os.fork()`` from the control loop's thread
+(the daemon is single-threaded by construction: the Manager server and its threads live in
+their own process). Either way the child then runs ``_child`` below: ``execve`` for a
+command, the callable for a Python target. Fork is the only start method fast enough here
+(``benchmarks/bench_churn.py --forkserver``: multiprocess's forkserver ~35/s against ~600/s;
+3.11's forkserver re-runs ``__main__`` in every child, gh-98552).
 
 What the child does before it runs anything of the user's, in this order and why:
   * its own process group (a terminate that comes before the child has set it reaches
@@ -33,6 +29,8 @@ What the child does before it runs anything of the user's, in this order and why
   * signal handlers back to their defaults and an empty signal mask. The parent blocks
     every signal across fork, so a SIGTERM sent right after fork stays pending until the
     child has dropped the parent's Python handler, and then kills it as it should;
+  * from a spawner: a wait for its go-ahead (one byte, written once it has told us the pid;
+    EOF instead means it died first: say ``lost PID`` and exit, running nothing);
   * its captured stdout/stderr (``LaunchPlan.stdout/stderr``) on 1 and 2, then every
     other inherited fd above 2 closed, so no worker holds the daemon's pipes, locks or
     sockets (a held write end would hide the daemon's death from whoever waits for EOF);

@@ -129,8 +129,8 @@ def test_sigterm_in_a_sleep_ends_it_promptly_without_the_grace_kill(make_orchest
 
     rid = _launch_py(orch, procs, target)
     pid = _row(orch, rid)["pid"]
+    wait_for(started.exists, 10, "the target to start")  # RUNNING comes a moment before the handler
     assert _sigcgt(pid) & (1 << (signal.SIGTERM - 1)), "the Python target does not handle SIGTERM"
-    wait_for(started.exists, 10, "the target to start")
     elapsed = _terminate(orch, rid)
     row = _row(orch, rid)
     assert (row["state"], row["exit_code"]) == ("TERMINATED", -15)
