@@ -39,7 +39,7 @@ from .pools import Pool
 from .reactor import Reactor, Timer
 from .metrics import Metrics
 from .oom import was_oom_killed
-from .spawner import OSApi, exit_reason
+from .spawner import OSApi, Spawned, exit_reason
 from .spec import Runtime, prepare
 from .states import ReplicaState as S
 from .states import Replica, transition
@@ -63,6 +63,17 @@ class EngineConfig:
     env: dict[str, str] | None = None  # base environment of command workers (default: ours)
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
     spawners: bool = False  # replicas made by spawner processes (zygote.py), not forked here
+
+
+@dataclass(eq=False, slots=True)
+class _Starting:
+    """A replica between its start's request and its answer (Engine._begin_spawn)."""
+
+    rep: Replica
+    started: Any = None  # spawner.Begun, or the Spawned of a fork done at once
+    group: str | None = None
+    captured: Any = None
+    notify: Any = None
 
 
 @dataclass(eq=False, slots=True)
@@ -314,7 +325,11 @@ class Engine(Supervision):
         if args.get("spec") is not None:
             runtime = self._prepare(args["spec"])
             if pool is None:
-                pool = self._pools[protocol.pool_name(name)] = Pool(name, runtime)
+                gone = self._pools.get(protocol.pool_name(name))
+                if gone is not None and gone.deleted:  # a deleted pool's name again: ids still continue
+                    pool, gone.deleted, gone.policy = gone, False, Policy.from_wire(None)
+                else:
+                    pool = self._pools[protocol.pool_name(name)] = Pool(name, runtime)
             pool.runtime = runtime
         if pool is None:
             raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
@@ -422,6 +437,7 @@ class Engine(Supervision):
             # disk fails: retry in a second, not in a spin.
             self.reactor.call_later(1.0, self._schedule_spawn)
             return
+        begun: list[_Starting] = []
         for _ in range(min(len(self._pending), self.config.spawn_batch)):
             rep, rt = self._pending.popleft()
             if rep.state is not S.PENDING:  # interrupted while it waited
@@ -429,8 +445,10 @@ class Engine(Supervision):
             via = self.spawners.pick(rt.key) if self.spawners is not None else None
             if via is HOLD:
                 self._held.append((rep, rt))
-            else:
-                self._spawn(rep, rt, via)
+            elif (st := self._begin_spawn(rep, rt, via)) is not None:
+                begun.append(st)
+        for st in begun:  # the spawners fork while the batch's plans are sent: then collect
+            self._end_spawn(st)
         self._schedule_spawn()  # the rest of a burst, after the next round of events
 
     def _spawners_changed(self) -> None:
@@ -439,50 +457,62 @@ class Engine(Supervision):
         self._held.clear()
         self._schedule_spawn()
 
-    def _spawn(self, rep: Replica, rt: Runtime, via: Any = None) -> None:
+    def _begin_spawn(self, rep: Replica, rt: Runtime, via: Any) -> _Starting | None:
+        """Everything a replica's process needs, then its start: asked of the spawner
+        ``via`` (ended by _end_spawn) or, without one, forked now. None: it FAILED."""
         pool = self._pools[rep.pool]
         plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
                        self.config.token)
-        notify = None
-        group = None
-        captured = None
+        st = _Starting(rep)
         try:
             if self.log_capture is not None:
-                captured = self.log_capture.open(rep.id)
-                plan = dataclasses.replace(plan, stdout=captured.stdout, stderr=captured.stderr)
-            group = self.containment.prepare(rep.id, pool.policy.limits)
-            if group is not None:
-                plan = dataclasses.replace(plan, cgroup=group)
+                st.captured = self.log_capture.open(rep.id)
+                plan = dataclasses.replace(plan, stdout=st.captured.stdout, stderr=st.captured.stderr)
+            st.group = self.containment.prepare(rep.id, pool.policy.limits)
+            if st.group is not None:
+                plan = dataclasses.replace(plan, cgroup=st.group)
                 if self.watchdog is not None:
-                    self.watchdog.add_cgroup(group)
+                    self.watchdog.add_cgroup(st.group)
             if pool.policy.ready == "notify":
-                notify = self._notify_socket(rep)
-                plan.env.update(notify.env())
-            sp = self.os.spawn(plan, via)
+                st.notify = self._notify_socket(rep)
+                plan.env.update(st.notify.env())
+            st.started = self.os.begin(plan, via) if via is not None else self.os.spawn(plan)
         except (OSError, CgroupUnavailable, ValueError) as err:  # fork/pipe/socket/mkdir failed, a limit refused
-            if notify is not None:
-                notify.close()
-            if captured is not None:
-                captured.finish()
-            if group is not None:
-                self._remove_cgroup(group)
-            why = err.strerror if isinstance(err, OSError) and err.strerror else err
-            self._transition(rep, S.FAILED, f"could not start: {why}")
-            self._ended_on_its_own(rep, failed=True)
+            self._not_started(st, err)
+            return None
+        return st
+
+    def _end_spawn(self, st: _Starting) -> None:
+        rep, group = st.rep, st.group
+        try:
+            sp = st.started if isinstance(st.started, Spawned) else self.os.end(st.started)
+        except OSError as err:
+            self._not_started(st, err)
             return
         rep.pid, rep.start_time = sp.pid, sp.start_time
         proc = _Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep, cgroup=group)
-        if notify is not None:
-            proc.cleanup.append(notify.close)
-        if captured is not None:
-            captured.spawned()  # the child has its ends; what it writes until its exit is drained
-            proc.cleanup.append(captured.finish)
+        if st.notify is not None:
+            proc.cleanup.append(st.notify.close)
+        if st.captured is not None:
+            st.captured.spawned()  # the child has its ends; what it writes until its exit is drained
+            proc.cleanup.append(st.captured.finish)
         self._procs[sp.pid] = proc
         self.reactor.add_reader(sp.exit_fd, lambda: self._on_exit(proc))
         self.reactor.add_reader(sp.ready_fd, lambda: self._on_ready(proc))
         if self.watchdog is not None and sp.start_time is not None:
             self.watchdog.add(sp.pid, sp.start_time, sp.pid, "worker", rep.id)
         self._transition(rep, S.STARTING)
+
+    def _not_started(self, st: _Starting, err: Exception) -> None:
+        if st.notify is not None:
+            st.notify.close()
+        if st.captured is not None:
+            st.captured.finish()
+        if st.group is not None:
+            self._remove_cgroup(st.group)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        self._transition(st.rep, S.FAILED, f"could not start: {why}")
+        self._ended_on_its_own(st.rep, failed=True)
 
     def _on_ready(self, proc: _Proc) -> None:
         if proc.ready_fd < 0:

@@ -151,6 +151,16 @@ class SpawnerLost(Exception):
 
 
 @dataclass(slots=True)
+class Begun:
+    """A worker asked of a spawner (OSApi.begin), not yet known (OSApi.end)."""
+
+    plan: LaunchPlan
+    via: Any
+    ready_r: int
+    seq: int | None  # None: the spawner was lost before the request went out
+
+
+@dataclass(slots=True)
 class Spawned:
     pid: int
     exit_fd: int  # readable when the process has exited (a pidfd)
@@ -173,22 +183,38 @@ class OSApi:
     def spawn(self, plan: LaunchPlan, via: Any = None) -> Spawned:
         """Make one worker from ``plan``: through the spawner ``via`` (zygote.Spawner) if
         given, else by forking here. Raises OSError when no child could be made."""
+        return self.end(self.begin(plan, via)) if via is not None else self._fork(plan, *os.pipe())
+
+    def begin(self, plan: LaunchPlan, via: Any) -> "Begun":
+        """Ask the spawner ``via`` for a worker; ``end()`` gets it. Begin a batch, then end
+        it, in the same order."""
         ready_r, ready_w = os.pipe()
-        if via is not None:
-            try:
-                pid, start = via.fork(plan, ready_w, self.pdeathsig, self.nofile)
-            except SpawnerLost:
-                os.close(ready_w)
-                via.reap_lost(ready_r)
-                os.close(ready_r)
-                ready_r, ready_w = os.pipe()  # and fork it here, below
-            except OSError:
-                os.close(ready_r)
-                os.close(ready_w)
-                raise
-            else:
-                os.close(ready_w)
+        try:
+            seq = via.begin(plan, ready_w, self.pdeathsig, self.nofile)
+        except SpawnerLost:
+            seq = None
+        finally:
+            os.close(ready_w)
+        return Begun(plan, via, ready_r, seq)
+
+    def end(self, begun: "Begun") -> Spawned:
+        """The worker ``begin()`` asked for: from its spawner, or, if that was lost, forked
+        here (any child it had made is reaped first). Raises OSError (no child made)."""
+        via, ready_r = begun.via, begun.ready_r
+        try:
+            if begun.seq is not None:
+                pid, start = via.end(begun.seq)
                 return self._watch(pid, ready_r, start)
+        except SpawnerLost:
+            pass
+        except OSError:
+            os.close(ready_r)
+            raise
+        via.reap_lost(ready_r)
+        os.close(ready_r)
+        return self._fork(begun.plan, *os.pipe())
+
+    def _fork(self, plan: LaunchPlan, ready_r: int, ready_w: int) -> Spawned:
         parent = os.getpid()
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, _ALL_SIGNALS)
         before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)

@@ -28,6 +28,7 @@ as it did before spawners existed.
 from __future__ import annotations
 
 import array
+import collections
 import ctypes
 import dataclasses
 import logging
@@ -132,6 +133,9 @@ class Spawner:
         self.failed = False  # once it has failed, its pool no longer waits for it
         self.refused = False  # clone is not allowed here: fork in the launcher from now on
         self.on_change: Callable[[], None] | None = None  # told when it becomes ready or fails
+        self._seq = 0
+        self._inflight: collections.deque[int] = collections.deque()  # sent, not answered yet
+        self._answers: dict[int, dict] = {}  # read ahead of their end(), when it failed
         name = "spawner" + (f" [preload {','.join(key.preload)}]" if key.preload else "")
         self.child = SystemChild(name, reactor, os_api, self._start, self._exited, Backoff())
 
@@ -196,60 +200,75 @@ class Spawner:
         if self.on_change is not None:
             self.on_change()
 
-    def fork(self, plan: Any, ready_w: int, pdeathsig: int | None,
-             nofile: tuple[int, int] | None) -> tuple[int, int | None]:
-        """(pid, start time in ticks or None) of a new child of ours made from ``plan``.
-        OSError: no child could be made (EAGAIN...). SpawnerLost: the launcher must fork
-        it itself, after ``reap_lost`` has dealt with any child that was made."""
-        sock = self.sock
-        assert sock is not None and self.ready
+    def begin(self, plan: Any, ready_w: int, pdeathsig: int | None, nofile: tuple[int, int] | None) -> int:
+        """Send one request; its answer is ``end(seq)``'s. Requests are pipelined: a batch is
+        sent, then its answers read, so the spawner forks while the launcher prepares the
+        next plan (one at a time, each launch waited ~1 ms on two CPUs). SpawnerLost if the
+        spawner is gone; ``ready_w`` may be closed once this returns (the message holds it)."""
+        if self.sock is None or not self.ready:
+            raise SpawnerLost("not running")
         fds = [ready_w] + [fd for fd in (plan.stdout, plan.stderr) if fd is not None]
         request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None),
                    "stdout": plan.stdout is not None, "stderr": plan.stderr is not None,
                    "pdeathsig": pdeathsig, "nofile": nofile}
         try:
-            send_frame(sock, request, fds)
-            got = recv_frame(sock)
-        except TimeoutError:
-            got = self._kill_and_drain()
-        except (OSError, EOFError, pickle.UnpicklingError) as err:
-            self._lost(f"{type(err).__name__}: {err}")
+            send_frame(self.sock, request, fds)
+        except OSError as err:  # TimeoutError included: it stopped reading
+            self._fail(f"{type(err).__name__}: {err}")
             raise SpawnerLost(str(err)) from None
-        if got is None:
-            self._lost("it closed its socket")
-            raise SpawnerLost("closed")
-        reply = got[0]
+        self._seq += 1
+        self._inflight.append(self._seq)
+        return self._seq
+
+    def end(self, seq: int) -> tuple[int, int | None]:
+        """(pid, start time in ticks or None) of the child made for request ``seq``: our
+        child. OSError: none could be made (EAGAIN...). SpawnerLost: fork it here instead,
+        once ``reap_lost`` has dealt with any child that was made."""
+        if seq not in self._answers and self._inflight and self._inflight[0] == seq and self.sock is not None:
+            try:
+                got = recv_frame(self.sock)
+            except (OSError, EOFError, pickle.UnpicklingError) as err:
+                got, why = None, f"{type(err).__name__}: {err}"
+            else:
+                why = "it closed its socket"
+            if got is not None:
+                self._inflight.popleft()
+                self._answers[seq] = got[0]
+            else:
+                self._fail(why)
+        reply = self._answers.pop(seq, None)
+        if reply is None:
+            raise SpawnerLost("no answer")
         if "pid" in reply:
             return reply["pid"], reply["start"]
         if reply.get("refused"):
             self.refused = True
-            self.ready = False
+            self._close()
             log.warning("%s: clone(CLONE_PARENT) refused (%s); forking in the launcher from now on",
                         self.child.name, reply["error"])
             raise SpawnerLost(reply["error"])
         raise OSError(reply["errno"], reply["error"])
 
-    def _kill_and_drain(self) -> tuple[Any, list[int]] | None:
-        """It stalled: kill it (our unreaped child, its pid pinned). What it sent before it
-        died is still in the socket: a pid there is a child it may have let run, ours now."""
-        pid = self.child.pid
-        if pid is not None:
-            self.child.os.kill_child(pid, signal.SIGKILL)
-        try:
-            if self.sock is not None:
-                self.sock.settimeout(_LOST_WAIT)
-                return recv_frame(self.sock)
-        except (OSError, EOFError, pickle.UnpicklingError):
-            pass
-        finally:
-            self._close()
-        return None
-
-    def _lost(self, why: str) -> None:
+    def _fail(self, why: str) -> None:
+        """It died, or stalled: kill it (our unreaped child: its pid is pinned), then read
+        what it answered before it died; a pid there is a child it may have let run, ours
+        now. The requests left unanswered are lost: their children never run."""
         log.warning("%s lost during a launch (%s); forking in the launcher until it is back", self.child.name, why)
         pid = self.child.pid
         if pid is not None:
             self.child.os.kill_child(pid, signal.SIGKILL)
+        sock = self.sock
+        try:
+            if sock is not None:
+                sock.settimeout(_LOST_WAIT)
+                while self._inflight:
+                    got = recv_frame(sock)
+                    if got is None:
+                        break
+                    self._answers[self._inflight.popleft()] = got[0]
+        except (OSError, EOFError, pickle.UnpicklingError):
+            pass
+        self._inflight.clear()
         self._close()
 
     def reap_lost(self, ready_r: int) -> None:
