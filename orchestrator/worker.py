@@ -17,7 +17,10 @@ SIGTERM in a Python target's worker
     SIGINT raises KeyboardInterrupt: cleanup that must not be interrupted by a second one
     can set ``signal.signal(signal.SIGTERM, signal.SIG_IGN)`` first. A target that installs
     its own SIGTERM handler replaces this one. Processes the target forks (multiprocessing's
-    fork context included) die of SIGTERM as usual. What it cannot do: interrupt a C call
+    fork context included) die of SIGTERM as usual, even one SIGTERMed in the instant of its
+    fork: SIGTERM is blocked across ``os.fork()`` and unblocked in the child only once its
+    handler is the default again (CPython clears, after a fork, the flag of a signal whose
+    Python handler was tripped in between, so such a SIGTERM would be lost). What it cannot do: interrupt a C call
     that never returns to the interpreter (a long computation in an extension that does not
     check for signals): the Terminated comes when the call returns, or the SIGKILL after the
     grace comes first.
@@ -52,6 +55,8 @@ class Terminated(BaseException):
 
 
 _owner = 0  # the pid install_sigterm_handler() was called in
+_hooked = False
+_TERM = (_signal.SIGTERM,)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -68,9 +73,28 @@ def install_sigterm_handler() -> None:
     """SIGTERM raises :class:`Terminated` in this process from now on (main thread of the
     main interpreter only, as any ``signal.signal``); processes it forks later die of SIGTERM
     as usual unless they call this again. Cheap: it is on the spawn path."""
-    global _owner
+    global _owner, _hooked
     _owner = os.getpid()
     _signal.signal(_signal.SIGTERM, _raise_terminated)
+    if not _hooked:
+        _hooked = True
+        os.register_at_fork(before=_block_term, after_in_parent=_unblock_term, after_in_child=_term_default)
+
+
+def _block_term() -> None:
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, _TERM)
+
+
+def _unblock_term() -> None:
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _TERM)
+
+
+def _term_default() -> None:
+    """In a process the target forked: a SIGTERM that came during the fork is pending, and
+    kills it now, as the default would have."""
+    if _signal.getsignal(_signal.SIGTERM) is _raise_terminated:
+        _signal.signal(_signal.SIGTERM, _signal.SIG_DFL)
+    _unblock_term()
 
 
 def exit_as_killed(signum: int) -> None:
