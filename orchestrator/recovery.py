@@ -24,7 +24,7 @@ from watchdog.ledger import Entry
 
 from .journal import Journal
 from .spawner import OSApi
-from .states import Replica, ReplicaState, transition
+from .states import TERMINAL, Replica, ReplicaState, transition
 
 log = logging.getLogger("orchestrator")
 
@@ -36,7 +36,11 @@ def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float =
     removed first (None entries are skipped). Runs before the control loop starts."""
     killed_cgroups = kill_cgroup_leftovers(cgroups)
     _, live = store.load()
-    if not live:
+    # Ended, but the daemon died before it reaped them (a terminate's INTERRUPTED is recorded
+    # at once): their records still name a process, which must go, and the pid with it.
+    unreaped = [r for r in store.replicas(include_terminal=True)
+                if r.get("pid") and Replica.from_record(r).state in TERMINAL]
+    if not live and not unreaped:
         return 0, 0
     os_api = os_api or OSApi()
     # Every recorded worker, alive or not: a dead leader's process group may still hold its
@@ -44,7 +48,7 @@ def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float =
     # not reuse a pid number while a group of that number exists; the sweep checks that.
     entries = [
         Entry(r["pid"], r["start_time"], r["pid"], "worker", r["id"])
-        for r in live
+        for r in (*live, *unreaped)
         if r.get("pid") and r.get("start_time") is not None
     ]
     killed = {e.pid for e in entries if is_alive(e.pid, e.start)}
@@ -57,6 +61,10 @@ def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float =
         rep.pid = None
         old = transition(rep, ReplicaState.LOST, f"daemon ended uncleanly; {found}")
         journal.transition(rep, old)
+    for rec in unreaped:
+        rep = Replica.from_record(rec)
+        rep.pid = None
+        journal.replica(rep)
     journal.event("recovery", {"lost": len(live), "killed": len(killed), "cgroups": killed_cgroups})
     store.commit()
     log.warning("recovered from an unclean end: %d replica(s) LOST, %d leftover(s) killed, %d cgroup(s) killed",
