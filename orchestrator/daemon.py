@@ -600,7 +600,14 @@ def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any
     sys.stderr.flush()
     daemon = Daemon(paths, ready_fd=ready_fd, **settings)
     daemon.log_sink = logsink.install(fd=sys.stderr.fileno())
-    return daemon.run()
+    try:
+        return daemon.run()
+    finally:
+        # Done, and about to exit: Python's finalization puts SIG_DFL back under handlers
+        # it set, so a stop signal in those last milliseconds would turn a clean exit into
+        # "killed by SIGTERM" for systemd or a shell. Ignored ones stay ignored.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 __all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",
