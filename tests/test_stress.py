@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator import OrchestratorError
 from orchestrator.states import TRANSITIONS, ReplicaState
+from stress.invariants import reachable
 from test_engine import FakeOS, Harness
 
 pytestmark = pytest.mark.stress
@@ -32,20 +33,6 @@ LIVE = ("PENDING", "STARTING", "RUNNING")
 
 def _seed() -> int:
     return int(os.environ.get("STRESS_SEED") or random.SystemRandom().randrange(2**32))
-
-
-def _reachable(old: S, new: S) -> bool:
-    """``new`` can follow ``old`` through zero or more edges (polling skips states)."""
-    todo, seen = [old], {old}
-    while todo:
-        s = todo.pop()
-        if s is new:
-            return True
-        for t in TRANSITIONS[s]:
-            if t not in seen:
-                seen.add(t)
-                todo.append(t)
-    return False
 
 
 # -- workers (forked: closures and partials are fine) -------------------------------------
@@ -207,7 +194,7 @@ def test_random_churn_on_one_orchestrator(make_orchestrator, procs):
         states = [S(h[0]) for h in hist]
         for old, new in zip(states, states[1:]):
             assert not old.terminal, f"{ctx}: {rid} changed after its end: {hist}"
-            assert _reachable(old, new), f"{ctx}: {rid}: {old} -> {new} in {hist}"
+            assert reachable(old, new), f"{ctx}: {rid}: {old} -> {new} in {hist}"
     # Ids are never reused; within a pool, n grows with the order of creation.
     assert len(launched) == len(set(launched)), ctx
     for k, mine in per_thread.items():
