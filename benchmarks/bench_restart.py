@@ -65,7 +65,9 @@ def orchestrator_round(orch: Orchestrator, stamps: dict[str, float], pool: str) 
 
 
 class Supervisord:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra: str = "") -> None:
+        """``extra``: more config sections (e.g. ``[program:...]`` with ``autostart=false``)
+        appended to the file, for callers that drive programs of their own."""
         try:
             import supervisor  # noqa: F401
         except ImportError:
@@ -94,7 +96,7 @@ class Supervisord:
             startretries=1000
             stdout_logfile=NONE
             stderr_logfile=NONE
-        """))
+        """) + textwrap.dedent(extra))
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30

@@ -124,7 +124,7 @@ def main():
 """
 
 
-def daemon_preload(batches: int, mib: int = 200, slow_batches: int = 1) -> dict:
+def daemon_preload(batches: int, mib: int = 200, slow_count: int = BATCH) -> dict:
     """Churn through the daemon's channel for a target whose module takes ``mib`` at
     import: with ``--preload`` (imported once, in the pool's spawner) and without (every
     replica imports it)."""
@@ -144,15 +144,15 @@ def daemon_preload(batches: int, mib: int = 200, slow_batches: int = 1) -> dict:
     results: dict[str, list[float]] = {"preload": [], "no-preload": []}
     try:
         with Client(state) as client:
-            for name, preload, n, warmup in (("preload", ["heavy_bench_mod"], batches, 1),
-                                             ("no-preload", [], slow_batches, 0)):
+            for name, preload, n, warmup, count in (("preload", ["heavy_bench_mod"], batches, 1, BATCH),
+                                                    ("no-preload", [], 1, 0, slow_count)):
                 for i in range(warmup + n):  # preload's warm-up: its spawner starts and imports
                     t0 = time.perf_counter()
-                    ids = client.launch(name, target="heavy_bench_mod:main", count=BATCH, wait=True,
+                    ids = client.launch(name, target="heavy_bench_mod:main", count=count, wait=True,
                                         timeout=600, preload=preload)
                     client.terminate(ids, wait=True, timeout=120)
                     if i >= warmup:
-                        results[name].append(time.perf_counter() - t0)
+                        results[name].append((time.perf_counter() - t0) * BATCH / count)
     finally:
         if pythonpath is None:
             os.environ.pop("PYTHONPATH", None)
@@ -181,7 +181,7 @@ def _rate(batch_s: list[float]) -> float:
 
 
 def run(quick: bool, progress: Callable[[str], None], baseline: str | None = None) -> dict:
-    rounds, batches = (2, 2) if quick else (4, 4)
+    rounds, batches = (1, 3) if quick else (4, 4)
     jobs: list[tuple[str, int, str, str | None]] = [(v, m, v, None) for m in SIZES for v in HOST_VARIANTS]
     if baseline:
         jobs += [(f"baseline {v}", m, v, baseline) for m in SIZES for v in ("orch-command", "orch-python")]
@@ -193,7 +193,7 @@ def run(quick: bool, progress: Callable[[str], None], baseline: str | None = Non
             samples[f"{name} @{mib}MiB"] += _run_host(mib, variant, batches, path)
     rates = {k: round(_rate(v), 1) for k, v in samples.items()}
     progress("launch cost: the daemon with a 200 MB --preload")
-    pre = daemon_preload(1 if quick else 3)
+    pre = daemon_preload(1 if quick else 3, slow_count=4 if quick else BATCH)
     rates["daemon, 200 MB target, --preload"] = round(_rate(pre["preload"]["batch_s"]), 1)
     rates["daemon, 200 MB target, no preload"] = round(_rate(pre["no-preload"]["batch_s"]), 1)
 

@@ -1,0 +1,54 @@
+"""``python -m benchmarks``: its help, and one tiny churn section end to end (no network: a
+peer that would need installing is skipped, with the reason in the output)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_flags_and_sections() -> None:
+    done = _run("--help", timeout=15)
+    assert done.returncode == 0, done.stderr
+    for word in ("--quick", "--only", "--out", "--no-plots", "--batches", "churn", "cleanup", "soak"):
+        assert word in done.stdout
+
+
+def test_unknown_section_is_a_usage_error() -> None:
+    done = _run("--only", "nope", timeout=15)
+    assert done.returncode == 2
+    assert "unknown section" in done.stderr
+
+
+def test_tiny_churn_writes_json_with_figures(tmp_path: Path) -> None:
+    done = _run("--only", "churn", "--quick", "--batches", "1", "--no-install", "--no-plots",
+                "--out", str(tmp_path), timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert {"cpus", "python", "kernel", "date", "git_commit"} <= doc["machine"].keys()
+    assert doc["mode"] == "quick"
+    churn = doc["sections"]["churn"]
+    assert churn["status"] == "ok", churn
+    variants = churn["result"]["variants"]
+    for name in ("orchestrator, embedded API", "orchestrator, daemon channel", "orchestrator, CLI",
+                 "multiprocess.Process (fork)", "raw os.fork (floor)"):
+        assert variants[name]["rate"] > 0, name
+        assert variants[name]["cycles"] == 1
+    for name in ("orchestrator, embedded API", "orchestrator, daemon channel", "orchestrator, CLI"):
+        assert variants[name]["launch_to_running_s"]["p50"] > 0
+        assert variants[name]["terminate_to_reaped_s"]["p99"] > 0
+    assert churn["result"]["leftover_cgroups"] == []
+    for name, why in churn["result"]["skipped"].items():  # skipped peers say why, on stdout too
+        assert why and name in done.stdout
+    floor_target = next(t for t in doc["targets"] if "floor" in t["target"])
+    assert floor_target["measured"] > 0 and floor_target["ok"] in (True, False)
+    assert "targets" in done.stdout and "vs floor" in done.stdout
