@@ -203,8 +203,13 @@ class Reactor:
         elif self._timers:
             due = max(0.0, self._timers[0][0] - self.monotonic())
             timeout = due if timeout is None else min(timeout, due)
+        registered = self._sel.get_map()
         for key, _ in self._sel.select(timeout):
-            key.data()
+            # An earlier callback of this turn may have removed this fd (a child's exit
+            # closes its pipes), or closed it and registered the number anew: skip a stale
+            # event; a new registration that is ready is reported again next turn.
+            if registered.get(key.fd) is key:
+                key.data()
         while self._inbox:
             self._inbox.popleft()()
         soon, self._soon = self._soon, []
