@@ -169,6 +169,8 @@ class Supervision:
         def done(result: dict | None, error: str | None) -> None:
             self._rollouts.remove(rollout)
             timer.cancel()
+            if then_scale is None and not pool.deleted and not any(r.pool is pool for r in self._rollouts):
+                self._trim_surplus(pool)
             if then_scale is not None and error is None:
                 self._converge(pool, then_scale)
                 result = {**(result or {}), "ids": [r.id for r in pool.live.values() if not self._leaving(r)]}
@@ -197,6 +199,25 @@ class Supervision:
         rep = self._replicas.get(rid)
         if rep is not None:
             self._stop(rep, reason="restarted", lower_desired=False)
+
+    def _trim_surplus(self, pool: Pool) -> None:
+        """Stop what holds more than the pool's size once its rollouts are over: operations
+        that overlapped one (a replica terminated while its replacement was starting, a
+        second restart of the same pool) leave extra replicas, a slot held twice first."""
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        extra = len(live) + len(pool.pending) - pool.desired
+        if extra <= 0:
+            return
+        by_slot: dict[Any, list[Any]] = {}
+        for r in live:
+            by_slot.setdefault(r.slot, []).append(r)
+        doubled = [r for reps in by_slot.values() if len(reps) > 1 for r in sorted(reps, key=lambda r: r.n)[:-1]]
+        rest = sorted((r for r in live if r not in doubled),
+                      key=lambda r: (r.slot if r.slot is not None else -1, r.n), reverse=True)
+        for rep in (doubled + rest)[:extra]:
+            self._stop(rep, reason="over the pool's size", lower_desired=False)
+        pool.settle_state()
+        self._save_pool(pool)
 
     def _converge(self, pool: Pool, n: int) -> None:
         """Bring the pool to ``n``: replicas and scheduled replacements of the highest slots

@@ -233,6 +233,32 @@ def test_restart_of_ids_is_surge_first(h):
     assert pool(h)["desired"] == 2 and len(live(h)) == 2
 
 
+def test_overlapping_restarts_and_a_terminate_leave_the_pool_at_its_size(h):
+    """Found by the stress suite: a second restart of a pool while the first is replacing a
+    slot, and a terminate of an old replica while its replacement starts, each left a
+    replica more than the pool's size. Once the rollouts are over, the surplus is stopped,
+    a slot held twice first."""
+    ids = launch(h, count=3)
+    pids = {i: run(h, i) for i in ids}
+    h.send("restart", pool="web", max_unavailable=3)
+    h.send("restart", pool="web", max_unavailable=3)  # the first one's new replicas count as old
+    assert h.ok("terminate", ids=[ids[0]]) == [ids[0]]  # desired 3 -> 2, its replacement starting
+    h.fake.exit(pids[ids[0]], -15)
+    h.turn()
+    for _ in range(6):  # every new replica ready, every stopped one gone, until it settles
+        for r in live(h):
+            if r["state"] == "STARTING":
+                h.fake.ready(r["pid"])
+            elif r["state"] == "STOPPING" and r["pid"] in h.fake.procs:
+                h.fake.exit(r["pid"], -15)
+        h.turn()
+        h.turn()
+    running = [r for r in live(h) if r["state"] == "RUNNING"]
+    assert pool(h)["desired"] == 2
+    assert len(running) == 2, running
+    assert sorted(r["slot"] for r in running) == sorted({r["slot"] for r in running})  # no slot twice
+
+
 def test_rolling_restart_with_ports_stops_first_one_slot_at_a_time(h):
     ids = launch(h, count=3, policy={"port_base": 9000})
     for i in ids:
