@@ -98,7 +98,7 @@ def host_main(mib: int, variant: str, batches: int) -> dict:
                     ids = orch.launch("b", ["sleep", "1000"], count=BATCH, wait=True, timeout=120)
                 else:
                     ids = orch.launch("p", target=_py_sleeper, count=BATCH, wait=True, timeout=120)
-                orch.terminate(ids, wait=True, timeout=120)
+                orch.terminate(*ids, wait=True, timeout=120)  # *ids: older checkouts take no list
                 if i:  # the first batch warms up (the spawner's first fork, imports)
                     times.append(time.perf_counter() - t0)
     else:

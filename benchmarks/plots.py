@@ -94,7 +94,7 @@ def _cleanup(plt: Any, res: dict, out: Path, files: list[str]) -> None:
     _save(plt, fig, out, "cleanup.png", files)
 
 
-def _soak(plt: Any, res: dict, out: Path, files: list[str]) -> None:
+def _soak(plt: Any, res: dict, out: Path, files: list[str], name: str = "soak.png") -> None:
     samples = [s for s in res.get("samples") or [] if isinstance(s, dict) and "t" in s]
     if not samples:
         return
@@ -112,7 +112,7 @@ def _soak(plt: Any, res: dict, out: Path, files: list[str]) -> None:
     b.set_ylabel("ms")
     b.set_ylim(bottom=0)
     b.set_xlabel("seconds")
-    _save(plt, fig, out, "soak.png", files)
+    _save(plt, fig, out, name, files)
 
 
 PLOTS = {"churn": _churn, "crash": _crash, "cleanup": _cleanup, "soak": _soak}
@@ -129,3 +129,23 @@ def write_all(doc: dict, out: Path, *, install: bool, say: Callable[[str], None]
     for name in wanted:
         PLOTS[name](plt, doc["sections"][name]["result"], out, files)
     return {"files": files}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.plots --soak RESULT.json``: the soak plot of a standalone
+    ``soak.py --json`` run (e.g. the 10-minute one), beside that file."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--soak", required=True, type=Path, metavar="RESULT.json")
+    args = ap.parse_args(argv)
+    files: list[str] = []
+    _soak(_plt(True, print), json.loads(args.soak.read_text()), args.soak.parent, files,
+          name=args.soak.with_suffix(".png").name)
+    print(*(str(args.soak.parent / f) for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
