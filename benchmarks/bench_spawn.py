@@ -181,7 +181,7 @@ def _rate(batch_s: list[float]) -> float:
 
 
 def run(quick: bool, progress: Callable[[str], None], baseline: str | None = None) -> dict:
-    rounds, batches = (1, 3) if quick else (4, 4)
+    rounds, batches = (2, 2) if quick else (4, 4)
     jobs: list[tuple[str, int, str, str | None]] = [(v, m, v, None) for m in SIZES for v in HOST_VARIANTS]
     if baseline:
         jobs += [(f"baseline {v}", m, v, baseline) for m in SIZES for v in ("orch-command", "orch-python")]
