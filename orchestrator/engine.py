@@ -687,9 +687,26 @@ class Engine(Supervision):
             if pool is not None:
                 pool.live.pop(rep.id, None)
             self._ended.append(rep.id)
-            while len(self._ended) > self.config.keep_ended:
-                self._replicas.pop(self._ended.popleft(), None)
         self.journal.transition(rep, old)
+
+    def _forget_ended(self) -> None:
+        """Ended replicas beyond ``keep_ended`` leave memory (the journal keeps them), the
+        oldest first, except those an open waiter or rollout still reads: a terminate of
+        2,000 replicas must still name all 2,000 in its reply."""
+        excess = len(self._ended) - self.config.keep_ended
+        if excess <= 0:
+            return
+        held = {rid for w in self._waiters for rid in w.ids}
+        held.update(rid for r in self._rollouts for rid in r.ids())
+        kept: list[str] = []
+        while excess > 0 and self._ended:
+            rid = self._ended.popleft()
+            if rid in held:
+                kept.append(rid)
+            else:
+                self._replicas.pop(rid, None)
+                excess -= 1
+        self._ended.extendleft(reversed(kept))
 
     def _save_pool(self, pool: Pool) -> None:
         if pool.runtime is not None and self.journal.store is not None:
@@ -735,6 +752,7 @@ class Engine(Supervision):
                 rollout.advance()
             if self._waiters:
                 self._outbox.extend(self._waiters.check())
+            self._forget_ended()
         if self.store is not None:
             self._commit()  # before any reply: an acknowledged command is durable
         if self._outbox:

@@ -53,6 +53,10 @@ class Rollout:
         self.finished = False
         self._on_done = on_done
 
+    def ids(self) -> list[str]:
+        """The replicas it still reads: the old and new ones of its steps in flight."""
+        return [rid for step in self._active for rid in (step.old, step.new) if rid is not None]
+
     def advance(self) -> None:
         """Move every step as far as the replicas' states allow; start new steps while
         there is room and nothing has failed; finish once all is done."""

@@ -80,7 +80,8 @@ class Verbs:
         target: str | Callable[[], Any] | None = None,
     ) -> dict:
         """Set ``pool``'s size to ``n``; a spec creates the pool if it does not exist."""
-        spec = make_spec(command, target).to_wire() if command is not None or target is not None else None
+        # Recorded with this directory, as launch does: the same pool launched from here is the same spec.
+        spec = make_spec(command, target, cwd=os.getcwd()).to_wire() if command is not None or target is not None else None
         return self.call("scale", {"pool": pool, "n": n, "spec": spec})
 
     def status(self, all: bool = False) -> dict:  # noqa: A002 - mirrors `status --all`

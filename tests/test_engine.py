@@ -836,6 +836,22 @@ def test_ids_are_never_reused(make_h, fake):
     h.check_invariants()
 
 
+def test_a_terminate_of_more_than_keep_ended_names_them_all(make_h, fake):
+    """Found by benchmarks/scale.py: terminate --wait of 2,000 replicas replied with the
+    1,000 the engine keeps of ended ones; the ones a waiter still reads stay until it has."""
+    fake.on_term = "die"
+    h = make_h(keep_ended=2)
+    ids = h.running(count=5)
+    box = h.send("terminate", ids=ids, wait=True, timeout=10)
+    for _ in range(3):
+        h.turn()
+    assert box and box[0]["ok"], box
+    assert sorted(box[0]["result"]) == sorted(ids)
+    h.turn()
+    assert len(h.status()["replicas"]) == 2  # forgotten once the reply is out
+    h.check_invariants()
+
+
 def test_shutdown_terminates_everything(make_h, fake):
     fake.on_term = "die"
     h = make_h()
@@ -1122,3 +1138,13 @@ def test_spawned_start_time_is_the_kernels(tmp_path):
             os.close(sp.ready_fd)
             os.close(sp.exit_fd)
             os.waitpid(sp.pid, 0)
+
+
+def test_a_pool_made_by_scale_takes_a_launch_of_the_same_command(make_orchestrator, procs):
+    """scale POOL N with a spec records the caller's directory, as launch does, so that a
+    launch of the same command from there adds to the pool instead of being refused."""
+    orch = make_orchestrator(grace=2.0)
+    orch.scale("q", 1, command=["sleep", "1000"])
+    (rid,) = orch.launch("q", ["sleep", "1000"], wait=True, timeout=30)
+    procs.track_status(orch.status())
+    assert {r["id"] for r in orch.status()["replicas"]} == {"q-1", rid}

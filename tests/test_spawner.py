@@ -218,3 +218,4 @@ def test_preload_with_a_command_is_refused(daemon):
     assert proc.returncode != 0
     assert "preload" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
