@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Targets of the issue, as (name, how it is computed, goal). The measured values come from
-# ``targets()`` below; nothing here is a result.
+# The project's benchmark targets (README, "Benchmarks"): goals only. The measured values
+# come from ``targets()`` below; nothing here is a result.
 CHURN_VS_FLOOR = 0.6
 CHURN_VS_SUPERVISORD = 25.0
 CHURN_VS_PPE = 5.0

@@ -15,14 +15,14 @@ as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spaw
 dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
 raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
 
-One request at a time, synchronously (a fork takes ~0.2 ms here): the launcher sends the
-plan with its fds (ready pipe, captured stdout and stderr) over a socketpair; the spawner
-clones, answers with the pid, and only then lets the child go on, through a one-byte pipe.
-A spawner killed before it answered never let its child run: the child says
-``lost PID`` on its ready pipe and exits 127, and the launcher reaps it. Nothing a user
-wrote ever runs untracked. While a spawner is down (restarting with the shared backoff,
-or when clone is refused, e.g. by a seccomp filter) the launcher forks the plan itself,
-as it did before spawners existed.
+The launcher sends each plan with its fds (ready pipe, captured stdout and stderr) over a
+socketpair, a turn's batch at once (pipelined: the spawner forks while the next plan is
+sent), then reads the answers in order; the spawner clones, answers with the pid, and only
+then lets the child go on, through a one-byte pipe. A spawner killed before it answered
+never let its child run: the child says ``lost PID`` on its ready pipe and exits 127, and
+the launcher reaps it. Nothing a user wrote ever runs untracked. While a spawner is down
+(restarting with the shared backoff, or when clone is refused, e.g. by a seccomp filter)
+the launcher forks the plan itself, as it did before spawners existed.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ class Spawner:
         return pid
 
     def _on_hello(self) -> None:
-        """Its first frame: ready (preload imported) or why not. Read once, then the
-        socket is used synchronously, one request at a time."""
+        """Its first frame: ready (preload imported) or why not. Read once; from then on
+        the socket is blocking (bounded by a timeout): begin() sends, end() reads."""
         sock = self.sock
         if sock is None:
             return

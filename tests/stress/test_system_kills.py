@@ -110,6 +110,20 @@ def test_sigkill_of_the_daemon_at_odd_moments(stress_daemon: DaemonUnderTest, st
     assert {k: sizes[k] for k in ("cmd", "py", "stubborn")} == {"cmd": 3, "py": 2, "stubborn": 1}, sizes
 
 
+def _wait_replaced(d: DaemonUnderTest, key: str, old: Ident, what: str) -> Ident:
+    """Wait (bounded) for the daemon's new ``key`` process; return it."""
+    found: list[Ident] = []
+
+    def replaced() -> bool:
+        ident = _replaced(d, key, old)
+        if ident is not None:
+            found.append(ident)
+        return ident is not None
+
+    wait_for(replaced, 30, what)
+    return found[0]
+
+
 def _replaced(d: DaemonUnderTest, key: str, old: Ident) -> Ident | None:
     """The daemon's new ``key`` process (watchdog_pid, manager_pid), once it answers again."""
     proc = cli(d.state_dir, "status", "--json")
@@ -136,10 +150,7 @@ def test_sigkill_of_a_system_child_replaces_it(stress_daemon: DaemonUnderTest, s
             time.sleep(stress.rng.uniform(0.02, 0.3))  # the odd moment
             old = Ident.of(d.status()["daemon"][key])
             assert old and signal_system(old.pid, title, signal.SIGKILL, parent=d.pid), ctx
-            new: list[Ident] = []
-            wait_for(lambda: bool(new.append(i) or True) if (i := _replaced(d, key, old)) else False, 30,
-                     f"a new {title} ({ctx})")
-            d.seen.add(new[0])
+            d.seen.add(_wait_replaced(d, key, old, f"a new {title} ({ctx})"))
             wait_for(lambda: cli(d.state_dir, "health").returncode == 0, 20, f"health ({ctx})")
             assert _live(d) == replicas, f"{ctx}: the replicas changed"
     finally:
