@@ -286,8 +286,12 @@ class Spawner:
             data += chunk
         if data.startswith(b"lost "):
             try:
-                os.waitpid(int(data.split()[1].rstrip(b":")), 0)
-            except (ValueError, IndexError, ChildProcessError):
+                pid = int(data.split()[1].rstrip(b":"))
+                # Our unreaped child (CLONE_PARENT): its pid is pinned. It is exiting by
+                # itself; SIGKILL makes the wait for it bounded whatever it was doing.
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ValueError, IndexError, ProcessLookupError, ChildProcessError):
                 pass
 
     def _close(self) -> None:
