@@ -33,17 +33,6 @@ def _exit_5() -> None:
     sys.exit(5)
 
 
-def _spawner_children(pid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process(pid).children():
-        try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith("orchestrator: spawner"):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
 def _spawners_ready(orch) -> bool:
     spawners = orch._engine.spawners
     return bool(spawners._by_key) and all(sp.ready for sp in list(spawners._by_key.values()))

@@ -167,7 +167,8 @@ def _spawner(daemon_pid: int) -> psutil.Process | None:
     """The daemon's spawner: its direct child titled ``orchestrator: spawner``."""
     for child in psutil.Process(daemon_pid).children():
         try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith("orchestrator: spawner"):
+            title = child.cmdline()[:1]  # once: a child that exits in between has none
+            if title and title[0].startswith("orchestrator: spawner"):
                 return child
         except psutil.Error:
             continue
@@ -189,7 +190,7 @@ def test_sigkill_of_the_spawner(stress_daemon: DaemonUnderTest, stress: Stress) 
         d.seen.add(old)
         churn = Churn(d.state_dir, stress.seed + round_)
         time.sleep(stress.rng.uniform(0.02, 0.3))  # the odd moment
-        assert signal_system(old.pid, spawner.cmdline()[0], signal.SIGKILL, parent=d.pid), ctx
+        assert signal_system(old.pid, "orchestrator: spawner", signal.SIGKILL, parent=d.pid), ctx
         wait_for(lambda: (s := _spawner(d.pid)) is not None and s.pid != old.pid, 20, f"a new spawner ({ctx})")
         churn.end()
         d.snapshot()
