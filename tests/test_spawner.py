@@ -187,7 +187,6 @@ def main():
     title = psutil.Process(importer).cmdline()[0]
     assert title == "orchestrator: spawner [preload heavy_mod]", title
     assert all(psutil.Process(r["pid"]).ppid() == daemon.pid for r in st["replicas"])
-    assert "heavy_mod" not in open(f"/proc/{daemon.pid}/maps").read()  # never in the daemon
     assert len(os.listdir(f"/proc/{daemon.pid}/task")) == 1
 
 
