@@ -359,8 +359,9 @@ class Spawners:
             return None
         if sp.ready:
             return sp
-        if sp.refused:
+        if sp.refused:  # this host's seccomp filter, say: no spawner can work here
             self.enabled = False
+            self.stop()
         elif key.preload and not sp.failed and sp.pid is not None:
             return HOLD
         return None
