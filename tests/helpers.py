@@ -183,3 +183,52 @@ class DaemonUnderTest:
         tree.kill_all(timeout=5)
         tree.destroy()
         return path
+
+
+class OwnedProcesses:
+    """Processes a test started or learned about: killed by identity (pid + start time, a
+    pidfd opened and checked first) at teardown, Popen objects reaped and their pipes closed."""
+
+    def __init__(self) -> None:
+        self.identities: set[tuple[int, int]] = set()
+        self.popens: list[subprocess.Popen] = []
+
+    def track(self, pid: int, start: int | None) -> tuple[int, int | None]:
+        if start is not None:
+            self.identities.add((pid, start))
+        return pid, start
+
+    def popen(self, args: list[str], **kwargs) -> subprocess.Popen:
+        from watchdog.identity import start_time
+
+        proc = subprocess.Popen(args, **kwargs)
+        self.popens.append(proc)
+        self.track(proc.pid, start_time(proc.pid))
+        return proc
+
+    def teardown(self) -> None:
+        from watchdog.identity import open_verified, proc_stat
+
+        for pid, start in self.identities:
+            fd = open_verified(pid, start)
+            if fd is None:
+                continue
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(fd)
+        for proc in self.popens:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        # Orphans of a killed tree may have been handed to us (if this process is a child
+        # subreaper): reap exactly those, by identity.
+        for pid, start in self.identities:
+            st = proc_stat(pid)
+            if st is not None and st.start_time == start and st.ppid == os.getpid() and st.state == "Z":
+                os.waitpid(pid, 0)

@@ -38,6 +38,7 @@ from watchdog.cgroup import CgroupUnavailable, Subtree  # noqa: E402
 from watchdog.identity import open_verified, proc_stat, start_time  # noqa: E402
 from watchdog.ledger import Ledger, encode_add_cgroup, encode_remove_cgroup  # noqa: E402
 from watchdog.link import WatchdogLink  # noqa: E402
+from helpers import OwnedProcesses  # noqa: E402
 
 PROGRAMS = Path(__file__).resolve().parent / "test_cgroup_parent.py"
 TREE_ROLES = {"root", "setsid", "orphan", "timeout", "job"}
@@ -119,48 +120,9 @@ def subtree():
         assert not os.path.exists(outer)
 
 
-class Owned:
-    """Processes a test started: reaped (Popen) or killed by identity at teardown."""
-
-    def __init__(self) -> None:
-        self.identities: set[tuple[int, int]] = set()
-        self.popens: list[subprocess.Popen] = []
-
-    def popen(self, args, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(args, **kwargs)
-        self.popens.append(proc)
-        if (start := start_time(proc.pid)) is not None:
-            self.identities.add((proc.pid, start))
-        return proc
-
-    def teardown(self) -> None:
-        for pid, start in self.identities:
-            fd = open_verified(pid, start)
-            if fd is not None:
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                finally:
-                    os.close(fd)
-        for proc in self.popens:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-        # Orphans of a killed tree may have been handed to us (if this process is a child
-        # subreaper): reap exactly those, by identity.
-        for pid, start in self.identities:
-            st = proc_stat(pid)
-            if st is not None and st.start_time == start and st.ppid == os.getpid() and st.state == "Z":
-                os.waitpid(pid, 0)
-
-
 @pytest.fixture
 def owned():
-    registry = Owned()
+    registry = OwnedProcesses()
     try:
         yield registry
     finally:
@@ -181,13 +143,13 @@ def read_lines(fd: int, count: int, timeout: float = 20.0) -> list[str]:
     return buf.decode().splitlines()
 
 
-def start_in(owned: Owned, path: str, args: list[str], **kwargs) -> subprocess.Popen:
+def start_in(owned: OwnedProcesses, path: str, args: list[str], **kwargs) -> subprocess.Popen:
     """Start ``args`` inside the cgroup ``path``: the child joins it between fork and exec,
     as the daemon's spawner does."""
     return owned.popen(args, preexec_fn=functools.partial(cgroup.join, path), **kwargs)
 
 
-def start_tree(owned: Owned, path: str) -> tuple[subprocess.Popen, dict[str, int], set[tuple[int, int]]]:
+def start_tree(owned: OwnedProcesses, path: str) -> tuple[subprocess.Popen, dict[str, int], set[tuple[int, int]]]:
     """The escaping tree of test_cgroup_parent.py in ``path``: (root, role -> pid, members)."""
     ready_r, ready_w = os.pipe()
     try:
@@ -411,7 +373,7 @@ def test_subtree_layout(subtree: Subtree, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_kill_ends_a_tree_that_left_its_groups(subtree: Subtree, owned: Owned):
+def test_kill_ends_a_tree_that_left_its_groups(subtree: Subtree, owned: OwnedProcesses):
     path = subtree.make_replica("web-1")
     assert not cgroup.populated(path)
     root, roles, members = start_tree(owned, path)
@@ -445,7 +407,7 @@ def test_kill_ends_a_tree_that_left_its_groups(subtree: Subtree, owned: Owned):
 
 
 @pytest.mark.timeout(60)
-def test_signal_fallback_kills_the_same_tree(subtree: Subtree, owned: Owned):
+def test_signal_fallback_kills_the_same_tree(subtree: Subtree, owned: OwnedProcesses):
     # Where cgroup.kill is missing (Linux < 5.14), kill() sends rounds of SIGKILL instead.
     path = subtree.make_replica("fallback")
     _root, _roles, members = start_tree(owned, path)
@@ -455,7 +417,7 @@ def test_signal_fallback_kills_the_same_tree(subtree: Subtree, owned: Owned):
 
 
 @pytest.mark.timeout(60)
-def test_signal_reaches_every_member_and_events_fd_sees_it_empty(subtree: Subtree, owned: Owned):
+def test_signal_reaches_every_member_and_events_fd_sees_it_empty(subtree: Subtree, owned: OwnedProcesses):
     path = subtree.make_replica("jobs")
     sleeper = start_in(owned, path, ["sleep", "300"])
     ready_r, ready_w = os.pipe()
@@ -511,7 +473,7 @@ def test_limits_without_their_controller_are_refused_in_one_line(subtree: Subtre
 
 
 @pytest.mark.timeout(60)
-def test_kill_all_then_destroy_leaves_nothing(subtree: Subtree, owned: Owned):
+def test_kill_all_then_destroy_leaves_nothing(subtree: Subtree, owned: OwnedProcesses):
     members = set()
     for rid in ("a", "b", "c"):
         path = subtree.make_replica(rid)
@@ -542,7 +504,7 @@ MOVER = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-def test_move_self_leave_and_destroy(subtree: Subtree, owned: Owned):
+def test_move_self_leave_and_destroy(subtree: Subtree, owned: OwnedProcesses):
     # Done by a child: the test process itself never moves. It creates a subtree of its own
     # inside ours (so the fixture removes it whatever happens).
     name = _unique_name()
@@ -562,7 +524,7 @@ def test_move_self_leave_and_destroy(subtree: Subtree, owned: Owned):
 
 
 @pytest.mark.timeout(90)
-def test_watchdog_kills_registered_cgroups_when_its_parent_dies(subtree: Subtree, owned: Owned, tmp_path):
+def test_watchdog_kills_registered_cgroups_when_its_parent_dies(subtree: Subtree, owned: OwnedProcesses, tmp_path):
     not_ours = os.path.join(cgroup.find_mount(), f"not-ours-{uuid.uuid4().hex[:8]}")
     own = cgroup.own_path()
     stderr = open(tmp_path / "helper.err", "wb")

@@ -35,6 +35,7 @@ import watchdog  # noqa: E402
 from watchdog.identity import is_alive, open_verified, parse_stat, proc_stat, scan, start_time  # noqa: E402
 from watchdog.ledger import ENCODE_QUIT, Entry, Ledger, encode_add, encode_remove  # noqa: E402
 from watchdog.link import WatchdogLink  # noqa: E402
+from helpers import OwnedProcesses  # noqa: E402
 from watchdog.reaper import sweep  # noqa: E402
 
 HELPER = Path(__file__).resolve().parent / "watchdog_parent.py"
@@ -73,47 +74,9 @@ SLEEPER = textwrap.dedent(
 # -- process bookkeeping --------------------------------------------------------------
 
 
-class Processes:
-    """Everything a test started or learned about; all killed by identity at teardown."""
-
-    def __init__(self) -> None:
-        self.identities: set[tuple[int, int]] = set()
-        self.popens: list[subprocess.Popen] = []
-
-    def track(self, pid: int, start: int | None) -> tuple[int, int | None]:
-        if start is not None:
-            self.identities.add((pid, start))
-        return pid, start
-
-    def popen(self, args: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(args, **kwargs)
-        self.popens.append(proc)
-        self.track(proc.pid, start_time(proc.pid))
-        return proc
-
-    def teardown(self) -> None:
-        for pid, start in self.identities:
-            fd = open_verified(pid, start)
-            if fd is None:
-                continue
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            finally:
-                os.close(fd)
-        for proc in self.popens:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-
-
 @pytest.fixture
 def procs():
-    registry = Processes()
+    registry = OwnedProcesses()
     try:
         yield registry
     finally:
@@ -171,7 +134,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.005) ->
         time.sleep(interval)
 
 
-def start_helper(procs: Processes, tmp_path: Path, *args: str, token: str | None = None, cwd: Path | None = None):
+def start_helper(procs: OwnedProcesses, tmp_path: Path, *args: str, token: str | None = None, cwd: Path | None = None):
     env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_DAEMON_TOKEN"}
     env["TMPDIR"] = str(tmp_path)  # the Manager's pymp-* directory lands here
     if token:
@@ -244,7 +207,7 @@ def watchdog_idle(pid: int) -> bool:
     return cmdline.startswith(TITLE.encode()) and asleep
 
 
-def start_recorder(procs: Processes, tmp_path: Path, name: str, env=None):
+def start_recorder(procs: OwnedProcesses, tmp_path: Path, name: str, env=None):
     log = tmp_path / f"{name}.signals"
     log.touch()
     proc = procs.popen(
@@ -257,13 +220,13 @@ def start_recorder(procs: Processes, tmp_path: Path, name: str, env=None):
     return proc, log
 
 
-def start_sleeper(procs: Processes, *args: str, env=None) -> subprocess.Popen:
+def start_sleeper(procs: OwnedProcesses, *args: str, env=None) -> subprocess.Popen:
     proc = procs.popen([sys.executable, "-c", SLEEPER, *args], stdout=subprocess.PIPE, start_new_session=True, env=env)
     assert read_line(proc) == "ready\n"
     return proc
 
 
-def run_watchdog(procs: Processes, tmp_path: Path, parent_pid: int, parent_start: int, feed_r: int, *extra: str):
+def run_watchdog(procs: OwnedProcesses, tmp_path: Path, parent_pid: int, parent_start: int, feed_r: int, *extra: str):
     """Start ``python -m watchdog`` directly (the test plays the parent's feed)."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return procs.popen(
