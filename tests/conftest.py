@@ -115,6 +115,19 @@ def daemon(tmp_path):
 
 
 @pytest.fixture
+def fake() -> Iterator[Any]:
+    """The fake OS of the engine's state-machine tests (test_engine.FakeOS); its pipes are
+    closed at teardown."""
+    from test_engine import FakeOS
+
+    f = FakeOS()
+    try:
+        yield f
+    finally:
+        f.cleanup()
+
+
+@pytest.fixture
 def orch_test_tag(request: pytest.FixtureRequest) -> str:
     """A value unique to this test, for ORCH_TEST_TAG."""
     return f"{uuid.uuid4().hex[:12]}:{request.node.nodeid}"

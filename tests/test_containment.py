@@ -158,15 +158,6 @@ class FakeLink:
 
 
 @pytest.fixture
-def fake() -> FakeOS:
-    f = FakeOS()
-    try:
-        yield f
-    finally:
-        f.cleanup()
-
-
-@pytest.fixture
 def cg_h(fake: FakeOS):
     """A Harness whose engine uses FakeCgroups and a FakeLink watchdog feed."""
     harness = Harness(fake)

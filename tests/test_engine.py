@@ -284,15 +284,6 @@ class Harness:
 
 
 @pytest.fixture
-def fake() -> FakeOS:
-    f = FakeOS()
-    try:
-        yield f
-    finally:
-        f.cleanup()
-
-
-@pytest.fixture
 def make_h(fake: FakeOS):
     """Harnesses over ``fake`` with EngineConfig overrides; their loops closed at teardown."""
     made: list[Harness] = []

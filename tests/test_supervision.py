@@ -8,18 +8,9 @@ import signal
 
 import pytest
 
-from test_engine import SPEC, FakeOS, Harness
+from test_engine import SPEC, Harness
 
 S_ALWAYS = {"restart": "always", "backoff": [1, 8], "max_restarts": [5, 60]}
-
-
-@pytest.fixture
-def fake():
-    f = FakeOS()
-    try:
-        yield f
-    finally:
-        f.cleanup()
 
 
 @pytest.fixture
