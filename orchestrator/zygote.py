@@ -372,7 +372,8 @@ class Spawners:
         return not self.enabled or sp is None or sp.ready or sp.failed or sp.pid is None
 
     def pids(self) -> set[int]:
-        return {sp.pid for sp in self._by_key.values() if sp.pid is not None}
+        """A snapshot (also read from other threads: Orchestrator.spawner_pids)."""
+        return {pid for sp in list(self._by_key.values()) if (pid := sp.pid) is not None}
 
     def exited(self, pid: int) -> bool:
         """A SIGCHLD scan found ``pid`` exited: True if it was one of ours (now handled)."""
