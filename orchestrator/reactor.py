@@ -15,6 +15,13 @@ Only the owner's thread runs a turn; ``call_soon_threadsafe`` is the one entry f
 threads, and a wakeup pipe in the epoll set is how it interrupts a wait. Callbacks run to
 completion: whatever must end the loop (a shutdown signal) is recorded and checked by the
 owner between turns, never raised from inside a callback, so no turn is ever half done.
+
+No callback ends the loop: each runs under one last-resort guard (``_run``) that logs an
+exception's traceback and goes on with the rest of the turn. The callbacks handle what they
+expect themselves (a replica's failure is that replica's); the guard is for the bug nobody
+expected, which must cost one callback, not every replica the daemon supervises. An fd
+whose callback fails ``MAX_FD_FAULTS`` turns in a row is no longer watched, so a
+level-triggered fd that is never consumed cannot spin the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import logging
 import os
 import select
 import selectors
@@ -30,6 +38,8 @@ import time
 from typing import Callable, Protocol
 
 Callback = Callable[[], None]
+log = logging.getLogger("orchestrator")
+MAX_FD_FAULTS = 10  # failures in a row of one fd's callback before the fd is dropped
 
 
 def drain(fd: int) -> None:
@@ -118,6 +128,9 @@ class Reactor:
         # (an epoll fd is readable while its ready list is not empty). Made on first use.
         self._pri: select.epoll | None = None
         self._pri_callbacks: dict[int, Callback] = {}
+        self._fd_faults: dict[int, int] = {}  # fd -> its callback's failures in a row
+        self._dropped: set[int] = set()  # readers the guard stopped watching, until their owner removes them
+        self.faults = 0  # callbacks that raised, since the start (for the metrics and tests)
         self.closed = False
 
     # -- scheduling -------------------------------------------------------------------
@@ -153,9 +166,15 @@ class Reactor:
     # -- fds --------------------------------------------------------------------------
 
     def add_reader(self, fd: int, callback: Callback) -> None:
+        self._dropped.discard(fd)
         self._sel.register(fd, selectors.EVENT_READ, callback)
 
     def remove_reader(self, fd: int) -> None:
+        """Forget ``fd`` (call before it is closed); also for one the guard dropped."""
+        self._fd_faults.pop(fd, None)
+        if fd in self._dropped:
+            self._dropped.discard(fd)
+            return
         self._sel.unregister(fd)
 
     def add_priority_reader(self, fd: int, callback: Callback) -> None:
@@ -182,7 +201,7 @@ class Reactor:
         for fd, _events in self._pri.poll(0):
             callback = self._pri_callbacks.get(fd)  # an earlier callback may have removed it
             if callback is not None:
-                callback()
+                self._run(callback)
 
     def add_writer(self, writer: Writer) -> None:
         """Flushed at the end of every turn, and woken by EVENT_WRITE while it holds data."""
@@ -209,20 +228,54 @@ class Reactor:
             # closes its pipes), or closed it and registered the number anew: skip a stale
             # event; a new registration that is ready is reported again next turn.
             if registered.get(key.fd) is key:
-                key.data()
+                self._run_fd(key)
         while self._inbox:
-            self._inbox.popleft()()
+            self._run(self._inbox.popleft())
         soon, self._soon = self._soon, []
         for callback in soon:
-            callback()
+            self._run(callback)
         now = self.monotonic()
         while self._timers and self._timers[0][0] <= now:
             timer = heapq.heappop(self._timers)[2]
             if not timer.cancelled:
-                timer.callback()
+                self._run(timer.callback)
         for callback in self._turn_end:
+            self._run(callback)
+        self._run(self._flush_writers)
+
+    def _run(self, callback: Callback) -> bool:
+        """Run one callback; False if it raised (logged with its traceback)."""
+        try:
             callback()
-        self._flush_writers()
+        except Exception:  # noqa: BLE001
+            # The one deliberate last-resort guard of the daemon (supervisord's main loop
+            # does the same for a dispatcher's handler, asyncio's for a callback's): an
+            # exception here is a bug in one callback, and ending the loop for it would
+            # leave every replica unsupervised and, restored at the next start, do it again.
+            self.faults += 1
+            log.exception("a callback of the control loop failed (%r); the loop goes on", callback)
+            return False
+        return True
+
+    def _run_fd(self, key: selectors.SelectorKey) -> None:
+        if self._run(key.data):
+            if self._fd_faults:
+                self._fd_faults.pop(key.fd, None)
+            return
+        faults = self._fd_faults[key.fd] = self._fd_faults.get(key.fd, 0) + 1
+        if faults >= MAX_FD_FAULTS and self._sel.get_map().get(key.fd) is key:
+            # Level-triggered: a callback that fails before it consumes its event would fail
+            # again every turn, at full speed. Stop watching it, as supervisord closes the
+            # channel whose handler raised.
+            log.error("fd %d: its callback failed %d times in a row; it is no longer watched", key.fd, faults)
+            self._sel.unregister(key.fd)
+            self._fd_faults.pop(key.fd, None)
+            for writer, fd in self._writers.items():
+                if fd == key.fd:  # a writer's EVENT_WRITE: it is flushed at turn ends only
+                    self._writers[writer] = None
+                    break
+            else:
+                self._dropped.add(key.fd)
 
     def run_until(self, done: Callable[[], bool], limit: float) -> bool:
         """Run turns until ``done()`` or ``limit`` seconds passed; returns ``done()``."""
