@@ -46,7 +46,7 @@ from .errors import OrchestratorError, ShutdownRequested
 from .logs import LogCapture
 from .metrics import LagMonitor, MetricsServer, health
 from .paths import Paths, default_state_dir, running_pid, take_lock
-from .policy import LIMIT_KEYS, Policy
+from .policy import LIMIT_KEYS
 from .reactor import drain
 from .recovery import recover_leftovers
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
@@ -509,8 +509,7 @@ class Daemon:
             raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
         new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
         for decl in new.pools.values():  # refuse the whole file before changing anything
-            self.engine._prepare(decl.spec)
-            self.engine.containment.check_limits(Policy.from_wire(_policy_of(decl)).limits)
+            self.engine.check_declaration(decl.spec, _policy_of(decl), decl.size)
         done = self._apply(new)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new

@@ -35,7 +35,7 @@ from .containment import CgroupUnavailable, Cgroups, ProcessGroups
 from .errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
 from .journal import Journal
 from .policy import Policy
-from .pools import Pool
+from .pools import Pool, check_templates
 from .reactor import Reactor, Timer
 from .metrics import Metrics
 from .oom import was_oom_killed
@@ -281,10 +281,19 @@ class Engine(Supervision):
         replace = bool(args.get("replace"))
         count = protocol.count(args["count"], low=0 if replace else 1) if "count" in args else None
         timeout = protocol.wait_timeout(args) if args.get("wait") or replace else None
-        runtime = self._prepare(args.get("spec"))
-        policy = Policy.from_wire(args.get("policy"))
-        self.containment.check_limits(policy.limits)
+        runtime, policy = self.check_declaration(args.get("spec"), args.get("policy"))
         pool = self._pools.get(name)
+        # The size the pool will have, for the templates' check, before anything changes.
+        if pool is None or pool.deleted:
+            size = 1 if count is None else count
+        elif runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy:
+            if not replace:
+                raise InvalidSpec(f"pool {name!r} runs another spec or policy: use --replace to roll it "
+                                  "onto this one, or another pool name")
+            size = len(pool.live) if count is None else count
+        else:
+            size = pool.desired + (1 if count is None else count)
+        check_templates(runtime, policy, size)
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
             pool.deleted, pool.runtime, pool.policy = False, runtime, policy
             pool.clear()
@@ -324,6 +333,7 @@ class Engine(Supervision):
         pool = self._pool(name, missing_ok=True)
         if args.get("spec") is not None:
             runtime = self._prepare(args["spec"])
+            check_templates(runtime, pool.policy if pool is not None else Policy(), n)
             if pool is None:
                 gone = self._pools.get(protocol.pool_name(name))
                 if gone is not None and gone.deleted:  # a deleted pool's name again: ids still continue
@@ -331,6 +341,8 @@ class Engine(Supervision):
                 else:
                     pool = self._pools[protocol.pool_name(name)] = Pool(name, runtime)
             pool.runtime = runtime
+        elif pool is not None:
+            check_templates(pool.runtime, pool.policy, n)
         if pool is None:
             raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
         pool.clear()  # an operator acted: a crash loop is forgiven
@@ -391,6 +403,17 @@ class Engine(Supervision):
 
     def _prepare(self, wire: Any) -> Runtime:
         return prepare(wire, self._base_env)
+
+    def check_declaration(self, spec: Any, policy: Any, size: int | None = None) -> tuple[Runtime, Policy]:
+        """A pool's spec and policy from the wire, checked as a declaration is: the spec
+        resolves, the limits are available, and (given its ``size``) every slot's templates
+        expand. InvalidSpec (one line) otherwise; nothing is changed."""
+        runtime = self._prepare(spec)
+        pol = Policy.from_wire(policy)
+        self.containment.check_limits(pol.limits)
+        if size is not None:
+            check_templates(runtime, pol, size)
+        return runtime, pol
 
     def _launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]:
         """``count`` new replicas in the lowest free slots (or in ``slots``: replacements);
@@ -461,8 +484,12 @@ class Engine(Supervision):
         """Everything a replica's process needs, then its start: asked of the spawner
         ``via`` (ended by _end_spawn) or, without one, forked now. None: it FAILED."""
         pool = self._pools[rep.pool]
-        plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
-                       self.config.token)
+        try:
+            plan = rt.plan(rep.id, rep.pool, rep.slot, pool.port(rep.slot) if rep.slot is not None else None,
+                           self.config.token)
+        except InvalidSpec as err:
+            self._bad_template(rep, err)
+            return None
         st = _Starting(rep)
         try:
             if self.log_capture is not None:
@@ -709,7 +736,7 @@ class Engine(Supervision):
         self._ended.extendleft(reversed(kept))
 
     def _save_pool(self, pool: Pool) -> None:
-        if pool.runtime is not None and self.journal.store is not None:
+        if (pool.runtime is not None or pool.unresolved is not None) and self.journal.store is not None:
             self.journal.pool(pool.name, pool.stored(), pool.desired, pool.next_n)
 
     def _journal_command(self, op: Any, cmd_id: Any, error: str | None) -> None:

@@ -22,12 +22,15 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import probes
+from .errors import InvalidSpec
 from .policy import Policy
-from .spec import Runtime
+from .spec import MAX_PORT, Runtime
 from .states import Replica
 
 OK, BACKOFF, CRASHLOOP = "ok", "backoff", "crashloop"
 _STORED = 2  # the version of the pool row's JSON (1: the bare spec)
+PROBE_KEYS = ("ready", "live")
 
 
 @dataclass(eq=False)
@@ -44,6 +47,9 @@ class Pool:
     deleted: bool = False
     declared: bool = False  # by the config file: a reload without it deletes it
     pending: dict[int, Any] = field(default_factory=dict)  # slot -> Timer of a scheduled replacement
+    # The stored (spec, policy) of a pool restored without a runtime (they no longer
+    # resolve): written back as they were, so that a later start can try them again.
+    unresolved: tuple[Any, Any] | None = None
     slot_restarts: dict[int, int] = field(default_factory=dict)
     _recent: collections.deque = field(default_factory=collections.deque)  # monotonic times
     _delay: dict[int, float] = field(default_factory=dict)  # slot -> current backoff
@@ -109,8 +115,8 @@ class Pool:
 
     def stored(self) -> dict:
         """The pool row's JSON: the spec, the policy, and a crash loop to survive a restart."""
-        row: dict[str, Any] = {"v": _STORED, "spec": self.runtime.wire if self.runtime else None,
-                               "policy": self.policy.to_wire()}
+        spec, policy = self._declared()
+        row: dict[str, Any] = {"v": _STORED, "spec": spec, "policy": policy}
         if self.state == CRASHLOOP:
             row["crashloop"] = self.reason
         if self.deleted:
@@ -120,9 +126,15 @@ class Pool:
         return row
 
     def to_dict(self) -> dict:
+        spec, policy = self._declared()
         return {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
-                "restarts": self.restarts, "spec": self.runtime.wire if self.runtime else None,
-                "policy": self.policy.to_wire()}
+                "restarts": self.restarts, "spec": spec, "policy": policy}
+
+    def _declared(self) -> tuple[Any, Any]:
+        """(spec, policy) as declared: what runs, or what was stored and no longer resolves."""
+        if self.runtime is None and self.unresolved is not None:
+            return self.unresolved
+        return (self.runtime.wire if self.runtime else None), self.policy.to_wire()
 
 
 def unpack_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
@@ -130,3 +142,32 @@ def unpack_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
     if isinstance(spec_json, dict) and spec_json.get("v") == _STORED:
         return spec_json.get("spec"), spec_json.get("policy"), spec_json
     return spec_json, None, {}
+
+
+def check_templates(runtime: Runtime | None, policy: Policy, size: int) -> None:
+    """Everything a template of the pool expands to, for every slot 0..size-1 of a pool of
+    ``size``: ``$PORT`` and ``{port}`` (port_base + slot), ``{slot}`` and ``{port}`` in argv,
+    env values and the ready and live probes' addresses. Called wherever a pool is declared
+    or resized (launch, scale, the config file, launch --replace), so that a value that
+    cannot work is that command's one-line error, never a replica's (or the loop's) later.
+    InvalidSpec names the first slot that does not expand."""
+    base = policy.port_base
+    if base is not None and size > 0 and base + size - 1 > MAX_PORT:
+        raise InvalidSpec(f"port_base {base} with {size} replicas: slot {size - 1} would get port "
+                          f"{base + size - 1}, past {MAX_PORT}")
+    if base is None and runtime is not None and runtime.uses_port:
+        raise InvalidSpec("the command or env uses {port} but the pool has no port_base")
+    for key in PROBE_KEYS:
+        text = getattr(policy, key)
+        if text is None or not probes.parse(text, has_port=base is not None).templated:
+            continue
+        for slot in range(size):
+            expand_probe(key, text, slot, None if base is None else base + slot)
+
+
+def expand_probe(key: str, text: str, slot: int, port: int | None) -> probes.ProbeSpec:
+    """The ``ready`` or ``live`` probe ``text`` of one slot; InvalidSpec that says which."""
+    try:
+        return probes.parse(text).expand(slot, port)
+    except InvalidSpec as err:
+        raise InvalidSpec(f"{key} {text!r} does not expand for slot {slot}: {err}") from None

@@ -21,6 +21,7 @@ from .targets import TargetRef
 from .zygote import SpawnerKey
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,8 +185,18 @@ class Runtime:
     pythonpath: tuple[str, ...] = ()
     key: SpawnerKey = SpawnerKey()  # the spawner that makes its replicas
 
+    @property
+    def uses_port(self) -> bool:
+        """Whether argv or an env value holds ``{port}`` (which needs a port base)."""
+        return self.templated and any("{port}" in t for t in (*self.wire.get("command", ()),
+                                                                 *self.wire.get("env", {}).values()))
+
     def plan(self, replica_id: str, pool: str, slot: int | None, port: int | None, token: str | None) -> LaunchPlan:
-        """What one replica is made from: its argv and environment, slot and port filled in."""
+        """What one replica is made from: its argv and environment, slot and port filled in.
+        A port out of range is InvalidSpec (the declaration refuses a size that reaches one;
+        a slot can still go past the size for a moment, while older replicas stop)."""
+        if port is not None and not 1 <= port <= MAX_PORT:
+            raise InvalidSpec(f"slot {slot} would get port {port}, past {MAX_PORT}")
         env = {"ORCHESTRATOR_REPLICA_ID": replica_id, "ORCHESTRATOR_POOL": pool}
         if token:
             env["ORCHESTRATOR_DAEMON_TOKEN"] = token

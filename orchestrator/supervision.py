@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from . import probes, protocol
 from .errors import InvalidSpec
 from .policy import Policy, signal_number
-from .pools import CRASHLOOP, Pool, unpack_row
+from .pools import CRASHLOOP, Pool, check_templates, expand_probe, unpack_row
 from .rollout import Rollout
 from .states import Replica
 from .states import ReplicaState as S
@@ -45,21 +45,36 @@ class Supervision:
         stopped) and, with ``relaunch``, bring each back to its desired size."""
         for row in pools:
             wire, policy_wire, extra = unpack_row(row.get("spec"))
-            runtime, policy = None, Policy()
+            runtime, policy, problem = None, Policy(), None
+            desired = int(row["desired"])
+            deleted = bool(extra.get("deleted"))
             try:
+                # Checked as a declaration is: a journal written before a check existed (or
+                # by hand) must not bring a pool back that ends the loop at every start.
                 policy = Policy.from_wire(policy_wire)
                 if wire:
                     runtime = self._prepare(wire)
+                    check_templates(runtime, policy, 0 if deleted else desired)
             except InvalidSpec as err:
-                log.error("pool %s: its spec no longer resolves: %s", row["name"], err)
+                problem = f"not restored: {err}"
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
-            pool.deleted = bool(extra.get("deleted"))
+            pool.deleted = deleted
             pool.declared = bool(extra.get("declared"))
             if extra.get("crashloop"):
                 pool.crashloop(extra["crashloop"])
             self._pools[pool.name] = pool
-            if relaunch and runtime is not None and not pool.deleted:
-                self._launch(pool, int(row["desired"]))
+            if problem is not None:
+                # Kept as stored (its size too: a later start tries again, say once a
+                # missing executable is back) and shown as a crash loop with the reason;
+                # an operator scales, replaces or deletes it.
+                pool.runtime, pool.policy = None, Policy()
+                pool.unresolved = (wire, policy_wire if policy_wire is not None else {})
+                pool.desired = 0 if deleted else desired
+                if not deleted:
+                    pool.crashloop(problem)
+                    log.error("pool %s: %s", pool.name, problem)
+            elif relaunch and runtime is not None and not deleted:
+                self._launch(pool, desired)
             self._save_pool(pool)
 
     def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
@@ -93,9 +108,7 @@ class Supervision:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
         or resized. Returns what it did: added, changed, resized or unchanged."""
-        runtime = self._prepare(spec)
-        pol = Policy.from_wire(policy)
-        self.containment.check_limits(pol.limits)
+        runtime, pol = self.check_declaration(spec, policy, size)
         pool = self._pools.get(protocol.pool_name(name))
         if pool is None or pool.deleted:
             if pool is None:
@@ -252,7 +265,11 @@ class Supervision:
                 self._ready(proc)
             return
         if policy.ready != "notify":
-            spec = self._probe(rep, policy.ready)
+            try:
+                spec = self._probe(rep, "ready", policy.ready)
+            except InvalidSpec as err:
+                self._bad_template(rep, err)
+                return
             proc.cleanup.append(probes.retry_until_ready(
                 spec, self.reactor, self.os, deadline_s=policy.ready_timeout,
                 on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why)).cancel)
@@ -261,10 +278,28 @@ class Supervision:
                 policy.ready_timeout,
                 lambda: self._not_ready(proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)")).cancel)
 
-    def _probe(self, rep: Replica, text: str) -> Any:
+    def _probe(self, rep: Replica, key: str, text: str) -> Any:
+        """The ``ready`` or ``live`` probe of ``rep``'s slot; InvalidSpec if it does not expand."""
         pool = self._pools[rep.pool]
         slot = rep.slot if rep.slot is not None else 0
-        return probes.parse(text).expand(slot, pool.port(slot))
+        return expand_probe(key, text, slot, pool.port(slot))
+
+    def _bad_template(self, rep: Replica, err: InvalidSpec) -> None:
+        """A template that does not expand for ``rep``'s slot, found as it starts (a pool
+        from a journal written before the declaration checked it, or a slot past the size
+        while older replicas still stop). It would fail the same way every time: ``rep`` is
+        FAILED with the reason, and its pool stops replacing (crashloop) until an operator
+        acts (scale, restart --pool, launch --replace, delete)."""
+        pool = self._pools[rep.pool]
+        reason = f"could not start: {err}"
+        self._transition(rep, S.FAILED, reason)
+        self._signal_and_arm(rep)  # if it runs already (a probe is set up after the exec)
+        if pool.state != CRASHLOOP:
+            pool.crashloop(f"{rep.id}: {err}")
+            log.error("pool %s: crash loop (%s); not replacing until an operator acts", pool.name, pool.reason)
+            self.journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
+            self.metrics.crashloop(pool.name)
+        self._ended_on_its_own(rep, failed=True)
 
     def _notify_socket(self, rep: Replica) -> Any:
         """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
@@ -280,16 +315,23 @@ class Supervision:
         rep = proc.replica
         if proc.reaped or rep.state is not S.STARTING:
             return
-        self._transition(rep, S.RUNNING)
-        rep.ready, rep.started_at = True, self.os.time()
         pool = self._pools[rep.pool]
         policy = pool.policy
+        live = None
+        if policy.live is not None:
+            try:  # before it counts as RUNNING: a replica that cannot be checked is not started
+                live = self._probe(rep, "live", policy.live)
+            except InvalidSpec as err:
+                self._bad_template(rep, err)
+                return
+        self._transition(rep, S.RUNNING)
+        rep.ready, rep.started_at = True, self.os.time()
         if rep.slot is not None:
             slot = rep.slot
             proc.cleanup.append(self.reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
-        if policy.live is not None:
+        if live is not None:
             proc.cleanup.append(probes.Checker(
-                self._probe(rep, policy.live), self.reactor, self.os, policy.live_interval,
+                live, self.reactor, self.os, policy.live_interval,
                 policy.live_failures, min(policy.live_interval, 5.0),
                 lambda why: self._liveness_failed(proc, why)).stop)
 
