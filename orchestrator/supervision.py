@@ -31,6 +31,7 @@ from .states import ReplicaState as S
 log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)
+_NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
 
 
 class Supervision:
@@ -56,12 +57,12 @@ class Supervision:
                     runtime = self._prepare(wire)
                     check_templates(runtime, policy, 0 if deleted else desired)
             except InvalidSpec as err:
-                problem = f"not restored: {err}"
+                problem = f"{_NOT_RESTORED}{err}"
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
             pool.deleted = deleted
             pool.declared = bool(extra.get("declared"))
-            if extra.get("crashloop"):
-                pool.crashloop(extra["crashloop"])
+            if extra.get("crashloop") and not str(extra["crashloop"]).startswith(_NOT_RESTORED):
+                pool.crashloop(extra["crashloop"])  # (one of an earlier restore is judged anew)
             self._pools[pool.name] = pool
             if problem is not None:
                 # Kept as stored (its size too: a later start tries again, say once a
@@ -82,6 +83,9 @@ class Supervision:
         timeout = protocol.wait_timeout(args)
         if args.get("pool") is not None:
             pool = self._pool(args["pool"])
+            if pool.runtime is None:
+                raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
+                                  "launch --replace, or delete it")
             unavailable = protocol.count(args.get("max_unavailable", 1), what="max_unavailable")
             pool.clear()
             self._cancel_replacements(pool)

@@ -170,6 +170,9 @@ def test_a_poisoned_journal_does_not_kill_start_and_the_pool_can_be_deleted(
     log = (daemon.state_dir / "logs" / "daemon.log").read_text()
     assert "pool bad" in log and "Traceback" not in log, log[-2000:]
 
+    assert "no usable spec" in _one_line_error(cli(daemon.state_dir, "restart", "--pool", "bad"))
+    assert "bad" in _one_line_error(cli(daemon.state_dir, "scale", "bad", "3"))
+    _alive(daemon, pid)
     assert cli(daemon.state_dir, "delete", "bad").returncode == 0
     assert "bad" not in _pools(daemon)
     assert cli(daemon.state_dir, "stop", "--timeout", "30").returncode == 0
