@@ -130,7 +130,7 @@ class Reactor:
         self._pri_callbacks: dict[int, Callback] = {}
         self._fd_faults: dict[int, int] = {}  # fd -> its callback's failures in a row
         self._dropped: set[int] = set()  # readers the guard stopped watching, until their owner removes them
-        self.faults = 0  # callbacks that raised, since the start (for the metrics and tests)
+        self.faults = 0  # callbacks that raised since the start
         self.closed = False
 
     # -- scheduling -------------------------------------------------------------------
