@@ -254,7 +254,7 @@ class Supervision:
         if policy.ready != "notify":
             spec = self._probe(rep, policy.ready)
             proc.cleanup.append(probes.retry_until_ready(
-                spec, self.reactor, self.os, deadline_s=policy.ready_timeout,
+                spec, self.reactor, self.os, deadline_s=policy.ready_timeout, attempt_timeout=policy.probe_timeout,
                 on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why)).cancel)
         else:
             proc.cleanup.append(self.reactor.call_later(
@@ -269,7 +269,13 @@ class Supervision:
     def _notify_socket(self, rep: Replica) -> Any:
         """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
         name = f"orchestrator-{self.config.token or os.getpid()}-{rep.id}"
-        return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name)
+        return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name,
+                                   sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
+
+    def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
+        """Only the replica itself may notify for it (probes.from_replica), not another one."""
+        proc = self._proc_of(rep)
+        return proc is not None and probes.from_replica(pid, proc.pid, proc.cgroup)
 
     def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
         proc = self._proc_of(rep)
@@ -290,7 +296,7 @@ class Supervision:
         if policy.live is not None:
             proc.cleanup.append(probes.Checker(
                 self._probe(rep, policy.live), self.reactor, self.os, policy.live_interval,
-                policy.live_failures, min(policy.live_interval, 5.0),
+                policy.live_failures, policy.probe_timeout,
                 lambda why: self._liveness_failed(proc, why)).stop)
 
     def _not_ready(self, proc: Any, why: str) -> None:

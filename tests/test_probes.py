@@ -669,3 +669,90 @@ def test_ready_cancel(reactor, os_api, closed_port):
     reactor.run_until(lambda: False, 0.7)  # past the deadline: still nothing
     assert not calls and fds() == before
     assert ident is None or _gone(ident, pid)
+
+
+# -- through the daemon: who may notify, how long an attempt may take ---------------------
+
+_SEND_READY_FOR = """
+import os, socket, sys
+own = os.environ["NOTIFY_SOCKET"]
+me = os.environ["ORCHESTRATOR_REPLICA_ID"]
+target = own[:-len(me)] + sys.argv[1]  # the other replica's socket: the same name but its id
+addr = "\\0" + target[1:]
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1", addr)
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1", "\\0" + own[1:])
+"""
+
+
+def _replica(d, rid: str) -> dict:
+    (row,) = [r for r in d.status(all=True)["replicas"] if r["id"] == rid]
+    return row
+
+
+def _daemon_log(d) -> str:
+    return (d.state_dir / "logs" / "daemon.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_another_replica_cannot_mark_a_replica_ready(daemon, cgroup):
+    from helpers import cli
+
+    daemon.start("--cgroup", cgroup)
+    cli(daemon.state_dir, "launch", "--pool", "victim", "--ready", "notify", "--ready-timeout", "60",
+        "--", "sleep", "1000", check=True)
+    assert _replica(daemon, "victim-1")["state"] == "STARTING"
+    cli(daemon.state_dir, "launch", "--pool", "other", "--ready", "notify", "--wait", "--timeout", "30",
+        "--", sys.executable, "-c", _SEND_READY_FOR + "\nimport time; time.sleep(1000)", "victim-1", check=True)
+    # The forged datagram was read (its drop is logged) and other-1 is RUNNING on its own:
+    wait_for(lambda: "dropped READY from pid" in _daemon_log(daemon), 10, "the forged READY=1 to be dropped")
+    assert _replica(daemon, "other-1")["state"] == "RUNNING"
+    assert _replica(daemon, "victim-1")["state"] == "STARTING"
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_a_child_of_the_replica_may_notify_for_it(daemon, cgroup):
+    from helpers import cli
+
+    daemon.start("--cgroup", cgroup)
+    child = shlex.quote(_SD_NOTIFY)
+    proc = cli(daemon.state_dir, "launch", "--pool", "wrapped", "--ready", "notify", "--wait", "--timeout", "30",
+               "--", "sh", "-c", f"{shlex.quote(sys.executable)} -c {child}; exec sleep 1000")
+    assert proc.returncode == 0, proc.stderr
+    assert _replica(daemon, "wrapped-1")["state"] == "RUNNING"
+    assert "dropped" not in _daemon_log(daemon)
+
+
+_SLOW_PROBE = "exec:sh -c 'sleep 1.5'"
+
+
+def test_the_probe_timeout_is_a_setting(daemon, tmp_path):
+    from helpers import cli
+
+    daemon.start()
+    # By default an attempt is cut at 1 s: a probe that takes 1.5 s never passes.
+    proc = cli(daemon.state_dir, "launch", "--pool", "short", "--ready", _SLOW_PROBE, "--ready-timeout", "4",
+               "--restart", "never", "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 1
+    reason = _replica(daemon, "short-1")["reason"]
+    assert "timed out after 1 s" in reason, reason
+    passed = tmp_path / "passed"
+    live = f"exec:sh -c 'sleep 1.5 && echo ok >> {passed}'"
+    proc = cli(daemon.state_dir, "launch", "--pool", "long", "--ready", _SLOW_PROBE, "--probe-timeout", "3",
+               "--live", live, "--live-interval", "0.5", "--live-failures", "1",
+               "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 0, proc.stderr
+    # ...and the liveness attempts get the same bound: two of them pass in a row.
+    wait_for(lambda: passed.exists() and len(passed.read_text().split()) >= 2, 30, "two liveness attempts")
+    row = _replica(daemon, "long-1")
+    assert row["state"] == "RUNNING" and row["restarts"] == 0, row
+    pool = [p for p in daemon.status()["pools"] if p["name"] == "long"][0]
+    assert pool["policy"]["probe_timeout"] == 3
+
+
+def test_probe_timeout_is_refused_when_not_positive(daemon):
+    from helpers import cli
+
+    daemon.start()
+    proc = cli(daemon.state_dir, "launch", "--pool", "x", "--ready", "tcp:127.0.0.1:1", "--probe-timeout", "0",
+               "--", "sleep", "1")
+    assert proc.returncode != 0 and "probe_timeout" in proc.stderr and "Traceback" not in proc.stderr
