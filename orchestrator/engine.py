@@ -89,6 +89,7 @@ class _Proc:
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
     replace: bool = False  # asked to stop in order to be replaced (liveness, restart)
     cgroup: str | None = None  # its own cgroup (cgroup containment), else None: its process group
+    probes: Any = None  # probes.ProbeBox of its exec probes, made by the first one
 
 
 class Engine(Supervision):

@@ -556,6 +556,16 @@ class LogCapture:
         self._open[replica_id] = rlog
         return rlog
 
+    def open_stream(self, replica_id: str, stream: str) -> _Stream:
+        """One more captured stream of a replica (its exec probes' output: ``probe``), pumped
+        into ``<id>.<stream>`` with the same rotation; hand out its ``w`` (kept open until
+        ``finish()``, which drains and closes it). OSError when it cannot be made."""
+        if self.dirfd < 0:
+            raise OSError(errno.EBADF, "the log capture is closed")
+        if parse_replica_id(replica_id) is None or stream in STREAMS or not stream.isalpha():
+            raise OSError(errno.EINVAL, f"invalid stream {replica_id!r}.{stream!r}")
+        return _Stream(self, replica_id, stream, self.max_bytes, self.backups, self.create_after == 0)
+
     def totals(self) -> dict:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
         return {"bytes": self._bytes, "dropped": self._dropped, "open": len(self._open)}
@@ -900,7 +910,7 @@ def remove(logs_dir: str | os.PathLike, replica_ids: Iterable[str]) -> int:
             if dot and tail_.isascii() and tail_.isdigit():
                 base = head
             rid, dot, stream = base.rpartition(".")
-            if dot and stream in STREAMS and rid in wanted:
+            if dot and stream in (*STREAMS, "probe") and rid in wanted:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=dirfd)
                     removed += 1

@@ -255,7 +255,8 @@ class Supervision:
             spec = self._probe(rep, policy.ready)
             proc.cleanup.append(probes.retry_until_ready(
                 spec, self.reactor, self.os, deadline_s=policy.ready_timeout, attempt_timeout=policy.probe_timeout,
-                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why)).cancel)
+                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why),
+                box=self._probe_box(proc, spec)).cancel)
         else:
             proc.cleanup.append(self.reactor.call_later(
                 policy.ready_timeout,
@@ -265,6 +266,16 @@ class Supervision:
         pool = self._pools[rep.pool]
         slot = rep.slot if rep.slot is not None else 0
         return probes.parse(text).expand(slot, pool.port(slot))
+
+    def _probe_box(self, proc: Any, spec: Any) -> Any:
+        """Where the replica's exec probes run and write (probes.ProbeBox), made once and
+        closed with the replica (it kills an attempt still in flight whole)."""
+        if spec.kind != "exec":
+            return None
+        if proc.probes is None:
+            proc.probes = probes.ProbeBox(proc.replica.id, self.containment, self.watchdog, self.log_capture)
+            proc.cleanup.append(proc.probes.close)
+        return proc.probes
 
     def _notify_socket(self, rep: Replica) -> Any:
         """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
@@ -294,10 +305,10 @@ class Supervision:
             slot = rep.slot
             proc.cleanup.append(self.reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
         if policy.live is not None:
+            spec = self._probe(rep, policy.live)
             proc.cleanup.append(probes.Checker(
-                self._probe(rep, policy.live), self.reactor, self.os, policy.live_interval,
-                policy.live_failures, policy.probe_timeout,
-                lambda why: self._liveness_failed(proc, why)).stop)
+                spec, self.reactor, self.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
+                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, spec)).stop)
 
     def _not_ready(self, proc: Any, why: str) -> None:
         rep = proc.replica

@@ -756,3 +756,106 @@ def test_probe_timeout_is_refused_when_not_positive(daemon):
     proc = cli(daemon.state_dir, "launch", "--pool", "x", "--ready", "tcp:127.0.0.1:1", "--probe-timeout", "0",
                "--", "sleep", "1")
     assert proc.returncode != 0 and "probe_timeout" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- exec probes run inside something killed whole; their output is the replica's ----------
+
+
+def _containment(d) -> str:
+    return d.status()["daemon"]["containment"]
+
+
+def _start_in(d, cgroup: str) -> None:
+    d.start("--cgroup", cgroup)
+    if cgroup == "auto" and _containment(d) != "cgroup":
+        pytest.skip("no writable cgroup v2 here: " + d.status()["daemon"]["containment_reason"])
+
+
+def _children_of_probes(pids_file) -> list[Ident]:
+    """The background children the probes reported (pid per line), still alive or not."""
+    if not pids_file.exists():
+        return []
+    return [i for i in (Ident.of(int(p)) for p in pids_file.read_text().split()) if i is not None]
+
+
+# In cgroup mode even a child that left the probe's session (setsid) goes; in process-group
+# mode the group is what is killed whole.
+_ESCAPE = {"auto": "setsid sleep 300", "off": "sleep 300"}
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_an_exec_probes_background_child_does_not_outlive_the_probe_or_the_pool(daemon, tmp_path, cgroup):
+    _start_in(daemon, cgroup)
+    pids = tmp_path / "pids"
+    probe = f"exec:sh -c '{_ESCAPE[cgroup]} & echo $! >> {pids}; sleep 0.2; exit 0'"
+    left: list[Ident] = []
+    try:
+        proc = cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--live", probe, "--live-interval", "0.3",
+                    "--wait", "--timeout", "30", "--", "sleep", "1000")
+        assert proc.returncode == 0, proc.stderr
+        wait_for(lambda: len(pids.read_text().split()) >= 3, 30, "a ready and two liveness attempts")
+        first = _children_of_probes(pids)[:2]
+        left += first
+        wait_for(lambda: not any(i.alive() for i in first), 10, "the probes' children to end with their probe")
+        assert cli_(daemon, "delete", "p").returncode == 0
+        left = _children_of_probes(pids)
+        wait_for(lambda: not any(i.alive() for i in left), 10, "every probe child to end with the pool")
+        if cgroup == "auto":
+            subtree = daemon.status()["daemon"]["cgroup_subtree"]
+            wait_for(lambda: not os.path.exists(f"{subtree}/replicas/p-1.probe"), 10, "the probe cgroup to go")
+    finally:
+        from helpers import kill_all
+
+        kill_all(left + _children_of_probes(pids))
+
+
+def test_a_running_exec_probe_is_killed_after_kill_9_of_daemon_and_watchdog(daemon, tmp_path):
+    _start_in(daemon, "auto")
+    pids = tmp_path / "pids"
+    probe = f"exec:sh -c 'setsid sleep 300 & echo $! >> {pids}; exec sleep 300'"
+    found: list[Ident] = []
+    try:
+        cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--probe-timeout", "600", "--ready-timeout", "600",
+             "--", "sleep", "1000", check=True)
+        wait_for(lambda: pids.exists() and pids.read_text().strip(), 30, "the probe to run")
+        found = _children_of_probes(pids)
+        assert found and all(i.alive() for i in found)
+        watchdog = daemon.status()["daemon"]["watchdog_pid"]
+        dead = [Ident.of(daemon.pid), Ident.of(watchdog)]
+        for pid in (watchdog, daemon.pid):  # the watchdog first: it must not sweep for the dead daemon
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(i and i.alive() for i in dead), 10, "daemon and watchdog to die")
+        assert any(i.alive() for i in found)  # nobody has killed it yet: the next start must
+        daemon.start("--cgroup", "auto")
+        assert not any(i.alive() for i in found), "a probe's child outlived kill -9 of daemon and watchdog + start"
+    finally:
+        from helpers import kill_all
+
+        kill_all(found)
+
+
+def cli_(d, *args: str, check: bool = False):
+    from helpers import cli
+
+    return cli(d.state_dir, *args, check=check)
+
+
+def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon, tmp_path):
+    config = tmp_path / "orchestrator.toml"
+    config.write_text("[daemon]\nlog_max_bytes = 20000\nlog_backups = 1\n")
+    config.chmod(0o600)
+    daemon.start("--config", str(config))
+    chatty = "exec:sh -c 'i=0; while [ $i -lt 300 ]; do echo probe line $i of a chatty probe; i=$((i+1)); done'"
+    proc = cli_(daemon, "launch", "--pool", "p", "--ready", chatty, "--live", chatty, "--live-interval", "0.1",
+                "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 0, proc.stderr
+    logs = daemon.state_dir / "logs"
+
+    def probe_bytes() -> int:
+        return sum(f.stat().st_size for f in logs.glob("p-1.probe*"))
+
+    wait_for(lambda: (logs / "p-1.probe.1").exists(), 30, "the probe log to rotate")
+    assert "probe line" in (logs / "p-1.probe").read_text()
+    assert probe_bytes() <= 2 * 20000
+    assert "probe line" not in (logs / "daemon.log").read_text()
+    assert (logs / "daemon.log").stat().st_size < 20000
