@@ -556,15 +556,17 @@ class LogCapture:
         self._open[replica_id] = rlog
         return rlog
 
-    def open_stream(self, replica_id: str, stream: str) -> _Stream:
-        """One more captured stream of a replica (its exec probes' output: ``probe``), pumped
-        into ``<id>.<stream>`` with the same rotation; hand out its ``w`` (kept open until
-        ``finish()``, which drains and closes it). OSError when it cannot be made."""
+    def open_stream(self, name: str, stream: str) -> _Stream:
+        """One more captured stream, pumped into ``<name>.<stream>`` with the same rotation:
+        a replica's exec probes (``<id>.probe``), the spawners (``spawner.log``). Hand out
+        its ``w`` (kept open until ``finish()``, which drains and closes it). OSError when
+        it cannot be made."""
         if self.dirfd < 0:
             raise OSError(errno.EBADF, "the log capture is closed")
-        if parse_replica_id(replica_id) is None or stream in STREAMS or not stream.isalpha():
-            raise OSError(errno.EINVAL, f"invalid stream {replica_id!r}.{stream!r}")
-        return _Stream(self, replica_id, stream, self.max_bytes, self.backups, self.create_after == 0)
+        if (not name or "/" in name or name.startswith(".") or stream in STREAMS or not stream.isalpha()
+                or not stream.isascii()):
+            raise OSError(errno.EINVAL, f"invalid stream {name!r}.{stream!r}")
+        return _Stream(self, name, stream, self.max_bytes, self.backups, self.create_after == 0)
 
     def totals(self) -> dict:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
