@@ -859,3 +859,22 @@ def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon,
     assert probe_bytes() <= 2 * 20000
     assert "probe line" not in (logs / "daemon.log").read_text()
     assert (logs / "daemon.log").stat().st_size < 20000
+
+
+def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
+    config = tmp_path / "orchestrator.toml"
+    config.write_text("[daemon]\nlog_max_bytes = 4000\nlog_backups = 2\n")
+    config.chmod(0o600)
+    daemon.start("--config", str(config))
+    # Each failed liveness check is a warning in daemon.log, and so is each replacement.
+    cli_(daemon, "launch", "--pool", "flaky", "--live", "exec:false", "--live-interval", "0.05", "--live-failures", "1",
+         "--restart", "always", "--backoff", "0.01:0.01", "--max-restarts", "100000/1", "--grace", "0.5",
+         "--", "sleep", "1000", check=True)
+    logs = daemon.state_dir / "logs"
+    wait_for(lambda: (logs / "daemon.log.2").exists(), 60, "daemon.log to rotate twice")
+    cli_(daemon, "delete", "flaky", check=True)
+    sizes = {f.name: f.stat().st_size for f in logs.glob("daemon.log*")}
+    assert set(sizes) == {"daemon.log", "daemon.log.1", "daemon.log.2"}, sizes
+    assert all(size <= 4000 for size in sizes.values()), sizes
+    assert "liveness probe failed" in (logs / "daemon.log.1").read_text()
+    assert cli_(daemon, "health").returncode == 0
