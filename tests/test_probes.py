@@ -878,3 +878,28 @@ def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     assert all(size <= 4000 for size in sizes.values()), sizes
     assert "liveness probe failed" in (logs / "daemon.log.1").read_text()
     assert cli_(daemon, "health").returncode == 0
+
+
+def test_process_group_mode_records_each_exec_attempt_in_the_watchdog_ledger(reactor, os_api):
+    from orchestrator.containment import ProcessGroups
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.lines: list[tuple] = []
+
+        def add(self, pid, start, pgid, kind, label):
+            self.lines.append(("add", pid, pgid, kind, label))
+
+        def remove(self, pid):
+            self.lines.append(("remove", pid))
+
+    ledger = Ledger()
+    box = probes.ProbeBox("p-1", ProcessGroups("test"), ledger)
+    results = Results()
+    h = run_once(parse("exec:true"), reactor, os_api, timeout=5, on_result=results, box=box)
+    pid = h.pid
+    assert ledger.lines == [("add", pid, pid, "worker", "probe of p-1")]  # while it runs: its group
+    assert reactor.run_until(lambda: bool(results), 5)
+    assert results.calls == [(True, None)]
+    assert ledger.lines[-1] == ("remove", pid)
+    box.close()
