@@ -145,6 +145,8 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", metavar="N/S", help="more than N replacements within S s: crashloop (default 5/60)")
     g.add_argument("--ready", metavar="PROBE", help="tcp:HOST:PORT, http://127.0.0.1:PORT/PATH, exec:CMD or notify")
     g.add_argument("--ready-timeout", type=_seconds, metavar="S", help="not ready by then: FAILED (default 60)")
+    g.add_argument("--probe-timeout", type=_seconds, metavar="S",
+                   help="one attempt of --ready or --live is cut after S s (default 1)")
     g.add_argument("--start-secs", type=_seconds, metavar="S", help="without --ready: ready once it ran S s (default 0)")
     g.add_argument("--live", metavar="PROBE", help="liveness probe, same forms as --ready")
     g.add_argument("--live-interval", type=_seconds, metavar="S", help="between liveness checks (default 10)")
@@ -158,7 +160,8 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
 
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
-                 "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight")
+                 "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight",
+                 "probe_timeout")
 
 
 def _policy(args: argparse.Namespace) -> dict:

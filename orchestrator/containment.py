@@ -13,7 +13,8 @@ engine signals the replica's process group and the descendants that left it, as 
 Layout (``watchdog.cgroup.Subtree``): under the daemon's own cgroup (``auto``) or a given
 cgroup dir (``PATH``), ``orchestrator-<sha1(state dir)[:12]>/`` with ``daemon/`` (the daemon
 moves itself in, so its watchdog and manager are born there, outside every replica's
-cgroup) and ``replicas/<replica id>/``. The subtree's path is recorded in the state dir
+cgroup), ``replicas/<replica id>/`` and ``replicas/<replica id>.probe/`` (its exec probes,
+probes.ProbeBox). The subtree's path is recorded in the state dir
 (``cgroup``, 0600): a later ``start`` kills what a daemon and a watchdog that were killed
 together left in it, wherever the new daemon's own cgroup is (``previous`` / recovery.py).
 A clean stop removes the replica cgroups, moves the daemon back out and removes the subtree.
@@ -48,6 +49,7 @@ __all__ = ["Cgroups", "ProcessGroups", "CgroupUnavailable", "detect", "subtree_n
            "forget", "drop_previous", "RECORD_NAME", "DRAIN_TIMEOUT"]
 
 RECORD_NAME = "cgroup"  # in the state dir: the subtree of the daemon that runs (or last ran) there
+PROBE_SUFFIX = ".probe"  # replicas/<id>.probe: the cgroup of a replica's exec probes
 DRAIN_TIMEOUT = 3.0  # seconds a replica's cgroup may take to empty after its main process exited
 
 
@@ -78,6 +80,10 @@ class ProcessGroups:
     def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
         if limits:  # a pool restored from the store that a cgroup daemon made
             raise CgroupUnavailable(self._refusal(limits))
+        return None
+
+    def prepare_probe(self, replica_id: str) -> str | None:
+        """No cgroup for exec probes either: each attempt is its own process group."""
         return None
 
     def _refusal(self, limits: dict[str, Any]) -> str:
@@ -136,6 +142,13 @@ class Cgroups:
         """Create the replica's cgroup with its limits; its path. CgroupUnavailable or
         ValueError (a limit the kernel refused) say why not, in one line."""
         return self.subtree.make_replica(replica_id, limits)
+
+    def prepare_probe(self, replica_id: str) -> str:
+        """The cgroup of the replica's exec probes, ``replicas/<id>.probe`` (a replica id
+        ends in a digit, so no replica has that name): under ``replicas/``, so whatever
+        kills leftover replica cgroups (the watchdog, the next start, a clean stop) kills it
+        too. No limits: a probe is not charged to its replica."""
+        return self.subtree.make_replica(replica_id + PROBE_SUFFIX)
 
     def signal(self, path: str, sig: int) -> list[int]:
         """Send ``sig`` to every process of the cgroup (identity-checked); their pids. An

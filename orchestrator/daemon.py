@@ -337,6 +337,8 @@ class Daemon:
         if self.log_sink is not None:
             reactor.add_writer(self.log_sink)
         settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
+        if self.log_sink is not None:  # daemon.log (when it is our stderr) is bounded like a replica's logs
+            self.log_sink.rotate_file(paths.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self.log_capture = engine.log_capture = LogCapture(
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self.watchdog = WatchdogChild(link, reactor, self.os)

@@ -44,7 +44,7 @@ from .spec import Runtime, prepare
 from .states import ReplicaState as S
 from .states import Replica, transition
 from .supervision import Supervision
-from .zygote import HOLD, Spawners
+from .zygote import HOLD, HOLD_REASON, Spawners, Unavailable
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")
@@ -89,6 +89,7 @@ class _Proc:
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
     replace: bool = False  # asked to stop in order to be replaced (liveness, restart)
     cgroup: str | None = None  # its own cgroup (cgroup containment), else None: its process group
+    probes: Any = None  # probes.ProbeBox of its exec probes, made by the first one
 
 
 class Engine(Supervision):
@@ -117,8 +118,8 @@ class Engine(Supervision):
         self.containment.attach(self.reactor)
         self._base_env = dict(self.config.env if self.config.env is not None else os.environ)
         # Started by start_spawners(), from the loop's thread: the replicas' PDEATHSIG follows it.
-        self.spawners = Spawners(self.reactor, self.os, watchdog, self._base_env, self._spawners_changed) \
-            if self.config.spawners else None
+        self.spawners = Spawners(self.reactor, self.os, watchdog, self._base_env, self._spawners_changed,
+                                 output=self._spawner_output) if self.config.spawners else None
         self._held: list[tuple[Replica, Runtime]] = []  # waiting for their pool's preload spawner
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
@@ -465,17 +466,29 @@ class Engine(Supervision):
             rep, rt = self._pending.popleft()
             if rep.state is not S.PENDING:  # interrupted while it waited
                 continue
-            via = self.spawners.pick(rt.key) if self.spawners is not None else None
+            via = self.spawners.pick(rt.key, self._pools[rep.pool].policy.ready_timeout) \
+                if self.spawners is not None else None
             if via is HOLD:
+                rep.reason = HOLD_REASON  # status says why it is still PENDING
                 self._held.append((rep, rt))
+            elif isinstance(via, Unavailable):  # its preload hangs: it would hang here too
+                self._transition(rep, S.FAILED, f"could not start: {via.reason}")
+                self._ended_on_its_own(rep, failed=True)
             elif (st := self._begin_spawn(rep, rt, via)) is not None:
                 begun.append(st)
         for st in begun:  # the spawners fork while the batch's plans are sent: then collect
             self._end_spawn(st)
         self._schedule_spawn()  # the rest of a burst, after the next round of events
 
+    def _spawner_output(self) -> Any:
+        """Where the spawners' stdout and stderr go: ``logs/spawner.log``, rotated like a
+        replica's logs (None without a log capture: /dev/null)."""
+        return self.log_capture.open_stream("spawner", "log") if self.log_capture is not None else None
+
     def _spawners_changed(self) -> None:
         """A spawner became ready or failed: what waited for it is spawned now."""
+        for rep, _ in self._held:
+            rep.reason = None
         self._pending.extendleft(reversed(self._held))
         self._held.clear()
         self._schedule_spawn()

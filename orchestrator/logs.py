@@ -556,6 +556,18 @@ class LogCapture:
         self._open[replica_id] = rlog
         return rlog
 
+    def open_stream(self, name: str, stream: str) -> _Stream:
+        """One more captured stream, pumped into ``<name>.<stream>`` with the same rotation:
+        a replica's exec probes (``<id>.probe``), the spawners (``spawner.log``). Hand out
+        its ``w`` (kept open until ``finish()``, which drains and closes it). OSError when
+        it cannot be made."""
+        if self.dirfd < 0:
+            raise OSError(errno.EBADF, "the log capture is closed")
+        if (not name or "/" in name or name.startswith(".") or stream in STREAMS or not stream.isalpha()
+                or not stream.isascii()):
+            raise OSError(errno.EINVAL, f"invalid stream {name!r}.{stream!r}")
+        return _Stream(self, name, stream, self.max_bytes, self.backups, self.create_after == 0)
+
     def totals(self) -> dict:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
         return {"bytes": self._bytes, "dropped": self._dropped, "open": len(self._open)}
@@ -900,7 +912,7 @@ def remove(logs_dir: str | os.PathLike, replica_ids: Iterable[str]) -> int:
             if dot and tail_.isascii() and tail_.isdigit():
                 base = head
             rid, dot, stream = base.rpartition(".")
-            if dot and stream in STREAMS and rid in wanted:
+            if dot and stream in (*STREAMS, "probe") and rid in wanted:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=dirfd)
                     removed += 1

@@ -12,6 +12,7 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     max_restarts   [N, S]                           the (N+1)-th replacement within S s: crashloop
     ready          probe (see probes.py)            RUNNING only once ready
     ready_timeout  seconds                          not ready by then: FAILED
+    probe_timeout  seconds                          one ready or live attempt is cut after it (1)
     start_secs     seconds                          without a probe: ready once it ran this long
     live           probe, live_interval, live_failures   liveness; misses in a row: replaced
     stop_signal    TERM, INT, HUP, ...              how a replica is asked to stop
@@ -76,6 +77,7 @@ class Policy:
     max_restarts: tuple[int, float] = (5, 60.0)
     ready: str | None = None
     ready_timeout: float = 60.0
+    probe_timeout: float = 1.0  # one attempt of ready or live, as Kubernetes' timeoutSeconds
     start_secs: float = 0.0
     live: str | None = None
     live_interval: float = 10.0
@@ -102,6 +104,7 @@ class Policy:
         object.__setattr__(self, "max_restarts", (int(n), float(window)))
         _number(self.healthy_after, "healthy_after")
         _number(self.ready_timeout, "ready_timeout", above=True)
+        _number(self.probe_timeout, "probe_timeout", above=True)
         _number(self.start_secs, "start_secs")
         _number(self.live_interval, "live_interval", above=True)
         _number(self.live_failures, "live_failures", low=1, integer=True)

@@ -19,18 +19,27 @@ http: the tcp connect, then ``GET PATH HTTP/1.0`` sent and the answer read, both
 socket allows, until the status line is complete (at most 8 KiB); 2xx and 3xx succeed.
 Loopback addresses only: a probe checks a replica on this host.
 
-exec: ``os.posix_spawnp`` (no shell, no fork of the daemon's memory) in a session of its
-own, with an empty signal mask and default dispositions, stdin/stdout on /dev/null. Its
-exit is seen through a pidfd in the reactor; on timeout its whole process group is
-SIGKILLed and the leader is reaped once its pidfd says it is gone. ``EXEC_PROBES`` maps
+exec: ``os.posix_spawnp`` (no fork of the daemon's memory) in a session of its own, with
+an empty signal mask and default dispositions, stdin on /dev/null. Its exit is seen
+through a pidfd in the reactor; then, or on timeout, its whole process group is SIGKILLed
+(and the leader reaped once its pidfd says it is gone). A replica's probes run in its
+``ProbeBox``: in a cgroup killed whole after each attempt (cgroup containment) or recorded
+in the watchdog's ledger (process groups), their output in ``logs/<id>.probe``. ``EXEC_PROBES`` maps
 the pids of probe processes to their handles, so a SIGCHLD orphan reaper hands such a pid
 to ``Handle.exited()`` instead of reaping it blindly.
 
 notify: passive. The replica sends ``READY=1`` on the datagram socket named by
 ``$NOTIFY_SOCKET``, as systemd's sd_notify does; ``NotifySocket`` is one abstract-namespace
 socket per replica in the reactor, read without blocking. Abstract sockets have no file
-permissions, so a datagram whose sender (SCM_CREDENTIALS) is neither our uid nor root is
-dropped, and fds passed along (sd_notify's barrier) are closed at once.
+permissions and their names can be guessed, so the sender of each datagram is checked from
+its SCM_CREDENTIALS, as systemd does for ``NotifyAccess=``: its uid must be ours or root,
+and its pid must pass the socket's ``sender_ok`` check. For a replica that is
+``from_replica``: its main process, or a process of its own cgroup (cgroup containment) or
+process group (process groups), like ``NotifyAccess=all`` within one unit, so that a
+``sh -c '...; systemd-notify --ready'`` wrapper still works while another replica cannot
+mark this one ready. A datagram that fails the check is dropped and counted (``refused``;
+the first one of each socket is logged). Fds passed along (sd_notify's barrier) are closed
+at once.
 """
 
 from __future__ import annotations
@@ -38,16 +47,24 @@ from __future__ import annotations
 import array
 import errno
 import ipaddress
+import logging
 import os
 import select
 import shlex
+import shutil
 import signal
 import socket
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+from watchdog.cgroup import CgroupUnavailable
+from watchdog.cgroup import own_path as _cgroup_of
+from watchdog.identity import proc_stat
 
 from .errors import InvalidSpec
 from .spawner import exit_reason
+
+log = logging.getLogger("orchestrator")
 
 KINDS = ("tcp", "http", "exec", "notify")
 _PLACEHOLDERS = ("{slot}", "{port}")
@@ -438,35 +455,139 @@ EXEC_PROBES: dict[int, Handle] = {}
 reaper calls ``EXEC_PROBES[pid].exited()`` for such a pid instead of reaping it itself."""
 
 
+class ProbeBox:
+    """Where one replica's exec probes run and write, made by its first exec attempt.
+
+    * containment: with cgroups, every attempt runs in the cgroup ``replicas/<id>.probe``
+      (joined by a ``/bin/sh`` wrapper before the probe's own command runs: posix_spawn
+      cannot place a child in a cgroup), killed whole when the attempt ends, times out or
+      is cancelled, so a background child, even one that left the probe's session, goes
+      with it. The cgroup is registered with the watchdog and lies under ``replicas/``,
+      so a dead daemon's watchdog, and the next start's recovery, kill it whole like a
+      replica's. With process groups, each attempt's group is killed as before, and the
+      attempt is recorded in the watchdog's ledger (``worker`` with its group) while it
+      runs;
+    * output: the probe's stdout and stderr go to one more captured stream of the replica,
+      ``logs/<id>.probe``, rotated like its ``.out`` and ``.err`` (``LogCapture``); without
+      a capture, to /dev/null. Never to the daemon's own log.
+
+    ``close()`` (the replica ended) kills and removes the cgroup and finishes the stream."""
+
+    def __init__(self, replica_id: str, containment: Any, watchdog: Any = None, capture: Any = None) -> None:
+        self.replica_id = replica_id
+        self.cgroup: str | None = None
+        self.closed = False
+        self._containment, self._watchdog, self._capture = containment, watchdog, capture
+        self._stream: Any = None
+        self._recorded: set[int] = set()
+
+    def prepare(self) -> tuple[str | None, int | None]:
+        """(cgroup dir to join or None, fd for stdout and stderr or None) for an attempt
+        about to start. OSError, CgroupUnavailable or ValueError: it cannot start."""
+        if self.closed:
+            raise OSError(errno.ESHUTDOWN, "the replica has ended")
+        if self.cgroup is None and getattr(self._containment, "path", None) is not None:
+            self.cgroup = self._containment.prepare_probe(self.replica_id)
+            if self._watchdog is not None:
+                self._watchdog.add_cgroup(self.cgroup)
+        if self._stream is None and self._capture is not None:
+            self._stream = self._capture.open_stream(self.replica_id, "probe")
+        return self.cgroup, self._stream.w if self._stream is not None else None
+
+    def spawned(self, pid: int) -> None:
+        if self.cgroup is None and self._watchdog is not None:
+            from watchdog.identity import start_time
+
+            start = start_time(pid)  # our unreaped child: the number is pinned
+            if start is not None:
+                self._watchdog.add(pid, start, pid, "worker", f"probe of {self.replica_id}")
+                self._recorded.add(pid)
+
+    def ended(self) -> None:
+        """An attempt ended (exited, timed out, cancelled): what it left goes."""
+        if self.cgroup is not None and not self.closed:
+            self._containment.kill(self.cgroup)
+
+    def reaped(self, pid: int) -> None:
+        if pid in self._recorded:
+            self._recorded.discard(pid)
+            self._watchdog.remove(pid)
+
+    def close(self) -> None:
+        """The replica ended: kill and (once empty) remove the cgroup; finish the output."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._stream is not None:
+            self._stream.finish()
+            self._stream = None
+        path = self.cgroup
+        if path is None:
+            return
+        self._containment.kill(path)
+
+        def removed(empty: bool) -> None:
+            status = self._containment.remove(path)
+            if status in ("removed", "missing"):
+                if self._watchdog is not None:
+                    self._watchdog.remove_cgroup(path)
+            else:  # still registered: the watchdog or a clean stop gets it
+                log.error("cannot remove the probe cgroup %s: %s", path, status)
+
+        self._containment.watch_empty(path, removed)
+
+
+# Runs the probe in a cgroup: a shell joins it ("0" moves the writer) and execs the command.
+# If it cannot, the shell's message is in the probe's output and the attempt fails.
+_JOIN = 'echo 0 >"$0" || exit 125; exec "$@"'
+
+
 class _ExecHandle(Handle):
     """exec: a posix_spawn'ed process in its own session, watched through a pidfd."""
 
     def __init__(self, spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, timeout: float,
-                 on_result: OnResult, env: dict[str, str] | None) -> None:
+                 on_result: OnResult, env: dict[str, str] | None, box: ProbeBox | None = None) -> None:
         super().__init__(spec, reactor, timeout, on_result)
         self._os = os_api
+        self._box = box
         self._pidfd: int | None = None
         self.pid = None
+        env = dict(os.environ if env is None else env)
+        argv = list(spec.argv)
+        out: tuple = (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)
+        err: tuple = (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)
         try:
+            if box is not None:
+                cgroup, fd = box.prepare()
+                if fd is not None:
+                    out, err = (os.POSIX_SPAWN_DUP2, fd, 1), (os.POSIX_SPAWN_DUP2, fd, 2)
+                if cgroup is not None:
+                    # Found here, as posix_spawnp would, so a missing command still fails
+                    # to start rather than as the wrapper's exit 127.
+                    found = shutil.which(argv[0], path=env.get("PATH", os.defpath))
+                    if found is None:
+                        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+                    argv = ["/bin/sh", "-c", _JOIN, os.path.join(cgroup, "cgroup.procs"), found, *argv[1:]]
             pid = os.posix_spawnp(
-                spec.argv[0], list(spec.argv), dict(os.environ if env is None else env),
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                ],
+                argv[0], argv, env,
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), out, err],
                 setsid=True, setsigmask=(), setsigdef=_SIGDEF,
             )
-        except OSError as err:  # not found, not executable, EAGAIN: a failed attempt
-            self._finish_soon(False, f"{spec.label}: could not start: {_strerror(err.errno)}")
+        except (OSError, ValueError, CgroupUnavailable) as err_:  # not found, EAGAIN, no cgroup: a failed attempt
+            why = _strerror(err_.errno) if isinstance(err_, OSError) else str(err_)
+            self._finish_soon(False, f"{spec.label}: could not start: {why}")
             return
         self.pid = pid
         EXEC_PROBES[pid] = self
+        if box is not None:
+            box.spawned(pid)
         try:
             self._pidfd = os_api.pidfd(pid)
-        except OSError as err:  # EMFILE: it must not run unwatched
+        except OSError as err_:  # EMFILE: it must not run unwatched
             os_api.signal_group(pid, signal.SIGKILL)
+            self._kill_leftovers()
             self._reap()  # our child, SIGKILLed: its wait is short
-            self._finish_soon(False, f"{spec.label}: could not watch it: {_strerror(err.errno)}")
+            self._finish_soon(False, f"{spec.label}: could not watch it: {_strerror(err_.errno)}")
             return
         reactor.add_reader(self._pidfd, self.exited)
 
@@ -483,6 +604,7 @@ class _ExecHandle(Handle):
         # The leader is a zombie: its pid (and group id) are pinned, so the group signal
         # cannot go astray. Whatever the probe left running in its group goes with it.
         self._os.signal_group(pid, signal.SIGKILL)
+        self._kill_leftovers()
         code = self._reap()
         if code is None:
             self._finish(False, f"{self.spec.label}: exit status lost (reaped elsewhere)")
@@ -490,6 +612,10 @@ class _ExecHandle(Handle):
             self._finish(True, None)
         else:
             self._finish(False, f"{self.spec.label}: {exit_reason(code)}")
+
+    def _kill_leftovers(self) -> None:
+        if self._box is not None:
+            self._box.ended()
 
     def _reap(self) -> int | None:
         pid = self.pid
@@ -499,14 +625,18 @@ class _ExecHandle(Handle):
             os.close(self._pidfd)
             self._pidfd = None
         EXEC_PROBES.pop(pid, None)
-        return self._os.reap(pid)
+        code = self._os.reap(pid)
+        if self._box is not None:
+            self._box.reaped(pid)
+        return code
 
     def _release(self) -> None:
         # Result delivered after a reap: nothing left. Timed out or cancelled: kill the
-        # group now; the pidfd stays in the reactor until the leader is gone, then exited()
-        # reaps it (self.done keeps that from reporting anything).
+        # group (and the probe's cgroup) now; the pidfd stays in the reactor until the
+        # leader is gone, then exited() reaps it (self.done keeps that from reporting).
         if self.active:
             self._os.signal_group(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            self._kill_leftovers()
 
 
 def _check_active(spec: ProbeSpec) -> None:
@@ -517,16 +647,17 @@ def _check_active(spec: ProbeSpec) -> None:
 
 
 def run_once(spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, *, timeout: float,
-             on_result: OnResult, env: dict[str, str] | None = None) -> Handle:
+             on_result: OnResult, env: dict[str, str] | None = None, box: ProbeBox | None = None) -> Handle:
     """Start one attempt of an active probe (tcp, http, exec); ``on_result(ok, reason)``
     is called once from the loop, never from inside this call. ``env``: the whole
-    environment of an exec probe (default: ours). ``InvalidSpec`` for a template that was
+    environment of an exec probe (default: ours); ``box``: where it runs and writes
+    (``ProbeBox``; without one: process group only, output to /dev/null). ``InvalidSpec`` for a template that was
     not expanded or for ``notify`` (passive: see ``NotifySocket``)."""
     _check_active(spec)
     if timeout <= 0:
         raise ValueError(f"probe timeout must be positive, not {timeout}")
     if spec.kind == "exec":
-        return _ExecHandle(spec, reactor, os_api, timeout, on_result, env)
+        return _ExecHandle(spec, reactor, os_api, timeout, on_result, env, box)
     return _SocketHandle(spec, reactor, timeout, on_result)
 
 
@@ -540,7 +671,7 @@ class Checker:
 
     def __init__(self, spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, interval: float,
                  failures: int, timeout: float, on_fail: Callable[[str], None],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, box: ProbeBox | None = None) -> None:
         _check_active(spec)
         if interval <= 0 or timeout <= 0 or failures < 1:
             raise ValueError("a liveness check needs interval > 0, timeout > 0 and failures >= 1")
@@ -549,7 +680,7 @@ class Checker:
         self.attempts = 0  # finished ones
         self.last_reason: str | None = None
         self.stopped = False
-        self._reactor, self._os, self._env, self._on_fail = reactor, os_api, env, on_fail
+        self._reactor, self._os, self._env, self._on_fail, self._box = reactor, os_api, env, on_fail, box
         self._handle: Handle | None = None
         self._started = reactor.monotonic()
         self._timer: TimerLike | None = reactor.call_later(interval, self._attempt)
@@ -558,7 +689,7 @@ class Checker:
         self._timer = None
         self._started = self._reactor.monotonic()
         self._handle = run_once(self.spec, self._reactor, self._os, timeout=self.timeout,
-                                on_result=self._result, env=self._env)
+                                on_result=self._result, env=self._env, box=self._box)
 
     def _result(self, ok: bool, reason: str | None) -> None:
         self._handle = None
@@ -592,8 +723,10 @@ class _ReadyWait(Handle):
 
     def __init__(self, spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, period: float,
                  attempt_timeout: float, deadline_s: float, on_ready: Callable[[], None],
-                 on_timeout: Callable[[str], None], env: dict[str, str] | None) -> None:
+                 on_timeout: Callable[[str], None], env: dict[str, str] | None,
+                 box: ProbeBox | None = None) -> None:
         self.spec = spec
+        self._box = box
         self.done = False
         self.reason = None
         self.attempts = 0  # finished ones
@@ -620,7 +753,7 @@ class _ReadyWait(Handle):
         left = self._deadline - self._reactor.monotonic()
         self._attempt_handle = run_once(self.spec, self._reactor, self._os,
                                         timeout=max(0.001, min(self._attempt_timeout, left)),
-                                        on_result=self._result, env=self._env)
+                                        on_result=self._result, env=self._env, box=self._box)
 
     def _result(self, ok: bool, reason: str | None) -> None:
         self._attempt_handle = None
@@ -656,14 +789,15 @@ class _ReadyWait(Handle):
 
 def retry_until_ready(spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, *, period: float = 0.2,
                       attempt_timeout: float = 1.0, deadline_s: float, on_ready: Callable[[], None],
-                      on_timeout: Callable[[str], None], env: dict[str, str] | None = None) -> Handle:
+                      on_timeout: Callable[[str], None], env: dict[str, str] | None = None,
+                      box: ProbeBox | None = None) -> Handle:
     """Readiness: attempt now, then ``period`` after each failure, until a success
     (``on_ready()``) or ``deadline_s`` from now (``on_timeout("not ready within S s (last:
     <reason>)")``). Exactly one of the two is called, from the loop, unless cancelled."""
     _check_active(spec)
     if period <= 0 or attempt_timeout <= 0 or deadline_s <= 0:
         raise ValueError("readiness needs period, attempt_timeout and deadline_s > 0")
-    return _ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env)
+    return _ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env, box)
 
 
 # -- notify -------------------------------------------------------------------------------
@@ -675,16 +809,19 @@ _UCRED = array.array("I").itemsize * 3  # struct ucred: pid, uid, gid
 class NotifySocket:
     """One replica's sd_notify socket: ``AF_UNIX``/``SOCK_DGRAM`` at ``"\\0" + name`` in the
     abstract namespace, in the reactor. Each datagram of newline-separated ``KEY=VALUE``
-    becomes ``on_message(name, fields)``; garbage (oversized, not UTF-8, no field) and
-    datagrams from other users are dropped. Pick a name nobody can guess or squat (the
-    abstract namespace is shared by the network namespace). ``OSError`` if it is taken."""
+    becomes ``on_message(name, fields)``; garbage (oversized, not UTF-8, no field),
+    datagrams from other users and, with ``sender_ok``, from a pid it refuses are dropped.
+    Pick a name nobody can squat (the abstract namespace is shared by the network
+    namespace). ``OSError`` if it is taken."""
 
     def __init__(self, reactor: ReactorLike, on_message: Callable[[str, dict[str, str]], None],
-                 name: str) -> None:
+                 name: str, sender_ok: Callable[[int], bool] | None = None) -> None:
         if not name or "\0" in name or len(name.encode()) > 107:
             raise InvalidSpec(f"notify socket name {name!r}: 1..107 bytes, no NUL")
         self.name = name
-        self.dropped = 0  # datagrams ignored
+        self.dropped = 0  # datagrams ignored (garbage, another user, a refused sender)
+        self.refused = 0  # of those: from a process sender_ok refused
+        self._sender_ok = sender_ok
         self._reactor = reactor
         self._on_message = on_message
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
@@ -715,10 +852,16 @@ class NotifySocket:
                 data, anc, flags, _ = self._sock.recvmsg(_DGRAM_CAP, self._cmsg)
             except (BlockingIOError, InterruptedError):
                 return
-            uid = _take_ancillary(anc)
+            pid, uid = _take_ancillary(anc)
             fields = None
             if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) and uid in self._uids:
                 fields = _fields(data)
+            if fields and self._sender_ok is not None and not (pid and self._sender_ok(pid)):
+                self.refused += 1
+                if self.refused == 1:
+                    log.warning("notify socket %s: dropped %s from pid %s, which is not the replica's (counted, "
+                                "not logged again)", self.name, ",".join(sorted(fields)), pid)
+                fields = None
             if fields:
                 self._on_message(self.name, fields)
             else:
@@ -732,9 +875,26 @@ class NotifySocket:
             self._sock = None
 
 
-def _take_ancillary(anc: list[tuple[int, int, bytes]]) -> int | None:
-    """The sender's uid; fds passed along (sd_notify's barrier) are closed here."""
-    uid = None
+def from_replica(pid: int, main_pid: int | None, cgroup: str | None) -> bool:
+    """Is ``pid`` the replica's main process ``main_pid``, or one of its processes: in its
+    ``cgroup`` (cgroup containment), else in its process group (led by ``main_pid``)? A
+    process that is already gone is not (its datagram cannot be told apart from a forgery)."""
+    if main_pid is None:
+        return False
+    if pid == main_pid:
+        return True
+    if cgroup is not None:
+        try:
+            return _cgroup_of(pid) == cgroup
+        except OSError:
+            return False
+    st = proc_stat(pid)
+    return st is not None and st.pgrp == main_pid
+
+
+def _take_ancillary(anc: list[tuple[int, int, bytes]]) -> tuple[int | None, int | None]:
+    """The sender's (pid, uid); fds passed along (sd_notify's barrier) are closed here."""
+    pid = uid = None
     for level, kind, data in anc:
         if level != socket.SOL_SOCKET:
             continue
@@ -744,8 +904,8 @@ def _take_ancillary(anc: list[tuple[int, int, bytes]]) -> int | None:
             for fd in fds:
                 os.close(fd)
         elif kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED:
-            uid = array.array("I", data[:_UCRED])[1]
-    return uid
+            pid, uid, _ = array.array("I", data[:_UCRED])
+    return pid, uid
 
 
 def _fields(data: bytes) -> dict[str, str] | None:

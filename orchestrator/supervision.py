@@ -275,8 +275,9 @@ class Supervision:
                 self._bad_template(rep, err)
                 return
             proc.cleanup.append(probes.retry_until_ready(
-                spec, self.reactor, self.os, deadline_s=policy.ready_timeout,
-                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why)).cancel)
+                spec, self.reactor, self.os, deadline_s=policy.ready_timeout, attempt_timeout=policy.probe_timeout,
+                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why),
+                box=self._probe_box(proc, spec)).cancel)
         else:
             proc.cleanup.append(self.reactor.call_later(
                 policy.ready_timeout,
@@ -305,10 +306,26 @@ class Supervision:
             self.metrics.crashloop(pool.name)
         self._ended_on_its_own(rep, failed=True)
 
+    def _probe_box(self, proc: Any, spec: Any) -> Any:
+        """Where the replica's exec probes run and write (probes.ProbeBox), made once and
+        closed with the replica (it kills an attempt still in flight whole)."""
+        if spec.kind != "exec":
+            return None
+        if proc.probes is None:
+            proc.probes = probes.ProbeBox(proc.replica.id, self.containment, self.watchdog, self.log_capture)
+            proc.cleanup.append(proc.probes.close)
+        return proc.probes
+
     def _notify_socket(self, rep: Replica) -> Any:
         """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
         name = f"orchestrator-{self.config.token or os.getpid()}-{rep.id}"
-        return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name)
+        return probes.NotifySocket(self.reactor, lambda _n, fields: self._notified(rep, fields), name,
+                                   sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
+
+    def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
+        """Only the replica itself may notify for it (probes.from_replica), not another one."""
+        proc = self._proc_of(rep)
+        return proc is not None and probes.from_replica(pid, proc.pid, proc.cgroup)
 
     def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
         proc = self._proc_of(rep)
@@ -335,9 +352,8 @@ class Supervision:
             proc.cleanup.append(self.reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
         if live is not None:
             proc.cleanup.append(probes.Checker(
-                live, self.reactor, self.os, policy.live_interval,
-                policy.live_failures, min(policy.live_interval, 5.0),
-                lambda why: self._liveness_failed(proc, why)).stop)
+                live, self.reactor, self.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
+                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
 
     def _not_ready(self, proc: Any, why: str) -> None:
         rep = proc.replica

@@ -53,6 +53,7 @@ _MAX_FRAME = 256 << 20  # a pickled closure may be large; a corrupt length must 
 _REPLY_TIMEOUT = 5.0  # a spawner that takes longer to fork is treated as lost
 _LOST_WAIT = 2.0  # bound on hearing from (and reaping) the child of a lost request
 _MAX_PRELOAD_SPAWNERS = 8  # beyond: those pools' replicas import their preload themselves
+PRELOAD_TIMEOUT = 60.0  # a preload spawner's imports, when the pool does not say (its ready_timeout)
 _CLONE_PARENT = 0x00008000
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
@@ -121,17 +122,25 @@ class SpawnerKey:
 class Spawner:
     """One spawner process, supervised as a system child of the launcher."""
 
-    def __init__(self, key: SpawnerKey, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str]) -> None:
+    def __init__(self, key: SpawnerKey, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str],
+                 preload_timeout: float = PRELOAD_TIMEOUT, output: Callable[[], Any] | None = None) -> None:
         from .children import Backoff, SystemChild
 
         self.key = key
         self.reactor = reactor
         self._watchdog = watchdog
         self._env = env
+        self.preload_timeout = preload_timeout
+        self._output = output  # the stream its stdout and stderr go to (Spawners': shared, finished there)
+        self._stream: Any = None
         self.sock: socket.socket | None = None
         self.ready = False
         self.failed = False  # once it has failed, its pool no longer waits for it
         self.refused = False  # clone is not allowed here: fork in the launcher from now on
+        # Why its pool's replicas cannot start: its preload did not finish in time (it would
+        # hang in each replica too). Cleared once a start of it is ready.
+        self.reason: str | None = None
+        self._hello_timer: Any = None
         self.on_change: Callable[[], None] | None = None  # told when it becomes ready or fails
         self._seq = 0
         self._inflight: collections.deque[int] = collections.deque()  # sent, not answered yet
@@ -151,7 +160,7 @@ class Spawner:
             # an embedding program runs in between; the socket lands on fd 3 (dup2 clears
             # its close-on-exec there, so no concurrent fork elsewhere inherits it).
             pid = os.posix_spawn(sys.executable, argv, self._env,
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3), *self._stdio()])
         except OSError:
             ours.close()
             raise
@@ -167,6 +176,8 @@ class Spawner:
             pass  # it died at once: its pidfd brings the restart
         ours.setblocking(False)
         self.reactor.add_reader(ours.fileno(), self._on_hello)
+        if self.key.preload:
+            self._hello_timer = self.reactor.call_later(self.preload_timeout, self._too_slow)
         if self._watchdog is not None:
             from watchdog.identity import start_time
 
@@ -175,12 +186,43 @@ class Spawner:
                 self._watchdog.add(pid, start, None, "process", "spawner")
         return pid
 
+    def _stdio(self) -> list[tuple]:
+        """Its stdout and stderr (what a preload prints, a traceback): a rotated stream of
+        its own (``logs/spawner.log``), else /dev/null; never the daemon's log."""
+        if self._stream is None and self._output is not None:
+            try:
+                self._stream = self._output()
+            except OSError as err:
+                log.warning("%s: no log of its own (%s): its output is dropped", self.child.name, err.strerror or err)
+        if self._stream is None:
+            return [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0) for fd in (1, 2)]
+        return [(os.POSIX_SPAWN_DUP2, self._stream.w, fd) for fd in (1, 2)]
+
+    def _too_slow(self) -> None:
+        """Its preload did not finish in time: kill it (its pidfd restarts it, with the
+        backoff) and fail its pool's replicas with the reason until a start of it is ready."""
+        self._hello_timer = None
+        if self.ready or self.sock is None:
+            return
+        self.reason = f"preload of {', '.join(self.key.preload)} did not finish within {self.preload_timeout:g} s"
+        log.error("%s: %s; killed", self.child.name, self.reason)
+        pid = self.child.pid
+        if pid is not None:
+            self.child.os.kill_child(pid, signal.SIGKILL)
+        self._close()
+        self.failed = True
+        if self.on_change is not None:
+            self.on_change()
+
     def _on_hello(self) -> None:
         """Its first frame: ready (preload imported) or why not. Read once; from then on
         the socket is blocking (bounded by a timeout): begin() sends, end() reads."""
         sock = self.sock
         if sock is None:
             return
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         self.reactor.remove_reader(sock.fileno())
         try:
             sock.setblocking(True)
@@ -191,6 +233,7 @@ class Spawner:
         msg = got[0] if got is not None else None
         if isinstance(msg, dict) and msg.get("ready"):
             self.ready = True
+            self.reason = None
             log.debug("%s %d ready", self.child.name, self.pid)
         else:
             if isinstance(msg, dict) and "error" in msg:
@@ -305,6 +348,9 @@ class Spawner:
             self.sock = None
 
     def _exited(self, pid: int, code: int | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         self._close()
         if self._watchdog is not None:
             self._watchdog.remove(pid)
@@ -315,19 +361,32 @@ class Spawner:
 
     def stop(self, timeout: float = 2.0) -> None:
         """EOF on its socket: a spawner exits by itself when it reads it."""
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         self.child.stop(self._close, timeout)
 
 
 HOLD = object()  # pick(): wait for this pool's preload spawner to be ready
+HOLD_REASON = "waiting for preload spawner"  # a held replica's reason while it is PENDING
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unavailable:
+    """pick(): this pool's replicas cannot start now (``reason``): they fail with it."""
+
+    reason: str
 
 
 class Spawners:
     """The launcher's spawners: the default one, and one per distinct preload."""
 
     def __init__(self, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str],
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, output: Callable[[], Any] | None = None) -> None:
         self.reactor, self.os, self.watchdog, self.env = reactor, os_api, watchdog, env
         self.on_change = on_change
+        self.output = output  # a stream for the spawners' stdout and stderr (made once, shared)
+        self._stream: Any = None
         self._by_key: dict[SpawnerKey, Spawner] = {}
         self.enabled = _SYS_CLONE is not None
 
@@ -336,29 +395,39 @@ class Spawners:
         if self.enabled:
             self._get(SpawnerKey())
 
-    def _get(self, key: SpawnerKey) -> Spawner | None:
+    def _shared_output(self) -> Any:
+        if self._stream is None and self.output is not None:
+            self._stream = self.output()
+        return self._stream
+
+    def _get(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | None:
         sp = self._by_key.get(key)
         if sp is None:
             if key.preload and sum(1 for k in self._by_key if k.preload) >= _MAX_PRELOAD_SPAWNERS:
                 return None
-            sp = self._by_key[key] = Spawner(key, self.reactor, self.os, self.watchdog, self.env)
+            sp = self._by_key[key] = Spawner(key, self.reactor, self.os, self.watchdog, self.env, preload_timeout,
+                                             self._shared_output if self.output is not None else None)
             sp.on_change = self.on_change
             sp.child.start()
         return sp
 
-    def pick(self, key: SpawnerKey) -> Spawner | None | object:
+    def pick(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | None | object:
         """The spawner that makes replicas for ``key`` now; None: fork in the launcher (it
         is starting or restarting, or clone is refused here); HOLD: a preload spawner's
         first start, which its pool waits for (else each replica would import it itself,
-        all at once: the cost and the memory preload exists to spare). on_change says when
-        to ask again."""
+        all at once: the cost and the memory preload exists to spare), at most
+        ``preload_timeout`` seconds (the pool's ready_timeout; given by the pool that
+        makes the spawner); Unavailable: its preload did not finish in time (it would hang
+        in each replica too). on_change says when to ask again."""
         if not self.enabled:
             return None
-        sp = self._get(key)
+        sp = self._get(key, preload_timeout)
         if sp is None:
             return None
         if sp.ready:
             return sp
+        if sp.reason is not None:
+            return Unavailable(sp.reason)
         if sp.refused:  # this host's seccomp filter, say: no spawner can work here
             self.enabled = False
             self.stop()
@@ -386,6 +455,9 @@ class Spawners:
     def stop(self) -> None:
         for sp in self._by_key.values():
             sp.stop()
+        if self._stream is not None:
+            self._stream.finish()
+            self._stream = None
 
 
 # -- the spawner's side -----------------------------------------------------------------------

@@ -61,6 +61,7 @@ healthy_after = 20
 max_restarts = [3, 30]
 ready = "http://127.0.0.1:{port}/"
 ready_timeout = 15
+probe_timeout = 2
 start_secs = 1
 live = "tcp:127.0.0.1:{port}"
 live_interval = 5
@@ -98,7 +99,7 @@ def test_every_key_is_parsed(tmp_path):
     assert (web.memory_max, web.pids_max, web.cpu_weight) == (512 << 20, 64, 200)
     assert Policy.from_wire(web.policy) == Policy(
         restart="always", backoff=(0.5, 10.0), healthy_after=20, max_restarts=(3, 30.0),
-        ready="http://127.0.0.1:{port}/", ready_timeout=15, start_secs=1, live="tcp:127.0.0.1:{port}",
+        ready="http://127.0.0.1:{port}/", ready_timeout=15, probe_timeout=2, start_secs=1, live="tcp:127.0.0.1:{port}",
         live_interval=5, live_failures=2, stop_signal="INT", grace=3, port_base=8100,
     )
     # The wire forms are what launch sends: they round-trip through the daemon's readers.
@@ -116,7 +117,7 @@ def test_every_table_key_is_covered_by_the_full_example():
     assert set(doc["daemon"]) == set(config.DAEMON_KEYS)
     assert set(doc["pools"]["web"]) | {"target", "preload"} == set(config.POOL_KEYS)  # preload: of jobs
     assert set(config.POLICY_KEYS) == {
-        "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "start_secs",
+        "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "probe_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
     }
 

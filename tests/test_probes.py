@@ -669,3 +669,237 @@ def test_ready_cancel(reactor, os_api, closed_port):
     reactor.run_until(lambda: False, 0.7)  # past the deadline: still nothing
     assert not calls and fds() == before
     assert ident is None or _gone(ident, pid)
+
+
+# -- through the daemon: who may notify, how long an attempt may take ---------------------
+
+_SEND_READY_FOR = """
+import os, socket, sys
+own = os.environ["NOTIFY_SOCKET"]
+me = os.environ["ORCHESTRATOR_REPLICA_ID"]
+target = own[:-len(me)] + sys.argv[1]  # the other replica's socket: the same name but its id
+addr = "\\0" + target[1:]
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1", addr)
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1", "\\0" + own[1:])
+"""
+
+
+def _replica(d, rid: str) -> dict:
+    (row,) = [r for r in d.status(all=True)["replicas"] if r["id"] == rid]
+    return row
+
+
+def _daemon_log(d) -> str:
+    return (d.state_dir / "logs" / "daemon.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_another_replica_cannot_mark_a_replica_ready(daemon, cgroup):
+    from helpers import cli
+
+    daemon.start("--cgroup", cgroup)
+    cli(daemon.state_dir, "launch", "--pool", "victim", "--ready", "notify", "--ready-timeout", "60",
+        "--", "sleep", "1000", check=True)
+    assert _replica(daemon, "victim-1")["state"] == "STARTING"
+    cli(daemon.state_dir, "launch", "--pool", "other", "--ready", "notify", "--wait", "--timeout", "30",
+        "--", sys.executable, "-c", _SEND_READY_FOR + "\nimport time; time.sleep(1000)", "victim-1", check=True)
+    # The forged datagram was read (its drop is logged) and other-1 is RUNNING on its own:
+    wait_for(lambda: "dropped READY from pid" in _daemon_log(daemon), 10, "the forged READY=1 to be dropped")
+    assert _replica(daemon, "other-1")["state"] == "RUNNING"
+    assert _replica(daemon, "victim-1")["state"] == "STARTING"
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_a_child_of_the_replica_may_notify_for_it(daemon, cgroup):
+    from helpers import cli
+
+    daemon.start("--cgroup", cgroup)
+    child = shlex.quote(_SD_NOTIFY)
+    proc = cli(daemon.state_dir, "launch", "--pool", "wrapped", "--ready", "notify", "--wait", "--timeout", "30",
+               "--", "sh", "-c", f"{shlex.quote(sys.executable)} -c {child}; exec sleep 1000")
+    assert proc.returncode == 0, proc.stderr
+    assert _replica(daemon, "wrapped-1")["state"] == "RUNNING"
+    assert "dropped" not in _daemon_log(daemon)
+
+
+_SLOW_PROBE = "exec:sh -c 'sleep 1.5'"
+
+
+def test_the_probe_timeout_is_a_setting(daemon, tmp_path):
+    from helpers import cli
+
+    daemon.start()
+    # By default an attempt is cut at 1 s: a probe that takes 1.5 s never passes.
+    proc = cli(daemon.state_dir, "launch", "--pool", "short", "--ready", _SLOW_PROBE, "--ready-timeout", "4",
+               "--restart", "never", "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 1
+    reason = _replica(daemon, "short-1")["reason"]
+    assert "timed out after 1 s" in reason, reason
+    passed = tmp_path / "passed"
+    live = f"exec:sh -c 'sleep 1.5 && echo ok >> {passed}'"
+    proc = cli(daemon.state_dir, "launch", "--pool", "long", "--ready", _SLOW_PROBE, "--probe-timeout", "3",
+               "--live", live, "--live-interval", "0.5", "--live-failures", "1",
+               "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 0, proc.stderr
+    # ...and the liveness attempts get the same bound: two of them pass in a row.
+    wait_for(lambda: passed.exists() and len(passed.read_text().split()) >= 2, 30, "two liveness attempts")
+    row = _replica(daemon, "long-1")
+    assert row["state"] == "RUNNING" and row["restarts"] == 0, row
+    pool = [p for p in daemon.status()["pools"] if p["name"] == "long"][0]
+    assert pool["policy"]["probe_timeout"] == 3
+
+
+def test_probe_timeout_is_refused_when_not_positive(daemon):
+    from helpers import cli
+
+    daemon.start()
+    proc = cli(daemon.state_dir, "launch", "--pool", "x", "--ready", "tcp:127.0.0.1:1", "--probe-timeout", "0",
+               "--", "sleep", "1")
+    assert proc.returncode != 0 and "probe_timeout" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- exec probes run inside something killed whole; their output is the replica's ----------
+
+
+def _containment(d) -> str:
+    return d.status()["daemon"]["containment"]
+
+
+def _start_in(d, cgroup: str) -> None:
+    d.start("--cgroup", cgroup)
+    if cgroup == "auto" and _containment(d) != "cgroup":
+        pytest.skip("no writable cgroup v2 here: " + d.status()["daemon"]["containment_reason"])
+
+
+def _children_of_probes(pids_file) -> list[Ident]:
+    """The background children the probes reported (pid per line), still alive or not."""
+    if not pids_file.exists():
+        return []
+    return [i for i in (Ident.of(int(p)) for p in pids_file.read_text().split()) if i is not None]
+
+
+# In cgroup mode even a child that left the probe's session (setsid) goes; in process-group
+# mode the group is what is killed whole.
+_ESCAPE = {"auto": "setsid sleep 300", "off": "sleep 300"}
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_an_exec_probes_background_child_does_not_outlive_the_probe_or_the_pool(daemon, tmp_path, cgroup):
+    _start_in(daemon, cgroup)
+    pids = tmp_path / "pids"
+    probe = f"exec:sh -c '{_ESCAPE[cgroup]} & echo $! >> {pids}; sleep 0.2; exit 0'"
+    left: list[Ident] = []
+    try:
+        proc = cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--live", probe, "--live-interval", "0.3",
+                    "--wait", "--timeout", "30", "--", "sleep", "1000")
+        assert proc.returncode == 0, proc.stderr
+        wait_for(lambda: len(pids.read_text().split()) >= 3, 30, "a ready and two liveness attempts")
+        first = _children_of_probes(pids)[:2]
+        left += first
+        wait_for(lambda: not any(i.alive() for i in first), 10, "the probes' children to end with their probe")
+        assert cli_(daemon, "delete", "p").returncode == 0
+        left = _children_of_probes(pids)
+        wait_for(lambda: not any(i.alive() for i in left), 10, "every probe child to end with the pool")
+        if cgroup == "auto":
+            subtree = daemon.status()["daemon"]["cgroup_subtree"]
+            wait_for(lambda: not os.path.exists(f"{subtree}/replicas/p-1.probe"), 10, "the probe cgroup to go")
+    finally:
+        from helpers import kill_all
+
+        kill_all(left + _children_of_probes(pids))
+
+
+def test_a_running_exec_probe_is_killed_after_kill_9_of_daemon_and_watchdog(daemon, tmp_path):
+    _start_in(daemon, "auto")
+    pids = tmp_path / "pids"
+    probe = f"exec:sh -c 'setsid sleep 300 & echo $! >> {pids}; exec sleep 300'"
+    found: list[Ident] = []
+    try:
+        cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--probe-timeout", "600", "--ready-timeout", "600",
+             "--", "sleep", "1000", check=True)
+        wait_for(lambda: pids.exists() and pids.read_text().strip(), 30, "the probe to run")
+        found = _children_of_probes(pids)
+        assert found and all(i.alive() for i in found)
+        watchdog = daemon.status()["daemon"]["watchdog_pid"]
+        dead = [Ident.of(daemon.pid), Ident.of(watchdog)]
+        for pid in (watchdog, daemon.pid):  # the watchdog first: it must not sweep for the dead daemon
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(i and i.alive() for i in dead), 10, "daemon and watchdog to die")
+        assert any(i.alive() for i in found)  # nobody has killed it yet: the next start must
+        daemon.start("--cgroup", "auto")
+        assert not any(i.alive() for i in found), "a probe's child outlived kill -9 of daemon and watchdog + start"
+    finally:
+        from helpers import kill_all
+
+        kill_all(found)
+
+
+def cli_(d, *args: str, check: bool = False):
+    from helpers import cli
+
+    return cli(d.state_dir, *args, check=check)
+
+
+def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon, tmp_path):
+    config = tmp_path / "orchestrator.toml"
+    config.write_text("[daemon]\nlog_max_bytes = 20000\nlog_backups = 1\n")
+    config.chmod(0o600)
+    daemon.start("--config", str(config))
+    chatty = "exec:sh -c 'i=0; while [ $i -lt 300 ]; do echo probe line $i of a chatty probe; i=$((i+1)); done'"
+    proc = cli_(daemon, "launch", "--pool", "p", "--ready", chatty, "--live", chatty, "--live-interval", "0.1",
+                "--wait", "--timeout", "30", "--", "sleep", "1000")
+    assert proc.returncode == 0, proc.stderr
+    logs = daemon.state_dir / "logs"
+
+    def probe_bytes() -> int:
+        return sum(f.stat().st_size for f in logs.glob("p-1.probe*"))
+
+    wait_for(lambda: (logs / "p-1.probe.1").exists(), 30, "the probe log to rotate")
+    assert "probe line" in (logs / "p-1.probe").read_text()
+    assert probe_bytes() <= 2 * 20000
+    assert "probe line" not in (logs / "daemon.log").read_text()
+    assert (logs / "daemon.log").stat().st_size < 20000
+
+
+def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
+    config = tmp_path / "orchestrator.toml"
+    config.write_text("[daemon]\nlog_max_bytes = 4000\nlog_backups = 2\n")
+    config.chmod(0o600)
+    daemon.start("--config", str(config))
+    # Each failed liveness check is a warning in daemon.log, and so is each replacement.
+    cli_(daemon, "launch", "--pool", "flaky", "--live", "exec:false", "--live-interval", "0.05", "--live-failures", "1",
+         "--restart", "always", "--backoff", "0.01:0.01", "--max-restarts", "100000/1", "--grace", "0.5",
+         "--", "sleep", "1000", check=True)
+    logs = daemon.state_dir / "logs"
+    wait_for(lambda: (logs / "daemon.log.2").exists(), 60, "daemon.log to rotate twice")
+    cli_(daemon, "delete", "flaky", check=True)
+    sizes = {f.name: f.stat().st_size for f in logs.glob("daemon.log*")}
+    assert set(sizes) == {"daemon.log", "daemon.log.1", "daemon.log.2"}, sizes
+    assert all(size <= 4000 for size in sizes.values()), sizes
+    assert "liveness probe failed" in (logs / "daemon.log.1").read_text()
+    assert cli_(daemon, "health").returncode == 0
+
+
+def test_process_group_mode_records_each_exec_attempt_in_the_watchdog_ledger(reactor, os_api):
+    from orchestrator.containment import ProcessGroups
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.lines: list[tuple] = []
+
+        def add(self, pid, start, pgid, kind, label):
+            self.lines.append(("add", pid, pgid, kind, label))
+
+        def remove(self, pid):
+            self.lines.append(("remove", pid))
+
+    ledger = Ledger()
+    box = probes.ProbeBox("p-1", ProcessGroups("test"), ledger)
+    results = Results()
+    h = run_once(parse("exec:true"), reactor, os_api, timeout=5, on_result=results, box=box)
+    pid = h.pid
+    assert ledger.lines == [("add", pid, pid, "worker", "probe of p-1")]  # while it runs: its group
+    assert reactor.run_until(lambda: bool(results), 5)
+    assert results.calls == [(True, None)]
+    assert ledger.lines[-1] == ("remove", pid)
+    box.close()

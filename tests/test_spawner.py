@@ -207,3 +207,38 @@ def test_preload_with_a_command_is_refused(daemon):
     assert "preload" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
+
+
+def test_a_preload_that_never_finishes_fails_its_replicas_with_the_reason(daemon, tmp_path):
+    import subprocess
+
+    code = _write_module(tmp_path, "hangs_mod", """
+import sys, time
+print("preload chatter on stdout")
+print("preload chatter on stderr", file=sys.stderr, flush=True)
+sys.stdout.flush()
+time.sleep(1000)
+
+def main():
+    pass
+""")
+    daemon.start()
+    env = cli_env({"PYTHONPATH": f"{code}{os.pathsep}{cli_env()['PYTHONPATH']}"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "launch", "--pool", "hang",
+         "--count", "2", "--target", "hangs_mod:main", "--preload", "hangs_mod", "--ready-timeout", "3",
+         "--restart", "never"],
+        capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    rows = daemon.status(all=True)["replicas"]
+    # While it imports: PENDING, and status says why.
+    assert [(r["state"], r["reason"]) for r in rows] == [("PENDING", "waiting for preload spawner")] * 2, rows
+    wait_for(lambda: all(r["state"] == "FAILED" for r in daemon.status(all=True)["replicas"]), 30,
+             "the replicas to fail")
+    for row in daemon.status(all=True)["replicas"]:
+        assert row["reason"] == "could not start: preload of hangs_mod did not finish within 3 s", row
+    logs = daemon.state_dir / "logs"
+    wait_for(lambda: (logs / "spawner.log").exists()
+             and "chatter on stderr" in (logs / "spawner.log").read_text(), 10, "the spawner's own log")
+    assert "chatter on stdout" in (logs / "spawner.log").read_text()
+    assert "chatter" not in (logs / "daemon.log").read_text()
