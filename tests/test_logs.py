@@ -25,6 +25,7 @@ from typing import Iterator
 
 import pytest
 
+from helpers import cli, cli_env, wait_for
 from orchestrator import logs
 from orchestrator.errors import OrchestratorError, UnknownReplica
 from orchestrator.logs import LogCapture, follow, log_paths, pool_replicas, remove, tail
@@ -807,3 +808,107 @@ def test_follow_ends_on_ctrl_c_with_exit_0(state: Paths) -> None:
         proc.stdout.close()
         proc.stderr.close()
     assert proc.returncode == 0 and err == b"" and out == b""
+
+
+# -- a pool's own rotation, through the CLI ---------------------------------------------------
+
+# ~300 KB on stdout in 100-byte lines, then "done", then it stays up (the files are looked
+# at while it runs; the daemon's stop ends it).
+WRITER = [sys.executable, "-c", "import sys, time\n"
+          "for i in range(3000): sys.stdout.write(f'{i:06d} ' + 'x' * 92 + '\\n')\n"
+          "print('done', flush=True)\n"
+          "time.sleep(1000)\n"]
+WRITTEN = 3000 * 100 + len("done\n")
+
+
+def _stream_files(logs_dir: Path, rid: str) -> dict[str, int]:
+    """name -> size of a replica's stdout files."""
+    return {p.name: p.stat().st_size for p in logs_dir.iterdir()
+            if p.name == f"{rid}.out" or p.name.startswith(f"{rid}.out.")}
+
+
+def _written_all(daemon, rid: str) -> None:
+    wait_for(lambda: cli(daemon.state_dir, "logs", rid, "--lines", "1").stdout == "done\n", 30,
+             f"{rid} to write everything")
+
+
+def _assert_rotated(logs_dir: Path, rid: str, max_bytes: int, backups: int) -> None:
+    files = _stream_files(logs_dir, rid)
+    assert set(files) == {f"{rid}.out", *(f"{rid}.out.{i}" for i in range(1, backups + 1))}, files
+    assert all(size <= max_bytes for size in files.values()), files
+
+
+def test_launch_log_rotation_flags_are_that_pools_rotation(daemon) -> None:
+    daemon.start()
+    made = cli(daemon.state_dir, "launch", "--pool", "small", "--log-max-bytes", "20000", "--log-backups", "2",
+               "--", *WRITER)
+    assert made.returncode == 0, made.stderr
+    assert cli(daemon.state_dir, "launch", "--pool", "big", "--", *WRITER).returncode == 0  # the daemon's 10 MiB
+    _written_all(daemon, "small-1")
+    _written_all(daemon, "big-1")
+    logs_dir = daemon.state_dir / "logs"
+    _assert_rotated(logs_dir, "small-1", 20000, 2)
+    assert _stream_files(logs_dir, "big-1") == {"big-1.out": WRITTEN}
+    policy = {p["name"]: p["policy"] for p in daemon.status()["pools"]}
+    assert policy["small"]["log_max_bytes"] == 20000 and policy["small"]["log_backups"] == 2
+    assert "log_max_bytes" not in policy["big"]  # unset: the daemon's default
+    # the daemon checks what a client sends as the CLI does (a client of its own process:
+    # its connections' fds are not this test's)
+    script = ("import sys\nfrom orchestrator import Client\nfrom orchestrator.errors import InvalidSpec\n"
+              "with Client(sys.argv[1]) as client:\n"
+              "    for policy in ({'log_max_bytes': 1}, {'log_backups': -1}, {'log_backups': 101}):\n"
+              "        try:\n"
+              "            client.launch('tiny', ['true'], policy=policy)\n"
+              "        except InvalidSpec as err:\n"
+              "            print(err)\n")
+    refused = subprocess.run([sys.executable, "-c", script, str(daemon.state_dir)], capture_output=True,
+                             text=True, timeout=60, env=cli_env())
+    lines = refused.stdout.splitlines()
+    assert len(lines) == 3 and "log_max_bytes" in lines[0] and all("log_backups" in x for x in lines[1:]), refused
+    # another rotation is another policy: refused without --replace
+    again = cli(daemon.state_dir, "launch", "--pool", "small", "--log-backups", "5", "--", *WRITER)
+    assert again.returncode == 1 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+
+
+def test_config_log_rotation_keys_are_that_pools_rotation(daemon, tmp_path: Path) -> None:
+    conf = tmp_path / "orchestrator.toml"
+    conf.write_text(f"[pools.small]\ncommand = {json.dumps(WRITER)}\nlog_max_bytes = 20000\nlog_backups = 2\n\n"
+                    f"[pools.sized]\ncommand = {json.dumps(WRITER)}\nlog_max_bytes = \"64K\"\nlog_backups = 0\n\n"
+                    f"[pools.big]\ncommand = {json.dumps(WRITER)}\n")
+    daemon.start("--config", str(conf))
+    for rid in ("small-1", "sized-1", "big-1"):
+        _written_all(daemon, rid)
+    logs_dir = daemon.state_dir / "logs"
+    _assert_rotated(logs_dir, "small-1", 20000, 2)
+    _assert_rotated(logs_dir, "sized-1", 64 << 10, 0)
+    assert _stream_files(logs_dir, "big-1") == {"big-1.out": WRITTEN}
+    policy = {p["name"]: p["policy"] for p in daemon.status()["pools"]}
+    assert (policy["small"]["log_max_bytes"], policy["small"]["log_backups"]) == (20000, 2)
+    assert (policy["sized"]["log_max_bytes"], policy["sized"]["log_backups"]) == (64 << 10, 0)
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--log-max-bytes", "0"], "log_max_bytes"),
+    (["--log-max-bytes", "-5"], "log_max_bytes"),
+    (["--log-max-bytes", "lots"], "log_max_bytes"),
+    (["--log-max-bytes", "100"], "log_max_bytes"),       # under the minimum
+    (["--log-max-bytes", "1e400"], "log_max_bytes"),
+    (["--log-backups", "-1"], "log_backups"),
+    (["--log-backups", "two"], "log_backups"),
+    (["--log-backups", "100000"], "log_backups"),         # over the maximum
+])
+def test_a_bad_log_rotation_flag_is_one_line_exit_1(tmp_path: Path, flags: list[str], word: str) -> None:
+    proc = cli(tmp_path / "state", "launch", "--pool", "p", *flags, "--", "true")
+    assert proc.returncode == 1, proc
+    assert len(proc.stderr.strip().splitlines()) == 1 and word in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("line", ["log_max_bytes = 0", "log_max_bytes = 100", "log_max_bytes = \"x\"",
+                                  "log_backups = -1", "log_backups = 1.5", "log_backups = 100000"])
+def test_a_bad_log_rotation_key_is_one_line_exit_1(daemon, tmp_path: Path, line: str) -> None:
+    conf = tmp_path / "bad.toml"
+    conf.write_text(f"[pools.p]\ncommand = [\"true\"]\n{line}\n")
+    proc = cli(daemon.state_dir, "start", "--config", str(conf))  # the fixture stops one started wrongly
+    assert proc.returncode == 1, proc
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bad.toml:3" in proc.stderr, proc.stderr
+    assert not (daemon.state_dir / "daemon.pid").exists()
