@@ -339,6 +339,7 @@ class Daemon:
         settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
         self.log_capture = engine.log_capture = LogCapture(
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
         self.watchdog = WatchdogChild(link, reactor, self.os)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
         try:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -912,3 +913,170 @@ def test_a_bad_log_rotation_key_is_one_line_exit_1(daemon, tmp_path: Path, line:
     assert proc.returncode == 1, proc
     assert len(proc.stderr.strip().splitlines()) == 1 and "bad.toml:3" in proc.stderr, proc.stderr
     assert not (daemon.state_dir / "daemon.pid").exists()
+
+
+# -- the files of replicas the journal forgot ---------------------------------------------------
+
+
+def _replica_files(logs_dir: Path) -> list[str]:
+    return [n for n in os.listdir(logs_dir) if n != "daemon.log" and not n.startswith("daemon.log.")]
+
+
+def test_logs_of_replicas_the_journal_forgets_go_while_the_daemon_runs(daemon) -> None:
+    """Churn far more replicas than retention keeps: logs/ holds the files of the kept and
+    the live ones (and of those retired since the last prune), not of every one ever made."""
+    from orchestrator.store import PRUNE_RETIRED_MIN
+
+    keep, size, churned = 10, 2, 400
+    daemon.start("--keep-replicas", str(keep))
+    flap = ["sh", "-c", 'echo "out $ORCHESTRATOR_REPLICA_ID"; echo "err $ORCHESTRATOR_REPLICA_ID" >&2']
+    made = cli(daemon.state_dir, "launch", "--pool", "flap", "--count", str(size), "--restart", "always",
+               "--backoff", "0.001:0.001", "--max-restarts", "1000000/60", "--", *flap)
+    assert made.returncode == 0, made.stderr
+    logs_dir = daemon.state_dir / "logs"
+    # Each replica writes both streams: 2 files. The journal holds `keep` ended replicas,
+    # plus up to PRUNE_RETIRED_MIN retired since its last prune, plus the live ones; the
+    # removal of a prune's files is a few turns behind it. Twice that is the bound.
+    bound = 2 * 2 * (keep + PRUNE_RETIRED_MIN + size)
+    most = 0
+
+    def churned_enough() -> bool:
+        nonlocal most
+        most = max(most, len(_replica_files(logs_dir)))
+        live = [int(r["id"].rsplit("-", 1)[1]) for r in daemon.status()["replicas"]]
+        return max(live, default=0) >= churned
+
+    wait_for(churned_enough, 120, f"{churned} replicas to have come and gone")
+    assert most <= bound, f"{most} files in logs/ (bound {bound})"
+    # After the churn: the files left are those of replicas the journal still knows.
+    assert cli(daemon.state_dir, "scale", "flap", "0").returncode == 0
+
+    def only_known() -> bool:
+        files = {n.split(".", 1)[0] for n in _replica_files(logs_dir)}
+        known = {r["id"] for r in daemon.status(all=True)["replicas"]}
+        return files <= known
+
+    wait_for(only_known, 20, "logs/ to hold only the files of replicas the journal knows")
+    assert len(_replica_files(logs_dir)) <= bound
+    # the files of the replicas it keeps stay (the last few were stopped by the scale, maybe
+    # before they wrote: the newest that ran to its end)
+    ran = [r for r in daemon.status(all=True)["replicas"] if r["exit_code"] == 0]
+    newest = max(ran, key=lambda r: int(r["id"].rsplit("-", 1)[1]))
+    assert cli(daemon.state_dir, "logs", newest["id"]).stdout == f"out {newest['id']}\n"
+
+
+def _plant(logs_dir: Path, rid: str, backups: int = 0) -> list[str]:
+    names = [f"{rid}.out", f"{rid}.err", *(f"{rid}.out.{i}" for i in range(1, backups + 1))]
+    for name in names:
+        (logs_dir / name).write_text("x\n")
+    return names
+
+
+def _turns_until(reactor: Reactor, cap: LogCapture, limit: int = 1000) -> int:
+    """Run turns until nothing is left to remove; how many it took."""
+    for turn in range(1, limit + 1):
+        reactor.run_once(1.0)
+        if not cap.removals_pending:
+            return turn
+    raise AssertionError("the removal queue never emptied")
+
+
+def test_forget_removes_every_file_of_those_replicas_a_bounded_number_per_turn(
+        logs_dir: Path, reactor: Reactor, monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = LogCapture(logs_dir, reactor)
+    try:
+        doomed = [f"web-{n}" for n in range(1, 201)]
+        for rid in doomed:
+            _plant(logs_dir, rid, backups=2)
+        kept = _plant(logs_dir, "web-500", backups=1) + ["daemon.log", "web-7.out.x"]
+        for name in kept[-2:]:
+            (logs_dir / name).write_text("not a forgotten replica's\n")
+        unlinks: list[int] = []
+        real_unlink = os.unlink
+
+        def counting_unlink(name: str, *, dir_fd: int | None = None) -> None:
+            unlinks[-1] += 1
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "unlink", counting_unlink)
+        cap.forget([*doomed, "../etc/passwd", "not an id"])
+        assert sorted(os.listdir(logs_dir)) != sorted(kept)  # nothing removed in the caller's turn
+        turns = 0
+        while cap.removals_pending:
+            unlinks.append(0)
+            reactor.run_once(1.0)
+            turns += 1
+            assert turns < 1000
+        assert max(unlinks) <= logs.REMOVE_PER_TURN
+        assert turns >= 200 * 4 // logs.REMOVE_PER_TURN  # 800 files (+ the probes past the chains' ends)
+        assert sorted(os.listdir(logs_dir)) == sorted(kept)
+    finally:
+        cap.close()
+
+
+def test_forget_tolerates_missing_and_unremovable_files(logs_dir: Path, reactor: Reactor,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    cap = LogCapture(logs_dir, reactor)
+    try:
+        _plant(logs_dir, "web-1", backups=1)
+        (logs_dir / "web-1.err").unlink()  # someone removed it already: ENOENT is no matter
+        _plant(logs_dir, "web-2")
+        (logs_dir / "web-3.out").mkdir()  # EISDIR: not a file of ours to insist on
+        real_unlink = os.unlink
+
+        def refusing_unlink(name: str, *, dir_fd: int | None = None) -> None:
+            if name.startswith("web-2."):
+                raise PermissionError(errno.EACCES, "Permission denied", name)
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "unlink", refusing_unlink)
+        with caplog.at_level("WARNING", logger="orchestrator.logs"):
+            cap.forget(["web-1", "web-2", "web-3"])
+            _turns_until(reactor, cap)
+        assert sorted(os.listdir(logs_dir)) == ["web-2.err", "web-2.out", "web-3.out"]
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "Permission denied" in warnings[0].getMessage()  # said once
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        cap.forget(["web-2"])  # writable again: removed, and it says so
+        _turns_until(reactor, cap)
+        assert sorted(os.listdir(logs_dir)) == ["web-3.out"]
+    finally:
+        cap.close()
+
+
+def test_a_replica_forgotten_while_its_capture_is_open_goes_when_it_finishes(
+        capture: LogCapture, reactor: Reactor, children: Children) -> None:
+    rlog = capture.open("web-1")
+    p = children.spawn(rlog, py("print('hello')"))
+    run_to_exit(reactor, p)
+    capture.forget(["web-1"])
+    for _ in range(3):
+        reactor.run_once(0.01)
+    assert (capture.logs_dir / "web-1.out").exists() and capture.removals_pending  # still open: kept for now
+    rlog.finish()
+    _turns_until(reactor, capture)
+    assert not list(capture.logs_dir.iterdir())
+
+
+def test_the_store_names_the_replicas_its_retention_deleted(tmp_path: Path) -> None:
+    from orchestrator.store import PRUNE_RETIRED_MIN, Store
+
+    got: list[list[str]] = []
+    ended = time.time() - 3600.0  # an hour ago: within the age limit, so only the count prunes
+    with Store(tmp_path / "state.db", keep_replicas=3) as store:
+        store.on_pruned = got.append
+        for n in range(1, 6):
+            store.save_replica({"id": f"web-{n}", "state": "RUNNING", "pid": 100 + n})
+        store.commit()
+        for n in range(1, 6):
+            store.save_replica({"id": f"web-{n}", "state": "EXITED", "exit_code": 0, "ended_at": ended + n})
+        store.commit()
+        assert got == []  # 5 retired: under the cadence, nothing pruned yet
+        for n in range(6, 6 + PRUNE_RETIRED_MIN):  # enough retired replicas to prune
+            store.save_replica({"id": f"web-{n}", "state": "EXITED", "exit_code": 0, "ended_at": ended + n})
+        store.commit()
+        forgotten = [rid for batch in got for rid in batch]
+        last = 5 + PRUNE_RETIRED_MIN
+        assert sorted(forgotten, key=lambda r: int(r[4:])) == [f"web-{n}" for n in range(1, last - 2)]
+        assert {r["id"] for r in store.replicas(include_terminal=True)} == {f"web-{n}" for n in range(last - 2, last + 1)}
