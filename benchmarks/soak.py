@@ -23,7 +23,12 @@ drift, not the phase of the churn it happened to catch. Each sample: the daemon'
 and threads and the manager's fds and threads (/proc), the loop's lag (the ``health``
 command: its LagMonitor, including how overdue its timer is right now), a ``status`` round
 trip, the live replicas in that status, and the zombies on the host (/proc/*/stat state Z)
-and among the daemon's own children.
+and among the daemon's own children, and the files in the state dir's ``logs/``.
+
+The daemon keeps ``keep_replicas`` ended replicas in its journal (``start --keep-replicas``:
+5000, or ``seconds * 5`` for a shorter run, so that the journal is full before the second
+half begins) and the log files of those it forgets are removed while it runs: ``log_files``
+must be flat once the journal is full, not grow by a file pair per churned replica.
 
 Slopes are computed over the second half of the run (the first is warm-up: SQLite's page
 cache, the engine's memory of the last ``keep_ended`` ended replicas, allocator arenas).
@@ -54,6 +59,7 @@ if REPO_ROOT not in sys.path:
 from benchmarks.scale import Daemon, host_zombies, proc_figures  # noqa: E402
 from orchestrator.channel import Client  # noqa: E402
 from orchestrator.engine import EngineConfig  # noqa: E402
+from orchestrator.store import KEEP_REPLICAS  # noqa: E402
 
 SECONDS, QUICK_SECONDS = 600.0, 30.0
 FLAP_SIZE, BATCH, BATCHES_KEPT, STEADY_SIZE = 6, 8, 3, 3
@@ -81,11 +87,16 @@ TOLERANCES: dict[str, tuple[float, str]] = {
                      "the floor (the minimum over the last quarter) must not rise above the first half's"),
     "zombies_ours": (0.5, "the same, among the children of the daemon and its helpers only (the host "
                           "count also holds other users' processes)"),
+    "log_files": (200.0, "files in logs/: once the journal holds keep_replicas ended replicas, their files "
+                          "and the live ones' are all that stays; a leak of the files of one churned "
+                          "replica in ten (2 files each, >1000/min) exceeds it, while the sawtooth of "
+                          "pruning (a prune every <=1000 journal rows or keep_replicas/10 retired "
+                          "replicas, ~300 files) tilts a fit by less"),
     "live": (2.0, "replicas must not accumulate: the churn keeps ~35 live, 2/min is a rate no "
                   "leak of replicas would stay under for long"),
 }
 SAMPLE_KEYS = ("rss_mib", "fds", "threads", "manager_fds", "manager_threads", "lag_ms", "round_trip_ms",
-               "zombies", "zombies_ours", "live")
+               "zombies", "zombies_ours", "log_files", "live")
 pc = time.perf_counter
 
 
@@ -171,10 +182,11 @@ def take_sample(daemon: Daemon, client: Client, t: float) -> dict[str, Any]:
     rt = pc() - t0
     daemon.remember(r["pid"] for r in status["replicas"] if r.get("pid"))
     zombies, ours = host_zombies({daemon.proc.pid, *(p.pid for p in children.values())})
+    log_files = len(os.listdir(os.path.join(daemon.state_dir, "logs")))
     return {"t": round(t, 3), "rss_mib": round(d["rss_mib"], 3), "fds": d["fds"], "threads": d["threads"],
             "manager_fds": m["fds"], "manager_threads": m["threads"],
             "lag_ms": round((lag or 0.0) * 1e3, 3), "round_trip_ms": round(rt * 1e3, 3),
-            "zombies": zombies, "zombies_ours": ours, "live": len(status["replicas"])}
+            "zombies": zombies, "zombies_ours": ours, "log_files": log_files, "live": len(status["replicas"])}
 
 
 def run(quick: bool, progress: Callable[[str], None], seconds: float | None = None) -> dict:
@@ -183,8 +195,9 @@ def run(quick: bool, progress: Callable[[str], None], seconds: float | None = No
     seconds = seconds or (QUICK_SECONDS if quick else SECONDS)
     sample_every = 0.5 if quick else 1.0
     restart_every = 8.0 if quick else 15.0
-    daemon = Daemon("bench-soak-")
-    res: dict[str, Any] = {"seconds": seconds, "sample_every_s": sample_every}
+    keep_replicas = min(KEEP_REPLICAS, max(100, int(seconds * 5)))
+    daemon = Daemon("bench-soak-", ["--keep-replicas", str(keep_replicas)])
+    res: dict[str, Any] = {"seconds": seconds, "sample_every_s": sample_every, "keep_replicas": keep_replicas}
     samples: list[dict] = []
     counts = {"batches_launched": 0, "batches_terminated": 0, "pool_restarts": 0}
     problems: list[str] = []
@@ -218,7 +231,7 @@ def run(quick: bool, progress: Callable[[str], None], seconds: float | None = No
                     s = samples[-1]
                     progress(f"t={s['t']:.0f}s rss {s['rss_mib']:.1f} MiB, fds {s['fds']}, "
                              f"threads {s['threads']}, lag {s['lag_ms']:.1f} ms, status {s['round_trip_ms']:.1f} ms, "
-                             f"live {s['live']}, zombies {s['zombies']}")
+                             f"live {s['live']}, zombies {s['zombies']}, log files {s['log_files']}")
                     next_progress = now + 5.0
             time.sleep(max(0.0, CYCLE_MIN_S - (pc() - cycle_start)))
         res["elapsed_s"] = pc() - start
@@ -244,12 +257,13 @@ def run(quick: bool, progress: Callable[[str], None], seconds: float | None = No
     res["churn_per_min"] = churn_per_min
     res["keep_ended"] = EngineConfig().keep_ended
     res["warm_at_half"] = churn_per_min * second_half_start / 60.0 >= res["keep_ended"]
+    res["journal_full_at_half"] = churn_per_min * second_half_start / 60.0 >= keep_replicas
     res["rss_kib_per_churned_replica"] = res["slopes"]["rss_mib"]["per_min"] * 1024 / churn_per_min
     res["flat"] = {k: v["flat"] for k, v in res["slopes"].items()}
     res["all_flat"] = all(res["flat"].values())
     res["problems"] = problems
     res["clean"] = not problems
-    for key in ("rss_mib", "fds", "threads", "lag_ms", "zombies"):  # the plainly named top-level figures
+    for key in ("rss_mib", "fds", "threads", "lag_ms", "zombies", "log_files"):  # the plainly named top-level figures
         res[f"{key}_slope_per_min"] = res["slopes"][key]["per_min"]
     return res
 
@@ -268,6 +282,9 @@ def report(res: dict) -> None:
     if not res["warm_at_half"]:
         print(f"(the second half began before {res['keep_ended']} replicas had ended: the engine's memory of "
               "ended replicas was still filling, so an RSS slope here is partly that fill)")
+    if not res["journal_full_at_half"]:
+        print(f"(the second half began before {res['keep_replicas']} replicas had ended: the journal, and "
+              "with it logs/, was still filling, so a log_files slope here is partly that fill)")
     print()
     print("| metric (second half) | slope /min | ± stderr | raw slope /min | per live replica | tolerance /min "
           "| first → last (max) | flat |")
@@ -281,12 +298,13 @@ def report(res: dict) -> None:
     print()
     rows = res["samples"]
     step = max(1, len(rows) // 12)
-    print("| t s | RSS MiB | fds | threads | mgr fds | mgr threads | lag ms | status ms | live | zombies (ours) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| t s | RSS MiB | fds | threads | mgr fds | mgr threads | lag ms | status ms | live | zombies (ours) "
+          "| log files |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in rows[::step] + ([rows[-1]] if (len(rows) - 1) % step else []):
         print(f"| {s['t']:.1f} | {s['rss_mib']:.2f} | {s['fds']} | {s['threads']} | {s['manager_fds']} "
               f"| {s['manager_threads']} | {s['lag_ms']:.1f} | {s['round_trip_ms']:.1f} | {s['live']} "
-              f"| {s['zombies']} ({s['zombies_ours']}) |")
+              f"| {s['zombies']} ({s['zombies_ours']}) | {s['log_files']} |")
     print()
     if res["problems"]:
         print("Process check: **FAILED**")

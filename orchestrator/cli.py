@@ -157,6 +157,11 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-max", metavar="BYTES", help="cgroup memory.max of each replica: bytes or 512M, 2G")
     g.add_argument("--pids-max", type=int, metavar="N", help="cgroup pids.max of each replica")
     g.add_argument("--cpu-weight", type=int, metavar="W", help="cgroup cpu.weight of each replica, 1..10000")
+    # Strings, checked by Policy: a bad value is one line and exit 1, as from a config file.
+    g.add_argument("--log-max-bytes", metavar="N", help="rotate each replica's .out/.err at this size: bytes or "
+                   "20K, 10M; at least 16K (default: the daemon's, 10M)")
+    g.add_argument("--log-backups", metavar="K", help="rotated files kept per stream, 0..100 "
+                   "(default: the daemon's, 3)")
 
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
@@ -175,6 +180,13 @@ def _policy(args: argparse.Namespace) -> dict:
         if n != int(n):
             raise OrchestratorError(f"--max-restarts takes N/S with a whole N, got {args.max_restarts!r}")
         wire["max_restarts"] = [int(n), window]
+    if args.log_max_bytes is not None:
+        wire["log_max_bytes"] = args.log_max_bytes  # "20000" or "20K": Policy reads either
+    if args.log_backups is not None:
+        try:
+            wire["log_backups"] = int(args.log_backups)
+        except ValueError:
+            wire["log_backups"] = args.log_backups  # refused by Policy, in its words
     return Policy.from_wire(wire).to_wire()  # refused here, with the same words as the daemon's
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from .errors import InvalidSpec, OrchestratorError
-from .policy import LIMIT_KEYS, Policy, parse_size
+from .policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
 from .protocol import MAX_COUNT, pool_name
 from .spec import make_spec
 from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -56,7 +56,7 @@ CPU_WEIGHT_MAX = 10_000  # cgroup v2 cpu.weight is 1..10000
 # The cgroup limits are Policy fields too, but a [pools.NAME] table's own keys here (PoolDecl).
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name not in LIMIT_KEYS)
 SPEC_KEYS = ("command", "target", "env", "env_file", "cwd")
-POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", "log_max_bytes", "log_backups", *LIMIT_KEYS, *POLICY_KEYS)
+POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days")
 TOP_KEYS = ("daemon", "pools")
@@ -301,8 +301,10 @@ class _Reader:
                 return os.path.normpath(value)
             raise InvalidSpec(f"must be auto, off or an absolute cgroup path, got {value!r}")
         if key == "log_max_bytes":
-            return parse_size(value, key)
-        if key in ("log_backups", "keep_replicas", "keep_events"):
+            return log_max_bytes(value, key)
+        if key == "log_backups":
+            return log_backups(value, key)
+        if key in ("keep_replicas", "keep_events"):
             return _integer(value, key, low=0)
         raise AssertionError(key)  # pragma: no cover - DAEMON_KEYS and this stay in step
 
@@ -340,8 +342,8 @@ class _Reader:
             spec=spec,
             policy=policy,
             preload=preload or (),
-            log_max_bytes=check("log_max_bytes", parse_size),
-            log_backups=check("log_backups", _integer, low=0),
+            log_max_bytes=check("log_max_bytes", log_max_bytes),
+            log_backups=check("log_backups", log_backups),
             memory_max=check("memory_max", parse_size),
             pids_max=check("pids_max", _integer, low=1),
             cpu_weight=check("cpu_weight", _integer, low=1, high=CPU_WEIGHT_MAX),

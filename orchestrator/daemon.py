@@ -341,6 +341,7 @@ class Daemon:
             self.log_sink.rotate_file(paths.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self.log_capture = engine.log_capture = LogCapture(
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
         self.watchdog = WatchdogChild(link, reactor, self.os)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
         try:

@@ -506,7 +506,8 @@ class Engine(Supervision):
         st = _Starting(rep)
         try:
             if self.log_capture is not None:
-                st.captured = self.log_capture.open(rep.id)
+                st.captured = self.log_capture.open(rep.id, max_bytes=pool.policy.log_max_bytes,
+                                                    backups=pool.policy.log_backups)  # None: the daemon's
                 plan = dataclasses.replace(plan, stdout=st.captured.stdout, stderr=st.captured.stderr)
             st.group = self.containment.prepare(rep.id, pool.policy.limits)
             if st.group is not None:

@@ -5,7 +5,8 @@ applied) and this module says how that is recorded: the replica's row, the ``tra
 event, the pool's row, the ``command`` event. ``commit()`` makes one turn durable and turns
 a failing disk into a message instead of an exception: the replicas still need supervising.
 Recovery writes its LOST records through the same functions, so a recovered transition
-has the same shape as any other.
+has the same shape as any other. What the store's retention forgets (ended replicas' ids) is
+passed on to ``forgotten``: the daemon removes their log files.
 """
 
 from __future__ import annotations
@@ -30,7 +31,19 @@ class Journal:
         # the whole table into it, for when state.db is deleted under a running daemon.
         self.reopen: Callable[[], Any] | None = None
         self.rebuild: Callable[[], None] | None = None
+        # Set by the daemon: called (in the loop's turn) with the ids of ended replicas whose
+        # records retention deleted; their log files go with them.
+        self.forgotten: Callable[[list[str]], None] | None = None
         self._file_id = self._current_file_id()
+        self._watch(store)
+
+    def _watch(self, store: Any) -> None:
+        if store is not None and hasattr(store, "on_pruned"):  # a Store; a test's stand-in may not prune
+            store.on_pruned = self._pruned
+
+    def _pruned(self, ids: list[str]) -> None:
+        if self.forgotten is not None:
+            self.forgotten(ids)
 
     def _current_file_id(self) -> Any:
         file_id = getattr(self.store, "file_id", None)
@@ -94,6 +107,7 @@ class Journal:
             return
         log.error("%s was deleted or replaced while the daemon ran: recreated from memory", fresh.path)
         old, self.store = self.store, fresh
+        self._watch(fresh)
         self._file_id = self._current_file_id()
         try:
             old.hand_over(fresh)

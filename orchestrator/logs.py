@@ -74,7 +74,15 @@ How the pump keeps its promises:
   * ``finish()`` (the replica was reaped) drains what is left in the pipes, bounded by
     ``DRAIN_LIMIT`` per stream (a descendant that still holds the write end and keeps
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
-    full 1 MiB pipe takes about half a millisecond.
+    full 1 MiB pipe takes about half a millisecond;
+  * a replica's files live as long as its record: ``forget(ids)`` (the journal's retention
+    deleted those records) queues their files for removal, which the loop works through at
+    most ``REMOVE_PER_TURN`` unlinks and ``REMOVE_TURN_TIME`` seconds a turn (an unlink that
+    took longer than ``SLOW_WRITE`` pauses it for ``SLOW_PAUSE``), so a prune of thousands of
+    records never holds the loop, and a daemon under churn keeps logs/ at the size of the
+    journal's history instead of one file pair per replica ever made. A file that cannot be
+    removed (EACCES, EROFS, ...) is logged, once until removing works again, and left for
+    the start-up scan of a later daemon.
 Pipes have one cost the direct fds would not: the read ends live in the daemon, so a
 daemon killed -9 leaves its replicas writing into pipes nobody reads (EPIPE / SIGPIPE). The
 watchdog ends those replicas anyway (no replica outlives its daemon), so nothing is lost
@@ -87,6 +95,7 @@ files, so they work with the daemon down and after the replicas ended.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import errno
 import fcntl
@@ -118,6 +127,8 @@ TOTAL_RATE = 256 << 20  # bytes/s all streams together are pumped at most
 BURST = 0.25  # seconds of its rate a quiet stream may write at once
 MIN_READ = 4096  # a stream allowed less than this (by its rate) is left unread a while
 CREATE_AFTER = 1.0  # seconds: a replica's files are made by its first output or then
+REMOVE_PER_TURN = 64  # unlinks of forgotten replicas' files in one turn, at most
+REMOVE_TURN_TIME = 0.002  # seconds of unlinking in one turn, after which the rest waits a turn
 STREAMS = ("out", "err")
 DEFAULT_MAX_BYTES = 10 << 20
 DEFAULT_BACKUPS = 3
@@ -480,6 +491,7 @@ class ReplicaLog:
             self._err.finish()
             self.stdout = self.stderr = -1
             self._cap._open.pop(self.replica_id, None)
+            self._cap._finished(self.replica_id)
 
     @property
     def bytes(self) -> int:
@@ -524,6 +536,12 @@ class LogCapture:
         self._dropped = 0
         self._turn_left = TURN_BUDGET
         self._bucket = _Bucket(total_rate, reactor.monotonic()) if total_rate else None
+        # Files of forgotten replicas still to remove: (id, stream, index), index 0 the
+        # current file, k its .k backup; and ids forgotten while their capture was open.
+        self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
+        self._doomed_later: set[str] = set()
+        self._removal: Any = None  # the Timer of the next batch of unlinks
+        self._removing_failed = 0  # files that could not be removed since the last that could
         at_turn_end = getattr(reactor, "at_turn_end", None)
         if at_turn_end is not None:
             at_turn_end(self._new_turn)
@@ -568,6 +586,74 @@ class LogCapture:
             raise OSError(errno.EINVAL, f"invalid stream {name!r}.{stream!r}")
         return _Stream(self, name, stream, self.max_bytes, self.backups, self.create_after == 0)
 
+    def forget(self, replica_ids: Iterable[str]) -> None:
+        """The journal forgot these ended replicas: remove their files (current and rotated,
+        stdout and stderr), a bounded number per turn from the next turn on. A replica whose
+        capture is still open is removed once it finishes."""
+        if self.dirfd < 0:
+            return  # closed: the next start's scan removes them
+        for rid in replica_ids:
+            if not isinstance(rid, str) or parse_replica_id(rid) is None:
+                continue
+            if rid in self._open:
+                self._doomed_later.add(rid)
+            else:
+                self._doomed.extend((rid, stream, 0) for stream in (*STREAMS, "probe"))
+        self._schedule_removal(0.0)
+
+    @property
+    def removals_pending(self) -> int:
+        """Replica streams whose files are still to be removed."""
+        return len(self._doomed) + 3 * len(self._doomed_later)
+
+    def _finished(self, replica_id: str) -> None:
+        if replica_id in self._doomed_later:
+            self._doomed_later.discard(replica_id)
+            self.forget([replica_id])
+
+    def _schedule_removal(self, delay: float) -> None:
+        if self._doomed and self._removal is None and self.dirfd >= 0:
+            self._removal = self.reactor.call_later(delay, self._remove_some)
+
+    def _remove_some(self) -> None:
+        """One turn's share of the queue: REMOVE_PER_TURN unlinks or REMOVE_TURN_TIME at most."""
+        self._removal = None
+        if self.dirfd < 0:
+            return
+        began = time.perf_counter()
+        for _ in range(REMOVE_PER_TURN):
+            if not self._doomed:
+                return
+            rid, stream, index = self._doomed.popleft()
+            name = f"{rid}.{stream}" if index == 0 else f"{rid}.{stream}.{index}"
+            t0 = time.perf_counter()
+            try:
+                os.unlink(name, dir_fd=self.dirfd)
+                there = True
+                if self._removing_failed:
+                    log.info("removing forgotten replicas' logs again (%d files could not be removed)",
+                             self._removing_failed)
+                    self._removing_failed = 0
+            except FileNotFoundError:
+                there = False
+            except OSError as err:  # EACCES, EPERM, EROFS, EIO, EISDIR: leave it, go on with the rest
+                there = True
+                if not self._removing_failed:
+                    log.warning("cannot remove %s of a forgotten replica: %s; such files are left "
+                                "(a later start removes them)", name, err.strerror or err)
+                self._removing_failed += 1
+            # Backups are contiguous from .1 (rotation keeps them so): the first missing one
+            # ends the chain; a missing current file does not (.1 may be there all the same).
+            if (there or index == 0) and index < _BACKUP_LIMIT:
+                self._doomed.appendleft((rid, stream, index + 1))
+            now = time.perf_counter()
+            if now - t0 > SLOW_WRITE:  # the disk is struggling: give it (and the loop) a rest
+                self._schedule_removal(SLOW_PAUSE)
+                return
+            if now - began > REMOVE_TURN_TIME:
+                break
+        self._schedule_removal(0.0)
+
     def totals(self) -> dict:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
         return {"bytes": self._bytes, "dropped": self._dropped, "open": len(self._open)}
@@ -576,6 +662,11 @@ class LogCapture:
         """Finish every open ReplicaLog (daemon shutdown); later opens raise OSError."""
         for rlog in list(self._open.values()):
             rlog.finish()
+        if self._removal is not None:  # what is left is removed by the next start's scan
+            self._removal.cancel()
+            self._removal = None
+        self._doomed.clear()
+        self._doomed_later.clear()
         if self.dirfd >= 0:
             os.close(self.dirfd)
             self.dirfd = -1

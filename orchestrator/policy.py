@@ -21,6 +21,8 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     memory_max     bytes, or "512M"                 cgroup memory.max of each replica
     pids_max       N                                cgroup pids.max of each replica
     cpu_weight     1..10000                         cgroup cpu.weight of each replica
+    log_max_bytes  bytes, or "10M"                  a replica's log file is rotated at this size
+    log_backups    0..100                           rotated files kept per stream (None: the daemon's)
 
 The three limits need cgroup containment with the controller enabled (containment.py):
 elsewhere a launch that sets one is refused with one line.
@@ -40,6 +42,13 @@ from .errors import InvalidSpec
 RESTART_MODES = ("always", "on-failure", "never")
 LIMIT_KEYS = ("memory_max", "pids_max", "cpu_weight")  # the cgroup limits (watchdog.cgroup.LIMITS)
 CPU_WEIGHT_MAX = 10_000
+# Log rotation bounds. Each rotation renames every backup, and the pump rotates up to
+# (bytes per turn / max_bytes) times in one turn: at 16 KiB and 100 backups a replica
+# writing at full speed costs the loop ~64 rotations of ~100 renames in a turn, tens of ms;
+# a smaller file or more backups would let one pool's setting hold the loop far longer.
+LOG_MIN_BYTES = 16 << 10
+LOG_MAX_BACKUPS = 100
+LOG_MAX_BYTES_LIMIT = 1 << 40  # 1 TiB: beyond it "never rotate" in all but name
 
 
 def _number(value: Any, key: str, *, low: float = 0.0, integer: bool = False, above: bool = False) -> Any:
@@ -88,6 +97,8 @@ class Policy:
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
+    log_max_bytes: int | None = None  # None: the daemon's ([daemon] log_max_bytes, 10 MiB)
+    log_backups: int | None = None  # None: the daemon's ([daemon] log_backups, 3)
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_MODES:
@@ -123,6 +134,10 @@ class Policy:
             _number(self.cpu_weight, "cpu_weight", low=1, integer=True)
             if self.cpu_weight > CPU_WEIGHT_MAX:
                 raise InvalidSpec(f"cpu_weight must be at most {CPU_WEIGHT_MAX}, got {self.cpu_weight}")
+        if self.log_max_bytes is not None:
+            object.__setattr__(self, "log_max_bytes", log_max_bytes(self.log_max_bytes))
+        if self.log_backups is not None:
+            log_backups(self.log_backups)
         for key in ("ready", "live"):
             text = getattr(self, key)
             if text is not None:
@@ -187,6 +202,26 @@ def parse_size(value: Any, key: str = "size") -> int:
             if n >= 1:
                 return n
     raise InvalidSpec(f"{key} must be a positive number of bytes or a size like \"512M\", got {value!r}")
+
+
+def log_max_bytes(value: Any, key: str = "log_max_bytes") -> int:
+    """A log file's rotation size: bytes (or "10M"), ``LOG_MIN_BYTES`` to ``LOG_MAX_BYTES_LIMIT``."""
+    try:
+        n = parse_size(value, key)
+    except OverflowError:  # "9999...9K": a float too large for an int
+        n = LOG_MAX_BYTES_LIMIT + 1
+    if not LOG_MIN_BYTES <= n <= LOG_MAX_BYTES_LIMIT:
+        raise InvalidSpec(f"{key} must be from {LOG_MIN_BYTES} (16K) to {LOG_MAX_BYTES_LIMIT} (1T) bytes, "
+                          f"got {value!r}")
+    return n
+
+
+def log_backups(value: Any, key: str = "log_backups") -> int:
+    """Rotated files kept per stream: a whole number 0..``LOG_MAX_BACKUPS``."""
+    _number(value, key, integer=True)
+    if value > LOG_MAX_BACKUPS:
+        raise InvalidSpec(f"{key} must be at most {LOG_MAX_BACKUPS}, got {value!r}")
+    return value
 
 
 def _pair(value: Any, key: str) -> tuple[Any, Any]:

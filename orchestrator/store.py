@@ -64,9 +64,13 @@ Live replicas are never pruned. Terminal replicas beyond ``keep_replicas`` (olde
 or ended more than ``keep_seconds`` ago are deleted; events beyond the newest ``keep_events`` or
 older than ``keep_seconds`` are deleted (age pruning assumes ``ts`` grows with ``seq``, which
 holds for events appended by one loop). Pruning runs at open and then from ``commit()`` every
-``prune_every`` rows written (or every 10 minutes if anything was written), not per commit: it
-deletes by ``seq`` ranges and through the partial index, so its cost is proportional to what it
-deletes (plus one index walk of the kept terminal replicas). Space freed is reused by new rows;
+``prune_every`` rows written, or once ``max(PRUNE_RETIRED_MIN, keep_replicas // 10)`` replicas
+were saved terminal (so the table overshoots ``keep_replicas`` by at most about a tenth, however
+small the retention), or every 10 minutes if anything was written; not per commit: it deletes by
+``seq`` ranges and through the partial index, so its cost is proportional to what it deletes
+(plus one index walk of the kept terminal replicas). The ids of the replicas a prune deleted
+are handed to ``on_pruned`` (when set) after its transaction committed: the daemon removes
+their log files. Space freed is reused by new rows;
 ``auto_vacuum=INCREMENTAL`` plus a bounded ``PRAGMA incremental_vacuum`` give it back to the
 file system when a large part of the file is free. ``wal_autocheckpoint`` and
 ``journal_size_limit`` keep the -wal file at about 1 MB as long as no reader keeps a read
@@ -84,7 +88,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .errors import OrchestratorError
 from .states import TERMINAL
@@ -104,6 +108,7 @@ _JOURNAL_SIZE_LIMIT = 1024 * 1024         # WAL truncated back to this after a c
 KEEP_REPLICAS = 5_000
 KEEP_EVENTS = 20_000
 KEEP_SECONDS = 7 * 86400.0
+PRUNE_RETIRED_MIN = 16                   # terminal replica saves that trigger a prune, at least
 _PRUNE_INTERVAL_S = 600.0                 # prune at least this often when anything is written
 _VACUUM_MIN_FREE_PAGES = 256              # only give pages back when >= 1 MB is free ...
 _VACUUM_MAX_PAGES = 4096                  # ... and at most 16 MB per prune, to bound the pause
@@ -228,6 +233,9 @@ class Store:
         self.keep_events = max(0, int(keep_events))
         self.keep_seconds = float(keep_seconds)
         self.prune_every = max(1, int(prune_every))
+        self.retire_every = max(PRUNE_RETIRED_MIN, self.keep_replicas // 10)
+        # Called with the ids of the replicas each prune from commit()/prune() deleted.
+        self.on_pruned: Callable[[list[str]], None] | None = None
         self.notes = []
         self._conn: sqlite3.Connection | None = None
         self._closed = False
@@ -237,6 +245,7 @@ class Store:
         self._bump: dict[str, int] = {}          # pool -> next_n implied by replicas saved
         self._events: list[tuple] = []
         self._since_prune = 0
+        self._retired_since_prune = 0
         self._last_prune = time.monotonic()
         if readonly:
             self._open_reader()
@@ -564,31 +573,40 @@ class Store:
         except sqlite3.Error as e:
             raise self._sql_error(e, "writing") from e
         written = len(self._pools) + len(self._replicas) + len(self._events)
+        self._retired_since_prune += sum(1 for row in self._replicas.values() if row[10] is not None)
         self._pools.clear()
         self._replicas.clear()
         self._bump.clear()
         self._events.clear()
         self._since_prune += written
-        if self._since_prune >= self.prune_every or (
-                time.monotonic() - self._last_prune >= _PRUNE_INTERVAL_S):
+        if (self._since_prune >= self.prune_every or self._retired_since_prune >= self.retire_every
+                or time.monotonic() - self._last_prune >= _PRUNE_INTERVAL_S):
             try:
-                self._prune()
+                pruned = self._prune()
             except sqlite3.Error as e:
                 # The batch is committed: do not report failure for it. Retention is retried
                 # at the next cadence; the daemon can log the note.
-                self._since_prune = 0
+                self._since_prune = self._retired_since_prune = 0
                 self._last_prune = time.monotonic()
                 self.notes.append(f"pruning {self.path} failed: {e}")
+                return
+            self._tell_pruned(pruned)
 
     def prune(self, now: float | None = None) -> None:
         """Apply retention now (the store also does this by itself from commit())."""
         self._writer()
         try:
-            self._prune(now)
+            pruned = self._prune(now)
         except sqlite3.Error as e:
             raise self._sql_error(e, "pruning") from e
+        self._tell_pruned(pruned)
 
-    def _prune(self, now: float | None = None) -> None:
+    def _tell_pruned(self, ids: list[str]) -> None:
+        if ids and self.on_pruned is not None:
+            self.on_pruned(ids)
+
+    def _prune(self, now: float | None = None) -> list[str]:
+        """Apply retention; returns the ids of the replica rows deleted."""
         conn = self._conn
         assert conn is not None
         cut = (time.time() if now is None else now) - self.keep_seconds
@@ -607,17 +625,19 @@ class Store:
             else:
                 conn.execute("DELETE FROM events WHERE seq < ?", (first_young[0],))
             # Terminal replicas: by age, then keep only the keep_replicas most recently ended.
-            conn.execute("DELETE FROM replicas WHERE retire_key IS NOT NULL AND retire_key < ?",
-                         (cut,))
-            conn.execute(
+            # RETURNING: who was forgotten (fetched whole: the statement must end before COMMIT).
+            pruned = [row[0] for row in conn.execute(
+                "DELETE FROM replicas WHERE retire_key IS NOT NULL AND retire_key < ? RETURNING id",
+                (cut,)).fetchall()]
+            pruned += [row[0] for row in conn.execute(
                 "DELETE FROM replicas WHERE id IN (SELECT id FROM replicas "
                 "WHERE retire_key IS NOT NULL ORDER BY retire_key DESC, id DESC "
-                "LIMIT -1 OFFSET ?)", (self.keep_replicas,))
+                "LIMIT -1 OFFSET ?) RETURNING id", (self.keep_replicas,)).fetchall()]
             conn.execute("COMMIT")
         except BaseException:
             self._rollback(conn)
             raise
-        self._since_prune = 0
+        self._since_prune = self._retired_since_prune = 0
         self._last_prune = time.monotonic()
         # Freed pages are reused by new rows; hand them back to the file system only when a
         # large share of the file is free (e.g. after retention was lowered), a bounded amount.
@@ -628,6 +648,7 @@ class Store:
                 # executescript steps the pragma to completion; execute() would step it once
                 # and free a single page.
                 conn.executescript(f"PRAGMA incremental_vacuum({min(free, _VACUUM_MAX_PAGES)})")
+        return pruned
 
     # ------------------------------------------------------------------ read side
     def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:

@@ -50,7 +50,7 @@ size = 3
 env = { MODE = "prod", PORT_COPY = "{port}" }
 env_file = "web.env"
 cwd = "srv"
-log_max_bytes = 4096
+log_max_bytes = 65536
 log_backups = 1
 memory_max = "512M"
 pids_max = 64
@@ -95,12 +95,13 @@ def test_every_key_is_parsed(tmp_path):
         "cwd": str(tmp_path / "srv"),
     }
     assert web.env == web.spec["env"] and web.cwd == str(tmp_path / "srv")
-    assert (web.log_max_bytes, web.log_backups) == (4096, 1)
+    assert (web.log_max_bytes, web.log_backups) == (65536, 1)
     assert (web.memory_max, web.pids_max, web.cpu_weight) == (512 << 20, 64, 200)
     assert Policy.from_wire(web.policy) == Policy(
         restart="always", backoff=(0.5, 10.0), healthy_after=20, max_restarts=(3, 30.0),
         ready="http://127.0.0.1:{port}/", ready_timeout=15, probe_timeout=2, start_secs=1, live="tcp:127.0.0.1:{port}",
         live_interval=5, live_failures=2, stop_signal="INT", grace=3, port_base=8100,
+        log_max_bytes=65536, log_backups=1,
     )
     # The wire forms are what launch sends: they round-trip through the daemon's readers.
     assert WorkerSpec.from_wire(web.spec).to_wire() == web.spec
@@ -119,6 +120,7 @@ def test_every_table_key_is_covered_by_the_full_example():
     assert set(config.POLICY_KEYS) == {
         "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "probe_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
+        "log_max_bytes", "log_backups",
     }
 
 
@@ -425,7 +427,7 @@ def test_diff_sees_daemon_settings():
     "extra",
     [
         'env = { A = "1" }', 'cwd = "/elsewhere"', 'memory_max = "1G"',
-        "pids_max = 10", "cpu_weight = 50", "log_max_bytes = 1000", "log_backups = 0",
+        "pids_max = 10", "cpu_weight = 50", "log_max_bytes = 20000", "log_backups = 0",
         "live_failures = 5", 'stop_signal = "INT"', "port_base = 9000",
     ],
 )

@@ -20,11 +20,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from helpers import cli, cli_env, wait_for
 from orchestrator import logs
 from orchestrator.errors import OrchestratorError, UnknownReplica
 from orchestrator.logs import LogCapture, follow, log_paths, pool_replicas, remove, tail
@@ -807,3 +809,274 @@ def test_follow_ends_on_ctrl_c_with_exit_0(state: Paths) -> None:
         proc.stdout.close()
         proc.stderr.close()
     assert proc.returncode == 0 and err == b"" and out == b""
+
+
+# -- a pool's own rotation, through the CLI ---------------------------------------------------
+
+# ~300 KB on stdout in 100-byte lines, then "done", then it stays up (the files are looked
+# at while it runs; the daemon's stop ends it).
+WRITER = [sys.executable, "-c", "import sys, time\n"
+          "for i in range(3000): sys.stdout.write(f'{i:06d} ' + 'x' * 92 + '\\n')\n"
+          "print('done', flush=True)\n"
+          "time.sleep(1000)\n"]
+WRITTEN = 3000 * 100 + len("done\n")
+
+
+def _stream_files(logs_dir: Path, rid: str) -> dict[str, int]:
+    """name -> size of a replica's stdout files."""
+    return {p.name: p.stat().st_size for p in logs_dir.iterdir()
+            if p.name == f"{rid}.out" or p.name.startswith(f"{rid}.out.")}
+
+
+def _written_all(daemon, rid: str) -> None:
+    wait_for(lambda: cli(daemon.state_dir, "logs", rid, "--lines", "1").stdout == "done\n", 30,
+             f"{rid} to write everything")
+
+
+def _assert_rotated(logs_dir: Path, rid: str, max_bytes: int, backups: int) -> None:
+    files = _stream_files(logs_dir, rid)
+    assert set(files) == {f"{rid}.out", *(f"{rid}.out.{i}" for i in range(1, backups + 1))}, files
+    assert all(size <= max_bytes for size in files.values()), files
+
+
+def test_launch_log_rotation_flags_are_that_pools_rotation(daemon) -> None:
+    daemon.start()
+    made = cli(daemon.state_dir, "launch", "--pool", "small", "--log-max-bytes", "20000", "--log-backups", "2",
+               "--", *WRITER)
+    assert made.returncode == 0, made.stderr
+    assert cli(daemon.state_dir, "launch", "--pool", "big", "--", *WRITER).returncode == 0  # the daemon's 10 MiB
+    _written_all(daemon, "small-1")
+    _written_all(daemon, "big-1")
+    logs_dir = daemon.state_dir / "logs"
+    _assert_rotated(logs_dir, "small-1", 20000, 2)
+    assert _stream_files(logs_dir, "big-1") == {"big-1.out": WRITTEN}
+    policy = {p["name"]: p["policy"] for p in daemon.status()["pools"]}
+    assert policy["small"]["log_max_bytes"] == 20000 and policy["small"]["log_backups"] == 2
+    assert "log_max_bytes" not in policy["big"]  # unset: the daemon's default
+    # the daemon checks what a client sends as the CLI does (a client of its own process:
+    # its connections' fds are not this test's)
+    script = ("import sys\nfrom orchestrator import Client\nfrom orchestrator.errors import InvalidSpec\n"
+              "with Client(sys.argv[1]) as client:\n"
+              "    for policy in ({'log_max_bytes': 1}, {'log_backups': -1}, {'log_backups': 101}):\n"
+              "        try:\n"
+              "            client.launch('tiny', ['true'], policy=policy)\n"
+              "        except InvalidSpec as err:\n"
+              "            print(err)\n")
+    refused = subprocess.run([sys.executable, "-c", script, str(daemon.state_dir)], capture_output=True,
+                             text=True, timeout=60, env=cli_env())
+    lines = refused.stdout.splitlines()
+    assert len(lines) == 3 and "log_max_bytes" in lines[0] and all("log_backups" in x for x in lines[1:]), refused
+    # another rotation is another policy: refused without --replace
+    again = cli(daemon.state_dir, "launch", "--pool", "small", "--log-backups", "5", "--", *WRITER)
+    assert again.returncode == 1 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+
+
+def test_config_log_rotation_keys_are_that_pools_rotation(daemon, tmp_path: Path) -> None:
+    conf = tmp_path / "orchestrator.toml"
+    conf.write_text(f"[pools.small]\ncommand = {json.dumps(WRITER)}\nlog_max_bytes = 20000\nlog_backups = 2\n\n"
+                    f"[pools.sized]\ncommand = {json.dumps(WRITER)}\nlog_max_bytes = \"64K\"\nlog_backups = 0\n\n"
+                    f"[pools.big]\ncommand = {json.dumps(WRITER)}\n")
+    daemon.start("--config", str(conf))
+    for rid in ("small-1", "sized-1", "big-1"):
+        _written_all(daemon, rid)
+    logs_dir = daemon.state_dir / "logs"
+    _assert_rotated(logs_dir, "small-1", 20000, 2)
+    _assert_rotated(logs_dir, "sized-1", 64 << 10, 0)
+    assert _stream_files(logs_dir, "big-1") == {"big-1.out": WRITTEN}
+    policy = {p["name"]: p["policy"] for p in daemon.status()["pools"]}
+    assert (policy["small"]["log_max_bytes"], policy["small"]["log_backups"]) == (20000, 2)
+    assert (policy["sized"]["log_max_bytes"], policy["sized"]["log_backups"]) == (64 << 10, 0)
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--log-max-bytes", "0"], "log_max_bytes"),
+    (["--log-max-bytes", "-5"], "log_max_bytes"),
+    (["--log-max-bytes", "lots"], "log_max_bytes"),
+    (["--log-max-bytes", "100"], "log_max_bytes"),       # under the minimum
+    (["--log-max-bytes", "1e400"], "log_max_bytes"),
+    (["--log-backups", "-1"], "log_backups"),
+    (["--log-backups", "two"], "log_backups"),
+    (["--log-backups", "100000"], "log_backups"),         # over the maximum
+])
+def test_a_bad_log_rotation_flag_is_one_line_exit_1(tmp_path: Path, flags: list[str], word: str) -> None:
+    proc = cli(tmp_path / "state", "launch", "--pool", "p", *flags, "--", "true")
+    assert proc.returncode == 1, proc
+    assert len(proc.stderr.strip().splitlines()) == 1 and word in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("line", ["log_max_bytes = 0", "log_max_bytes = 100", "log_max_bytes = \"x\"",
+                                  "log_backups = -1", "log_backups = 1.5", "log_backups = 100000"])
+def test_a_bad_log_rotation_key_is_one_line_exit_1(daemon, tmp_path: Path, line: str) -> None:
+    conf = tmp_path / "bad.toml"
+    conf.write_text(f"[pools.p]\ncommand = [\"true\"]\n{line}\n")
+    proc = cli(daemon.state_dir, "start", "--config", str(conf))  # the fixture stops one started wrongly
+    assert proc.returncode == 1, proc
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bad.toml:3" in proc.stderr, proc.stderr
+    assert not (daemon.state_dir / "daemon.pid").exists()
+
+
+# -- the files of replicas the journal forgot ---------------------------------------------------
+
+
+def _replica_files(logs_dir: Path) -> list[str]:
+    return [n for n in os.listdir(logs_dir) if n != "daemon.log" and not n.startswith("daemon.log.")]
+
+
+def test_logs_of_replicas_the_journal_forgets_go_while_the_daemon_runs(daemon) -> None:
+    """Churn far more replicas than retention keeps: logs/ holds the files of the kept and
+    the live ones (and of those retired since the last prune), not of every one ever made."""
+    from orchestrator.store import PRUNE_RETIRED_MIN
+
+    keep, size, churned = 10, 2, 400
+    daemon.start("--keep-replicas", str(keep))
+    flap = ["sh", "-c", 'echo "out $ORCHESTRATOR_REPLICA_ID"; echo "err $ORCHESTRATOR_REPLICA_ID" >&2']
+    made = cli(daemon.state_dir, "launch", "--pool", "flap", "--count", str(size), "--restart", "always",
+               "--backoff", "0.001:0.001", "--max-restarts", "1000000/60", "--", *flap)
+    assert made.returncode == 0, made.stderr
+    logs_dir = daemon.state_dir / "logs"
+    # Each replica writes both streams: 2 files. The journal holds `keep` ended replicas,
+    # plus up to PRUNE_RETIRED_MIN retired since its last prune, plus the live ones; the
+    # removal of a prune's files is a few turns behind it. Twice that is the bound.
+    bound = 2 * 2 * (keep + PRUNE_RETIRED_MIN + size)
+    most = 0
+
+    def churned_enough() -> bool:
+        nonlocal most
+        most = max(most, len(_replica_files(logs_dir)))
+        live = [int(r["id"].rsplit("-", 1)[1]) for r in daemon.status()["replicas"]]
+        return max(live, default=0) >= churned
+
+    wait_for(churned_enough, 120, f"{churned} replicas to have come and gone")
+    assert most <= bound, f"{most} files in logs/ (bound {bound})"
+    # After the churn: the files left are those of replicas the journal still knows.
+    assert cli(daemon.state_dir, "scale", "flap", "0").returncode == 0
+
+    def only_known() -> bool:
+        files = {n.split(".", 1)[0] for n in _replica_files(logs_dir)}
+        known = {r["id"] for r in daemon.status(all=True)["replicas"]}
+        return files <= known
+
+    wait_for(only_known, 20, "logs/ to hold only the files of replicas the journal knows")
+    assert len(_replica_files(logs_dir)) <= bound
+    # the files of the replicas it keeps stay (the last few were stopped by the scale, maybe
+    # before they wrote: the newest that ran to its end)
+    ran = [r for r in daemon.status(all=True)["replicas"] if r["exit_code"] == 0]
+    newest = max(ran, key=lambda r: int(r["id"].rsplit("-", 1)[1]))
+    assert cli(daemon.state_dir, "logs", newest["id"]).stdout == f"out {newest['id']}\n"
+
+
+def _plant(logs_dir: Path, rid: str, backups: int = 0) -> list[str]:
+    names = [f"{rid}.out", f"{rid}.err", *(f"{rid}.out.{i}" for i in range(1, backups + 1))]
+    for name in names:
+        (logs_dir / name).write_text("x\n")
+    return names
+
+
+def _turns_until(reactor: Reactor, cap: LogCapture, limit: int = 1000) -> int:
+    """Run turns until nothing is left to remove; how many it took."""
+    for turn in range(1, limit + 1):
+        reactor.run_once(1.0)
+        if not cap.removals_pending:
+            return turn
+    raise AssertionError("the removal queue never emptied")
+
+
+def test_forget_removes_every_file_of_those_replicas_a_bounded_number_per_turn(
+        logs_dir: Path, reactor: Reactor, monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = LogCapture(logs_dir, reactor)
+    try:
+        doomed = [f"web-{n}" for n in range(1, 201)]
+        for rid in doomed:
+            _plant(logs_dir, rid, backups=2)
+        kept = _plant(logs_dir, "web-500", backups=1) + ["daemon.log", "web-7.out.x"]
+        for name in kept[-2:]:
+            (logs_dir / name).write_text("not a forgotten replica's\n")
+        unlinks: list[int] = []
+        real_unlink = os.unlink
+
+        def counting_unlink(name: str, *, dir_fd: int | None = None) -> None:
+            unlinks[-1] += 1
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "unlink", counting_unlink)
+        cap.forget([*doomed, "../etc/passwd", "not an id"])
+        assert sorted(os.listdir(logs_dir)) != sorted(kept)  # nothing removed in the caller's turn
+        turns = 0
+        while cap.removals_pending:
+            unlinks.append(0)
+            reactor.run_once(1.0)
+            turns += 1
+            assert turns < 1000
+        assert max(unlinks) <= logs.REMOVE_PER_TURN
+        assert turns >= 200 * 4 // logs.REMOVE_PER_TURN  # 800 files (+ the probes past the chains' ends)
+        assert sorted(os.listdir(logs_dir)) == sorted(kept)
+    finally:
+        cap.close()
+
+
+def test_forget_tolerates_missing_and_unremovable_files(logs_dir: Path, reactor: Reactor,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    cap = LogCapture(logs_dir, reactor)
+    try:
+        _plant(logs_dir, "web-1", backups=1)
+        (logs_dir / "web-1.err").unlink()  # someone removed it already: ENOENT is no matter
+        _plant(logs_dir, "web-2")
+        (logs_dir / "web-3.out").mkdir()  # EISDIR: not a file of ours to insist on
+        real_unlink = os.unlink
+
+        def refusing_unlink(name: str, *, dir_fd: int | None = None) -> None:
+            if name.startswith("web-2."):
+                raise PermissionError(errno.EACCES, "Permission denied", name)
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "unlink", refusing_unlink)
+        with caplog.at_level("WARNING", logger="orchestrator.logs"):
+            cap.forget(["web-1", "web-2", "web-3"])
+            _turns_until(reactor, cap)
+        assert sorted(os.listdir(logs_dir)) == ["web-2.err", "web-2.out", "web-3.out"]
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "Permission denied" in warnings[0].getMessage()  # said once
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        cap.forget(["web-2"])  # writable again: removed, and it says so
+        _turns_until(reactor, cap)
+        assert sorted(os.listdir(logs_dir)) == ["web-3.out"]
+    finally:
+        cap.close()
+
+
+def test_a_replica_forgotten_while_its_capture_is_open_goes_when_it_finishes(
+        capture: LogCapture, reactor: Reactor, children: Children) -> None:
+    rlog = capture.open("web-1")
+    p = children.spawn(rlog, py("print('hello')"))
+    run_to_exit(reactor, p)
+    capture.forget(["web-1"])
+    for _ in range(3):
+        reactor.run_once(0.01)
+    assert (capture.logs_dir / "web-1.out").exists() and capture.removals_pending  # still open: kept for now
+    rlog.finish()
+    _turns_until(reactor, capture)
+    assert not list(capture.logs_dir.iterdir())
+
+
+def test_the_store_names_the_replicas_its_retention_deleted(tmp_path: Path) -> None:
+    from orchestrator.store import PRUNE_RETIRED_MIN, Store
+
+    got: list[list[str]] = []
+    ended = time.time() - 3600.0  # an hour ago: within the age limit, so only the count prunes
+    with Store(tmp_path / "state.db", keep_replicas=3) as store:
+        store.on_pruned = got.append
+        for n in range(1, 6):
+            store.save_replica({"id": f"web-{n}", "state": "RUNNING", "pid": 100 + n})
+        store.commit()
+        for n in range(1, 6):
+            store.save_replica({"id": f"web-{n}", "state": "EXITED", "exit_code": 0, "ended_at": ended + n})
+        store.commit()
+        assert got == []  # 5 retired: under the cadence, nothing pruned yet
+        for n in range(6, 6 + PRUNE_RETIRED_MIN):  # enough retired replicas to prune
+            store.save_replica({"id": f"web-{n}", "state": "EXITED", "exit_code": 0, "ended_at": ended + n})
+        store.commit()
+        forgotten = [rid for batch in got for rid in batch]
+        last = 5 + PRUNE_RETIRED_MIN
+        assert sorted(forgotten, key=lambda r: int(r[4:])) == [f"web-{n}" for n in range(1, last - 2)]
+        assert {r["id"] for r in store.replicas(include_terminal=True)} == {f"web-{n}" for n in range(last - 2, last + 1)}

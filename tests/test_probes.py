@@ -863,7 +863,7 @@ def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon,
 
 def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     config = tmp_path / "orchestrator.toml"
-    config.write_text("[daemon]\nlog_max_bytes = 4000\nlog_backups = 2\n")
+    config.write_text("[daemon]\nlog_max_bytes = \"16K\"\nlog_backups = 2\n")
     config.chmod(0o600)
     daemon.start("--config", str(config))
     # Each failed liveness check is a warning in daemon.log, and so is each replacement.
@@ -875,7 +875,7 @@ def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     cli_(daemon, "delete", "flaky", check=True)
     sizes = {f.name: f.stat().st_size for f in logs.glob("daemon.log*")}
     assert set(sizes) == {"daemon.log", "daemon.log.1", "daemon.log.2"}, sizes
-    assert all(size <= 4000 for size in sizes.values()), sizes
+    assert all(size <= 16384 for size in sizes.values()), sizes
     assert "liveness probe failed" in (logs / "daemon.log.1").read_text()
     assert cli_(daemon, "health").returncode == 0
 
