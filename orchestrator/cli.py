@@ -326,14 +326,23 @@ def cmd_health(args: argparse.Namespace, paths: Any) -> int:
     from .errors import ChannelError
     from .metrics import format_health
 
+    from .channel import manager_down
+
     try:
         with _client(paths, timeout=1.0) as client:
             info = client.call("health", timeout=1.0)
-    except ChannelError as err:  # the loop did not answer within 1 s: that is the failure
-        info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
+    except ChannelError as err:
+        reason = manager_down(paths)
+        if reason is not None:  # nobody answers because the manager is down: say why
+            info = {"healthy": False, "parts": {"daemon": True, "manager": False}, "failed": ["manager"],
+                    "lag": None, "reason": reason, "error": str(err)}
+        else:  # the loop did not answer within 1 s: that is the failure
+            info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
     ok = bool(info.get("healthy"))
     if args.json:
         print(json.dumps(info))
+    elif "reason" in info:
+        print(f"unhealthy: manager down ({info['reason']})")
     else:
         print(format_health(ok, info) if "error" not in info else f"unhealthy: {info['error']}")
     return EXIT_OK if ok else EXIT_ERROR

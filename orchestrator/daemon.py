@@ -340,7 +340,8 @@ class Daemon:
         self.log_capture = engine.log_capture = LogCapture(
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         self.watchdog = WatchdogChild(link, reactor, self.os)
-        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
+        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
+                                     journal=engine.journal)
         try:
             recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
                               cgroups=[previous_cgroup, self.containment.path])
