@@ -437,7 +437,7 @@ def bench_hops(client: Any, calls: int, blocks: int = 4) -> dict[str, dict]:
             fns[f"bare Manager RPC, {label} (`q.qsize()`)"] = qin.qsize
             fns[f"bare Manager queue put+get via an echo process, {label}"] = rt(qin, qout)
         fns["our channel: one RPC (`replies.take(unknown id, 0)`)"] = lambda: replies.take("0" * 32, 0)
-        fns["our channel: `_set_timeouts` per call"] = lambda: channel._set_timeouts(fd, 35.0)
+        fns["our channel: `_set_timeouts` per call"] = lambda: channel.set_timeouts(fd, 35.0)
         fns["our channel: `Client.ping()`"] = client.ping
 
         for fn in fns.values():

@@ -57,12 +57,12 @@ from typing import Any
 from multiprocess import connection
 from multiprocess import managers
 
-from .errors import ChannelError, DaemonNotRunning, OrchestratorError
+from .errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError
 from .paths import (
     AUTHKEY_NAME, SOCKET_NAME, Paths, UnsafeStateDir, check_file, check_state_dir, read_private, running_pid,
     user_name,
 )
-from .protocol import command, raise_reply
+from .protocol import FrameTooLarge, command, encode_frame, raise_reply
 from .verbs import Verbs
 
 SERIALIZER = "orchestrator"
@@ -90,24 +90,48 @@ def read_authkey(paths: Paths) -> bytes:
         raise DaemonNotRunning(f"no daemon is running for {paths.state_dir}") from None
 
 
+# The two helpers below borrow the fd (detach, never close) instead of working on a dup: at
+# the fd limit a dup fails, and an accepted connection must still be checked and answered.
+
+
+def manager_down(paths: Paths) -> str | None:
+    """Why the daemon's manager server is down, as the daemon journaled it (it exited, or
+    cannot be started: EMFILE, EAGAIN); None if it is up or nothing says otherwise."""
+    from .store import Store, StoreError
+
+    try:
+        store = Store(paths.db, readonly=True)
+    except (StoreError, OSError):
+        return None
+    try:
+        event = store.last_event("manager")
+    except StoreError:
+        return None
+    finally:
+        store.close()
+    data = event["data"] if event is not None and isinstance(event["data"], dict) else {}
+    return str(data.get("reason")) if data.get("up") is False else None
+
+
 def peer_uid(fd: int) -> int:
     """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
-    sock = socket.socket(fileno=os.dup(fd))
+    sock = socket.socket(fileno=fd)
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     finally:
-        sock.close()
+        sock.detach()
     return struct.unpack("3i", creds)[1]
 
 
-def _set_timeouts(fd: int, seconds: float) -> None:
+def set_timeouts(fd: int, seconds: float) -> None:
+    """Bound every send and recv on socket ``fd`` (SO_SNDTIMEO/SO_RCVTIMEO)."""
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock = socket.socket(fileno=os.dup(fd))
+    sock = socket.socket(fileno=fd)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     finally:
-        sock.close()
+        sock.detach()
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -164,11 +188,19 @@ class _PlainListener(connection.Listener):
 
     refused = 0
 
+    def fileno(self) -> int:
+        """The listening socket's fd (to poll it for a queued connection)."""
+        return self._listener._socket.fileno()
+
     def accept(self) -> _ServerConnection:
         if self._listener is None:
             raise OSError("listener is closed")
         conn = self._listener.accept()
-        uid = peer_uid(conn.fileno())
+        try:
+            uid = peer_uid(conn.fileno())
+        except OSError:
+            conn.close()  # it hung up already
+            raise
         if uid not in (os.geteuid(), 0):
             conn.close()
             _PlainListener.refused += 1
@@ -190,7 +222,7 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
     handshake by the connecting Client's time-out; each call re-bounds its connection)."""
     sock = socket.socket(socket.AF_UNIX)
     try:
-        _set_timeouts(sock.fileno(), getattr(_connect_bound, "seconds", DEFAULT_TIMEOUT))
+        set_timeouts(sock.fileno(), getattr(_connect_bound, "seconds", DEFAULT_TIMEOUT))
         sock.connect(address)
         # Before the handshake, before any byte is read: is the server one of ours?
         uid, me = peer_uid(sock.fileno()), os.geteuid()
@@ -269,8 +301,15 @@ class Client(Verbs):
             pid = running_pid(self.paths)
             if pid is None:
                 raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}") from None
+            reason = manager_down(self.paths)
+            if reason is not None:
+                raise ChannelError(f"the daemon (pid {pid}) takes no commands: its manager server is down "
+                                   f"({reason}); the daemon keeps restarting it") from None
             raise ChannelError(f"the daemon (pid {pid}) is not accepting commands right now") from None
-        except (OSError, EOFError) as err:
+        except EOFError:
+            raise ChannelError("cannot reach the daemon: its manager server closed the connection "
+                               "(see the daemon's log)") from None
+        except OSError as err:  # a refusal's reason (the manager's thread or fd limit), a time-out
             raise ChannelError(f"cannot reach the daemon: {err}") from None
         self._mgr = mgr
 
@@ -288,13 +327,19 @@ class Client(Verbs):
         if self._mgr is None:
             self._connect()
         cmd = command(op, args, uuid.uuid4().hex)
+        try:  # what the manager server could only refuse is refused here, before it is sent
+            encode_frame(cmd, f"the {op} command")
+        except FrameTooLarge as err:
+            raise InvalidSpec(str(err)) from None
+        except (TypeError, ValueError):
+            pass  # not plain data, or NaN: the manager server answers that, with its words
         replies = self._replies
         try:
             tls = replies._tls  # this thread's connection, shared by every proxy of ours
             if not hasattr(tls, "connection"):
                 replies._connect()
             # The reply may take up to `limit` to come: bound this thread's socket just past it.
-            _set_timeouts(tls.connection.fileno(), limit + 5.0)
+            set_timeouts(tls.connection.fileno(), limit + 5.0)
             msg = replies.call(cmd, limit)
         except OrchestratorError:  # a peer of another uid, or a reply that is not plain data
             self._drop_connection()

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from watchdog.identity import start_time
 
-from .protocol import FrameReader, encode_frame
+from .protocol import FrameReader, encode_frame, error
 from .reactor import BufferedWriter, Reactor
 from .spawner import OSApi, exit_reason
 
@@ -62,12 +62,14 @@ class SystemChild:
         spawn: Callable[[], int],
         on_exit: Callable[[int, int | None], None] | None = None,
         backoff: Backoff | None = None,
+        on_down: Callable[[str], None] | None = None,
     ) -> None:
         self.name = name
         self.reactor = reactor
         self.os = os_api
         self._spawn = spawn
         self._on_exit = on_exit
+        self._on_down = on_down  # told why it is not running, each time it stops or cannot start
         self.backoff = backoff or Backoff()
         self.pid: int | None = None
         self._pidfd: int | None = None
@@ -81,20 +83,27 @@ class SystemChild:
         self._started = self.reactor.monotonic()
         try:
             pid = self._spawn()
-        except OSError as err:
+        except OSError as err:  # EAGAIN at a process limit, EMFILE at the fd limit: retried
             delay = self.backoff.failed_to_start()
             log.error("cannot start the %s (%s); retrying in %.1f s", self.name, err.strerror or err, delay)
+            self._down(f"cannot start the {self.name}: {err.strerror or err}")
             self.reactor.call_later(delay, self.start)
             return False
         self.pid = pid
         try:
             self._pidfd = self.os.pidfd(pid)
-        except OSError:  # EMFILE: it cannot be watched, so it must not run unwatched
+        except OSError as err:  # EMFILE: it cannot be watched, so it must not run unwatched
+            log.error("cannot watch the %s (%s): ending it", self.name, err.strerror or err)
+            self._down(f"cannot watch the {self.name}: {err.strerror or err}")
             self.os.kill_child(pid, signal.SIGKILL)
-            self._reaped()
+            self._reaped(quiet=True)
             return False
         self.reactor.add_reader(self._pidfd, self.exited)
         return True
+
+    def _down(self, reason: str) -> None:
+        if self._on_down is not None:
+            self._on_down(reason)
 
     def owns(self, pid: int) -> bool:
         return pid == self.pid
@@ -104,7 +113,7 @@ class SystemChild:
         if self.pid is not None:
             self._reaped()
 
-    def _reaped(self) -> None:
+    def _reaped(self, quiet: bool = False) -> None:
         pid, fd = self.pid, self._pidfd
         self.pid = self._pidfd = None
         if fd is not None:
@@ -116,8 +125,10 @@ class SystemChild:
         if self.stopping:
             return
         delay = self.backoff.next(self.reactor.monotonic() - self._started)
-        log.warning("%s exited (%s); starting a new one in %.1f s", self.name,
-                    exit_reason(code) if code is not None else "status unknown", delay)
+        if not quiet:  # else its caller said why already
+            how = exit_reason(code) if code is not None else "status unknown"
+            log.warning("%s exited (%s); starting a new one in %.1f s", self.name, how, delay)
+            self._down(f"the {self.name} exited ({how})")
         self.reactor.call_later(delay, self.start)
 
     def stop(self, ask: Callable[[], None] | None, timeout: float) -> None:
@@ -159,19 +170,33 @@ class WatchdogChild(SystemChild):
 
 class ManagerBridge:
     """The manager server (``python -m orchestrator.manager``) and the two pipes to it:
-    command frames in, reply frames out, neither ever blocking the loop."""
+    command frames in, reply frames out, neither ever blocking the loop.
+
+    While it is down, nobody can ask the daemon why: the reason (it exited, or cannot be
+    started: EMFILE, EAGAIN) goes to the journal as a ``manager`` event, ``{"up": false,
+    "reason": ...}``, and ``{"up": true}`` once a new one is ready; ``health`` and the
+    client read it from there (``channel.manager_down``)."""
+
+    # The command channel is how an operator reaches the daemon at all: a manager that
+    # could not start is retried at least this often, so it is back soon after the fault.
+    BACKOFF_CAP = 5.0
+    NOT_STARTED = "not started yet"
 
     def __init__(self, state_dir: Path, reactor: Reactor, os_api: OSApi,
-                 handle: Callable[[dict, Callable[[dict], None]], None], watchdog: Any = None) -> None:
+                 handle: Callable[[dict, Callable[[dict], None]], None], watchdog: Any = None,
+                 journal: Any = None) -> None:
         self.state_dir = state_dir
         self.reactor = reactor
         self._handle = handle
         self._watchdog = watchdog
+        self._journal = journal
         self.ready = False
+        self.down_reason: str | None = self.NOT_STARTED  # journaled as up once it is ready
         self._cmd_fd: int | None = None
         self._reply: BufferedWriter | None = None
         self._frames = FrameReader()
-        self.child = SystemChild("manager server", reactor, os_api, self._spawn, self._exited)
+        self.child = SystemChild("manager server", reactor, os_api, self._spawn, self._exited,
+                                 backoff=Backoff(cap=self.BACKOFF_CAP), on_down=self._down)
 
     @property
     def pid(self) -> int | None:
@@ -180,23 +205,31 @@ class ManagerBridge:
     def start(self) -> None:
         self.child.start()
 
+    def _down(self, reason: str) -> None:
+        if reason != self.down_reason:  # a retry that fails the same way is no news
+            self.down_reason = reason
+            if self._journal is not None:
+                self._journal.event("manager", {"up": False, "reason": reason})
+
     def _spawn(self) -> int:
         (self.state_dir / "control.sock").unlink(missing_ok=True)  # a killed manager leaves it
-        cmd_r, cmd_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        os.set_inheritable(cmd_w, True)
-        os.set_inheritable(reply_r, True)
-        argv = [sys.executable, "-m", "orchestrator.manager", "--state-dir", str(self.state_dir),
-                "--parent-pid", str(os.getpid()), "--cmd-fd", str(cmd_w), "--reply-fd", str(reply_r)]
-        try:
+        opened: list[int] = []
+        try:  # at the fd limit any of these fails: what the attempt opened is closed again
+            cmd_r, cmd_w = os.pipe()
+            opened += (cmd_r, cmd_w)
+            reply_r, reply_w = os.pipe()
+            opened += (reply_r, reply_w)
+            os.set_inheritable(cmd_w, True)
+            os.set_inheritable(reply_r, True)
+            argv = [sys.executable, "-m", "orchestrator.manager", "--state-dir", str(self.state_dir),
+                    "--parent-pid", str(os.getpid()), "--cmd-fd", str(cmd_w), "--reply-fd", str(reply_r)]
             pid = os.posix_spawn(sys.executable, argv, os.environ)
         except OSError:
-            for fd in (cmd_r, reply_w):
+            for fd in opened:
                 os.close(fd)
             raise
-        finally:
-            os.close(cmd_w)
-            os.close(reply_r)
+        os.close(cmd_w)
+        os.close(reply_r)
         self.ready = False
         self._frames = FrameReader()
         os.set_blocking(cmd_r, False)
@@ -211,8 +244,13 @@ class ManagerBridge:
         return pid
 
     def _reply_frame(self, msg: dict) -> None:
-        if self._reply is not None:
-            self._reply.write(encode_frame(msg))
+        if self._reply is None:
+            return
+        try:
+            frame = encode_frame(msg, "the reply")
+        except ValueError as err:  # too large to send (or NaN): its caller gets why, at once
+            frame = encode_frame(error(msg.get("id"), str(err)))
+        self._reply.write(frame)
 
     def _on_commands(self) -> None:
         try:
@@ -225,6 +263,12 @@ class ManagerBridge:
         for cmd in self._frames.feed(data):
             if isinstance(cmd, dict) and cmd.get("op") == "_ready" and "id" not in cmd:  # the manager's own
                 self.ready = True
+                if self.down_reason is not None:  # also at start: a dead daemon's "down" is no longer true
+                    if self.down_reason != self.NOT_STARTED:
+                        log.info("the manager server is back (pid %s)", self.pid)
+                    self.down_reason = None
+                    if self._journal is not None:
+                        self._journal.event("manager", {"up": True, "pid": self.pid})
                 continue
             self._handle(cmd, self._reply_frame)
 

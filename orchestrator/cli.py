@@ -8,6 +8,8 @@ to stdout only.
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import os
 import sys
@@ -199,7 +201,68 @@ def _env_file(path: str) -> dict[str, str]:
         raise OrchestratorError(f"--env-file {err}") from None
 
 
+class _ClosedStdout(io.TextIOBase):
+    """stdout when fd 1 was closed (``>&-``): a write fails as it would on the fd, so a
+    command that has something to say ends with one line, and a ``--watch`` ends at all."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "cannot write to standard output: it is closed")
+
+
+def _standard_fds() -> None:
+    """Give a closed fd 0, 1 or 2 /dev/null, so that no file or socket opened later lands
+    there (a child would inherit it as its stdout); a closed stdout is remembered as one."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+
+
+def _silence_stdout() -> None:
+    """What stdout still buffers cannot be written (its reader is gone, the disk is full):
+    point fd 1 at /dev/null, so the flush at exit neither fails nor prints a traceback."""
+    try:
+        sys.stdout.flush()
+        return
+    except OSError:
+        pass
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(null, 1)
+    os.close(null)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Whatever it raises on purpose, and every failure to write its
+    output (a closed stdout, a reader that exited, a full disk), ends as an exit code and at
+    most one line on stderr, never a traceback."""
+    _standard_fds()
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
+        return EXIT_OK
+    except OSError as err:  # stdout closed or full, a state dir file we may not read: one line
+        where = f": {err.filename}" if err.filename else ""
+        print(f"orchestrator: {err.strerror or err}{where}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _silence_stdout()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     args.own_argv = argv is None  # sys.argv is ours: a re-exec of this command line is possible
     from .paths import Paths, check_state_dir, default_state_dir
@@ -210,22 +273,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Another user's dir, or one others can write, is refused before anything in it
             # is read; a missing one is fine here (status of a never-used dir: not running).
             check_state_dir(paths, create=False)
-        return _COMMANDS[args.command](args, paths)
+        code = _COMMANDS[args.command](args, paths)
+        sys.stdout.flush()  # here, where a failure is caught, not in the interpreter's exit
+        return code
     except DaemonNotRunning as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_NOT_RUNNING
     except OrchestratorError as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_ERROR
-    except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    except OSError as err:  # a file of the state dir we may not read, a full disk: one line
-        where = f": {err.filename}" if err.filename else ""
-        print(f"orchestrator: {err.strerror or err}{where}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        return 130
 
 
 def _emit(args: argparse.Namespace, data: Any, lines: Sequence[str] = ()) -> None:
@@ -285,14 +341,23 @@ def cmd_health(args: argparse.Namespace, paths: Any) -> int:
     from .errors import ChannelError
     from .metrics import format_health
 
+    from .channel import manager_down
+
     try:
         with _client(paths, timeout=1.0) as client:
             info = client.call("health", timeout=1.0)
-    except ChannelError as err:  # the loop did not answer within 1 s: that is the failure
-        info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
+    except ChannelError as err:
+        reason = manager_down(paths)
+        if reason is not None:  # nobody answers because the manager is down: say why
+            info = {"healthy": False, "parts": {"daemon": True, "manager": False}, "failed": ["manager"],
+                    "lag": None, "reason": reason, "error": str(err)}
+        else:  # the loop did not answer within 1 s: that is the failure
+            info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
     ok = bool(info.get("healthy"))
     if args.json:
         print(json.dumps(info))
+    elif "reason" in info:
+        print(f"unhealthy: manager down ({info['reason']})")
     else:
         print(format_health(ok, info) if "error" not in info else f"unhealthy: {info['error']}")
     return EXIT_OK if ok else EXIT_ERROR
@@ -577,7 +642,7 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
                     who = ev["replica"] or "-"
                     print(f"{ev['seq']:>8} {when} {ev['kind']:<10} {who:<16} {json.dumps(ev['data'])}",
                           flush=args.follow)
-            if not args.follow:
+            if not args.follow or logs.stdout_gone():
                 return EXIT_OK
             time.sleep(0.2)  # a reader of another process's file: there is no event to wait on
             rows = store.events(replica=args.replica, since=args.since, after_seq=seq)

@@ -343,7 +343,8 @@ class Daemon:
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
         self.watchdog = WatchdogChild(link, reactor, self.os)
-        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link)
+        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
+                                     journal=engine.journal)
         try:
             recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
                               cgroups=[previous_cgroup, self.containment.path])

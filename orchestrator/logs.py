@@ -102,6 +102,7 @@ import fcntl
 import logging
 import os
 import re
+import select
 import stat
 import sys
 import time
@@ -1033,6 +1034,19 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="then keep printing lines as they are written, until Ctrl-C (default: off)")
 
 
+def stdout_gone() -> bool:
+    """Nobody can read what we would write: stdout is closed, or it is a pipe whose reader
+    has exited (``| head -1``). A follow that has nothing new to write asks this, or it
+    would wait for the next line to find out (as ``tail -f`` did before coreutils 8.28)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):
+        return True
+    poll = select.poll()
+    poll.register(fd, 0)  # POLLERR, POLLHUP and POLLNVAL are reported without asking
+    return bool(poll.poll(0))
+
+
 def _quiet_stdout() -> None:
     """stdout's reader is gone (``| head -1``): point fd 1 at /dev/null, so the flush at
     exit finds somewhere to write and no traceback is printed."""
@@ -1075,7 +1089,7 @@ def cmd_logs(args: argparse.Namespace, paths: Any) -> int:
     try:
         if args.follow:
             try:
-                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=lambda: False,
+                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stdout_gone,
                                    lines=args.lines, pool=pool):
                     out.write(line + "\n")
                     out.flush()

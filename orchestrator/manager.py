@@ -15,21 +15,23 @@ EOF above, and the watchdog, which has it in its ledger.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import queue
+import select
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from multiprocess import process, util
+from multiprocess import connection, process, util
 
-from .channel import SERIALIZER, ChannelManager, read_authkey, socket_address, use_plain_pickling
+from .channel import SERIALIZER, ChannelManager, read_authkey, set_timeouts, socket_address, use_plain_pickling
 from .errors import OrchestratorError
 from .paths import Paths, check_state_dir
-from .protocol import FrameReader, encode_frame, is_plain
+from .protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
 from .spawner import set_pdeathsig
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
@@ -82,7 +84,10 @@ def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
                             "error": "malformed command: only plain data (dict, list, str, number, bool, None)"})
             continue  # without an id there is nobody to answer
         try:
-            frame = encode_frame(cmd)
+            frame = encode_frame(cmd, "the command")
+        except FrameTooLarge as err:  # the daemon could only drop it: say so now
+            board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": str(err)})
+            continue
         except ValueError as err:  # NaN and friends
             board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": f"malformed command: {err}"})
             continue
@@ -90,6 +95,124 @@ def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
             _write_all(cmd_fd, frame)
         except BrokenPipeError:
             os._exit(0)  # the daemon is gone
+
+
+class _Accepter:
+    """The Manager server's accepter (``Server.accepter``), without its two ways of failing
+    for good. multiprocess starts a thread per connection and lets a failed start end the
+    accepter, so that at a process limit (``pids.max``, systemd's ``TasksMax=``) one
+    connection left a manager that was alive and answered nothing ever again; and it retries
+    a failed ``accept()`` at once, so that at the fd limit it spun while every client waited
+    for its time-out. Here the one connection that cannot be served is answered with the
+    reason (the auth handshake and an error reply, bounded by socket time-outs), it is said
+    in the log, and the accepter goes on; a spare fd, given up for a moment, lets it take
+    that connection off the queue at the fd limit."""
+
+    REFUSAL_TIMEOUT = 1.0  # a refusal is served in the accepter's own thread: bound it
+    LOG_EVERY = 10.0  # at most one log line per this many seconds about refusals
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.refused = 0
+        self._logged_at = -self.LOG_EVERY
+        self._spare = self._open_spare()
+
+    @staticmethod
+    def _open_spare() -> int | None:
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn = self.server.listener.accept()
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE):
+                    continue  # a peer refused by uid, or one that hung up before we got to it
+                conn = self._at_fd_limit(err)
+                if conn is None:
+                    continue
+            try:
+                threading.Thread(target=self.server.handle_request, args=(conn,), daemon=True).start()
+            except RuntimeError as err:  # "can't start new thread": the process limit
+                self._refuse(conn, f"the daemon's manager server cannot start a thread for this connection "
+                                   f"({err}: is a process limit reached?); try again later")
+
+    def _at_fd_limit(self, err: OSError) -> Any:
+        """accept() failed for want of an fd: the next connection to serve (the limit was
+        lifted meanwhile), or None after refusing the queued one, or after a second with
+        none queued."""
+        # accept() takes an fd before it waits, so at the limit it fails at once whether a
+        # connection is queued or not: wait for one without an fd (poll), bounded.
+        poll = select.poll()
+        poll.register(self.server.listener.fileno(), select.POLLIN)
+        if not poll.poll(1000):
+            return None
+        try:
+            return self.server.listener.accept()
+        except OSError as again:
+            if again.errno not in (errno.EMFILE, errno.ENFILE):
+                return None
+        reason = (f"the daemon's manager server has no file descriptor for this connection "
+                  f"({err.strerror}); try again later")
+        if self._spare is None:
+            self._spare = self._open_spare()
+            if self._spare is None:  # not even the spare: it waits in the queue; do not spin
+                self._log(reason)
+                time.sleep(0.1)
+                return None
+        os.close(self._spare)
+        self._spare = None
+        try:
+            conn = self.server.listener.accept()  # the queued one, into the fd just given up
+        except OSError:
+            conn = None
+        if conn is not None:
+            self._refuse(conn, reason)
+        self._spare = self._open_spare()
+        return None
+
+    def _refuse(self, conn: Any, reason: str) -> None:
+        self.refused += 1
+        self._log(reason)
+        try:
+            set_timeouts(conn.fileno(), self.REFUSAL_TIMEOUT)
+            connection.deliver_challenge(conn, self.server.authkey)
+            connection.answer_challenge(conn, self.server.authkey)
+            conn.recv()  # the request it came with
+            conn.send(("#ERROR", OSError(reason)))  # the client raises it: one line, at once
+        except (OSError, EOFError, AssertionError, connection.AuthenticationError, OrchestratorError):
+            pass  # a peer that hung up, timed out or spoke nonsense: it is refused all the same
+        finally:
+            conn.close()
+
+    def _log(self, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY:
+            self._logged_at = now
+            print(f"orchestrator.manager: refused a connection ({self.refused} so far): {reason}",
+                  file=sys.stderr, flush=True)
+
+
+def _last_resort(name: str, target: Callable[[], None]) -> Callable[[], None]:
+    """``target`` as a thread's body that must never end: a manager without its accepter or
+    its forwarder is alive and answers nothing, and nothing would restart it."""
+
+    def run() -> None:
+        try:
+            target()
+        # The deliberate last-resort guard: whatever ended the thread (a bug, MemoryError),
+        # exiting is what brings the channel back, since the daemon restarts its manager.
+        except BaseException as err:  # noqa: BLE001
+            print(f"orchestrator.manager: the {name} thread failed ({err!r}): exiting, to be restarted",
+                  file=sys.stderr, flush=True)
+            os._exit(70)
+        print(f"orchestrator.manager: the {name} thread ended: exiting, to be restarted", file=sys.stderr, flush=True)
+        os._exit(70)
+
+    return run
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -137,8 +260,9 @@ def serve(argv: list[str] | None = None) -> None:
     process.current_process()._manager_server = server
     # Our own accepter thread instead of serve_forever(), whose main loop wakes every second.
     _write_all(args.cmd_fd, encode_frame({"op": "_ready", "pid": os.getpid()}))
-    threading.Thread(target=server.accepter, name="accepter", daemon=True).start()
-    threading.Thread(target=_forward, args=(commands, board, args.cmd_fd), name="forwarder", daemon=True).start()
+    threading.Thread(target=_last_resort("accepter", _Accepter(server).run), name="accepter", daemon=True).start()
+    forward = _last_resort("forwarder", lambda: _forward(commands, board, args.cmd_fd))
+    threading.Thread(target=forward, name="forwarder", daemon=True).start()
 
     reader = FrameReader()
     while True:

@@ -36,7 +36,7 @@ READ_ONLY = frozenset({"status", "wait", "ping", "health", "metrics"})  # never 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _REPLICA_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-([0-9]{1,18})")
 _FRAME = struct.Struct(">I")
-MAX_FRAME = 64 << 20  # a frame this large is a broken peer, not a command
+MAX_FRAME = 64 << 20  # a command or reply this large is refused with an error, never sent
 
 
 # -- commands and replies ----------------------------------------------------------
@@ -127,8 +127,17 @@ def client_bound(timeout: float | None) -> float | None:
 # -- frames between the manager server and the daemon ---------------------------------
 
 
-def encode_frame(msg: Any) -> bytes:
+class FrameTooLarge(ValueError):
+    """A message whose frame would exceed ``MAX_FRAME``: the sender answers it with an error
+    instead of sending it (the reader could only drop it, and its caller would wait)."""
+
+
+def encode_frame(msg: Any, what: str = "message") -> bytes:
+    """One frame; FrameTooLarge over ``MAX_FRAME``, ValueError for NaN and friends."""
     data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_FRAME:
+        raise FrameTooLarge(f"{what} is too large: {len(data) / (1 << 20):.1f} MiB as JSON, "
+                            f"the limit is {MAX_FRAME >> 20} MiB")
     return _FRAME.pack(len(data)) + data
 
 
@@ -144,8 +153,8 @@ class FrameReader:
         out = []
         while len(self._buf) >= 4:
             (size,) = _FRAME.unpack_from(self._buf)
-            if size > MAX_FRAME:
-                self._buf.clear()  # the stream cannot be resynchronised: drop it
+            if size > MAX_FRAME:  # no sender of ours writes one: a corrupt stream, never resynchronised
+                self._buf.clear()
                 self.errors += 1
                 break
             if len(self._buf) < 4 + size:

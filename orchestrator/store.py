@@ -715,9 +715,18 @@ class Store:
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
-        return [{"seq": seq, "ts": ts, "kind": kind, "replica": rep,
-                 "data": _loads(data) if data is not None else {}}
-                for seq, ts, kind, rep, data in self._rows(sql, args)]
+        return [self._event_dict(row) for row in self._rows(sql, args)]
+
+    @staticmethod
+    def _event_dict(row: tuple) -> dict:
+        seq, ts, kind, rep, data = row
+        return {"seq": seq, "ts": ts, "kind": kind, "replica": rep, "data": _loads(data) if data is not None else {}}
+
+    def last_event(self, kind: str) -> dict | None:
+        """The newest committed event of ``kind`` (shaped as in ``events``), or None."""
+        rows = self._rows("SELECT seq, ts, kind, replica, data FROM events WHERE kind = ? "
+                          "ORDER BY seq DESC LIMIT 1", (kind,))
+        return self._event_dict(rows[0]) if rows else None
 
     def last_seq(self) -> int:
         """Highest event seq ever committed (0 if none): where `events --follow` starts."""
