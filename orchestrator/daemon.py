@@ -43,8 +43,9 @@ from . import logs as log_files
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .errors import OrchestratorError, ShutdownRequested
+from .httpserver import MetricsServer
 from .logs import LogCapture
-from .metrics import LagMonitor, MetricsServer, health
+from .metrics import LagMonitor, health
 from .paths import Paths, default_state_dir, running_pid, take_lock
 from .policy import LIMIT_KEYS
 from .reactor import drain

@@ -1,10 +1,9 @@
-"""Metrics, loop lag and health of the daemon, and a loopback HTTP endpoint for them.
+"""Metrics, loop lag and health of the daemon.
 
 Everything here runs in the control loop (one thread, no locks): ``Metrics`` is fed by the
-engine's callbacks, ``LagMonitor`` is a reactor timer, ``MetricsServer`` is a non-blocking
-listening socket and non-blocking connections driven by the reactor. Nothing here sleeps,
-blocks or starts a thread, and no reactor callback of this module raises: a broken client
-is closed and counted.
+engine's callbacks and rendered by ``prometheus_client`` (a registry of its own holding one
+custom collector, ``generate_latest``), ``LagMonitor`` is a reactor timer. The loopback
+endpoint that serves them is ``httpserver.MetricsServer``.
 
 The ``daemon`` dict (what the daemon knows about itself; every key optional)::
 
@@ -52,15 +51,16 @@ Free text (a pool's ``reason``) is never a label; label values are escaped anywa
 from __future__ import annotations
 
 import collections
-import errno
-import json
 import logging
 import math
 import re
-import select
-import socket
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .reactor import Reactor, Timer
 from .states import ReplicaState
@@ -83,69 +83,7 @@ MAX_OPS = 64  # distinct command ops kept as labels; the rest is "other"
 _OP = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
-# -- text format ------------------------------------------------------------------------
-
-def escape_label(value: Any) -> str:
-    """A label value for the text format: backslash, double quote and newline escaped."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_value(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
-
-
-def _labels(labels: Mapping[str, Any]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items()) + "}"
-
-
-class _Text:
-    """Accumulates metric families in the exposition format 0.0.4."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str,
-               samples: Iterable[tuple[Mapping[str, Any], float]]) -> None:
-        name = PREFIX + name
-        self.lines.append(f"# HELP {name} {_escape_help(help_text)}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            self.lines.append(f"{name}{_labels(labels)} {format_value(value)}")
-
-    def histogram(self, name: str, help_text: str, series: Mapping[str, "_Histogram"], label: str) -> None:
-        name = PREFIX + name
-        self.lines.append(f"# HELP {name} {_escape_help(help_text)}")
-        self.lines.append(f"# TYPE {name} histogram")
-        for key in sorted(series):
-            h = series[key]
-            cumulative = 0
-            for bound, count in zip(h.bounds, h.counts):
-                cumulative += count
-                le = "+Inf" if bound == math.inf else repr(float(bound))
-                self.lines.append(f'{name}_bucket{_labels({label: key, "le": le})} {cumulative}')
-            self.lines.append(f"{name}_sum{_labels({label: key})} {format_value(h.sum)}")
-            self.lines.append(f"{name}_count{_labels({label: key})} {h.count}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
+# -- histograms -------------------------------------------------------------------------
 
 class _Histogram:
     __slots__ = ("bounds", "counts", "sum", "count")
@@ -165,6 +103,14 @@ class _Histogram:
                 break
         self.sum += value
         self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, as ``HistogramMetricFamily`` takes them."""
+        out, cumulative = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            cumulative += count
+            out.append((floatToGoString(bound), cumulative))
+        return out
 
 
 # -- the metrics ------------------------------------------------------------------------
@@ -192,6 +138,9 @@ class Metrics:
         self._log_bytes = 0
         self._log_dropped = 0
         self._churn: collections.deque[list[int]] = collections.deque()  # [second, launches]
+        self._collector = _Collector(self)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._collector)
 
     # -- fed by the engine --
 
@@ -267,7 +216,17 @@ class Metrics:
     # -- rendering --
 
     def render(self, status: Mapping[str, Any], daemon: Mapping[str, Any]) -> str:
-        out = _Text()
+        """The exposition text (format 0.0.4) of these counters with ``status`` and
+        ``daemon`` snapshots, by ``prometheus_client``'s ``generate_latest``."""
+        self._collector.snapshot = (status, daemon)
+        try:
+            return generate_latest(self._registry).decode("utf-8")
+        finally:
+            self._collector.snapshot = None
+
+    def families(self, status: Mapping[str, Any], daemon: Mapping[str, Any]) -> Iterator[Metric]:
+        """Every metric family, built from the counters and the snapshots (the collector's
+        ``collect``)."""
         pools = [p for p in status.get("pools") or () if isinstance(p, Mapping)]
         replicas = [r for r in status.get("replicas") or () if isinstance(r, Mapping)]
         names = [str(p.get("name")) for p in pools]
@@ -283,57 +242,84 @@ class Metrics:
         for name in names:  # the live states of every pool are there, at 0 when empty
             for state in LIVE_STATES:
                 by_state.setdefault((name, state), 0)
-        out.family("replicas", "gauge", "Replicas by pool and state.",
-                   (({"pool": p, "state": s}, n) for (p, s), n in sorted(by_state.items())))
-        out.family("replicas_ready", "gauge", "Replicas that are ready, by pool.",
-                   (({"pool": n}, ready.get(n, 0)) for n in sorted(names)))
+        yield _family(GaugeMetricFamily, "replicas", "Replicas by pool and state.", ("pool", "state"),
+                      sorted(by_state.items()))
+        yield _family(GaugeMetricFamily, "replicas_ready", "Replicas that are ready, by pool.", ("pool",),
+                      ((n, ready.get(n, 0)) for n in sorted(names)))
         pool_states: dict[str, int] = collections.Counter({s: 0 for s in POOL_STATES})
         for p in pools:
             pool_states[str(p.get("state") or "ok")] += 1
-        out.family("pools", "gauge", "Pools by state (ok, backoff, crashloop).",
-                   (({"state": s}, n) for s, n in sorted(pool_states.items())))
-        out.family("pool_desired_replicas", "gauge", "Desired size of each pool.",
-                   (({"pool": str(p.get("name"))}, _number(p.get("desired"))) for p in
-                    sorted(pools, key=lambda p: str(p.get("name")))))
-        out.family("replicas_launched_total", "counter", "Replicas launched, by pool.",
-                   (({"pool": p}, n) for p, n in sorted(self._launched.items())))
-        out.family("replica_exits_total", "counter", "Replica ends, by pool and kind.",
-                   (({"pool": p, "kind": k}, n) for (p, k), n in sorted(self._exits.items())))
-        out.family("restarts_total", "counter", "Replicas replaced after they ended, by pool.",
-                   (({"pool": p}, n) for p, n in sorted(self._restarts.items())))
-        out.family("crashloops_total", "counter", "Times a pool entered a crash loop.",
-                   (({"pool": p}, n) for p, n in sorted(self._crashloops.items())))
-        out.family("replica_churn_per_second", "gauge", "Replicas launched per second over the last 60 s.",
-                   [({}, self.churn_rate())])
+        yield _family(GaugeMetricFamily, "pools", "Pools by state (ok, backoff, crashloop).", ("state",),
+                      sorted(pool_states.items()))
+        yield _family(GaugeMetricFamily, "pool_desired_replicas", "Desired size of each pool.", ("pool",),
+                      ((str(p.get("name")), _number(p.get("desired")))
+                       for p in sorted(pools, key=lambda p: str(p.get("name")))))
+        yield _family(CounterMetricFamily, "replicas_launched", "Replicas launched, by pool.", ("pool",),
+                      sorted(self._launched.items()))
+        yield _family(CounterMetricFamily, "replica_exits", "Replica ends, by pool and kind.", ("pool", "kind"),
+                      sorted(self._exits.items()))
+        yield _family(CounterMetricFamily, "restarts", "Replicas replaced after they ended, by pool.", ("pool",),
+                      sorted(self._restarts.items()))
+        yield _family(CounterMetricFamily, "crashloops", "Times a pool entered a crash loop.", ("pool",),
+                      sorted(self._crashloops.items()))
+        yield GaugeMetricFamily(PREFIX + "replica_churn_per_second",
+                                "Replicas launched per second over the last 60 s.", value=self.churn_rate())
         if self.lag is not None:
-            out.family("loop_lag_seconds", "gauge", "How late the control loop ran its last lag timer.",
-                       [({}, self.lag.last)])
-            out.family("loop_lag_max_seconds", "gauge", "Largest lag of the control loop over the last 60 s.",
-                       [({}, self.lag.max_recent())])
-        out.family("commands_total", "counter", "Commands handled, by op and outcome.",
-                   (({"op": o, "outcome": r}, n) for (o, r), n in sorted(self._commands.items())))
-        out.histogram("command_duration_seconds", "Time from a command's arrival to its reply, by op.",
-                      self._latency, "op")
-        out.family("log_bytes", "gauge", "Bytes of replica output written to logs (as last reported).",
-                   [({}, _number(self._log_bytes))])
-        out.family("log_dropped", "gauge", "Log output dropped (as last reported).",
-                   [({}, _number(self._log_dropped))])
-        out.family("store_failures_total", "counter", "Failed writes to the state store.",
-                   [({}, self._store_failures)])
-        out.family("http_requests_total", "counter", "Metrics endpoint clients, by outcome.",
-                   (({"outcome": o}, n) for o, n in sorted(self._http.items())))
+            yield GaugeMetricFamily(PREFIX + "loop_lag_seconds", "How late the control loop ran its last lag timer.",
+                                    value=self.lag.last)
+            yield GaugeMetricFamily(PREFIX + "loop_lag_max_seconds",
+                                    "Largest lag of the control loop over the last 60 s.", value=self.lag.max_recent())
+        yield _family(CounterMetricFamily, "commands", "Commands handled, by op and outcome.", ("op", "outcome"),
+                      sorted(self._commands.items()))
+        latency = HistogramMetricFamily(PREFIX + "command_duration_seconds",
+                                        "Time from a command's arrival to its reply, by op.", labels=("op",))
+        for op in sorted(self._latency):
+            h = self._latency[op]
+            latency.add_metric((op,), buckets=h.buckets(), sum_value=h.sum)
+        yield latency
+        yield GaugeMetricFamily(PREFIX + "log_bytes", "Bytes of replica output written to logs (as last reported).",
+                                value=_number(self._log_bytes))
+        yield GaugeMetricFamily(PREFIX + "log_dropped", "Log output dropped (as last reported).",
+                                value=_number(self._log_dropped))
+        yield CounterMetricFamily(PREFIX + "store_failures", "Failed writes to the state store.",
+                                  value=self._store_failures)
+        yield _family(CounterMetricFamily, "http_requests", "Metrics endpoint clients, by outcome.", ("outcome",),
+                      sorted(self._http.items()))
         started = daemon.get("started_at")
         if isinstance(started, (int, float)) and not isinstance(started, bool):
-            out.family("daemon_start_time_seconds", "gauge", "Wall-clock start of the daemon.",
-                       [({}, float(started))])
-            out.family("daemon_uptime_seconds", "gauge", "Seconds since the daemon started.",
-                       [({}, max(0.0, self.wall() - float(started)))])
+            yield GaugeMetricFamily(PREFIX + "daemon_start_time_seconds", "Wall-clock start of the daemon.",
+                                    value=float(started))
+            yield GaugeMetricFamily(PREFIX + "daemon_uptime_seconds", "Seconds since the daemon started.",
+                                    value=max(0.0, self.wall() - float(started)))
         alive = _alive(daemon)
-        out.family("up", "gauge", "1 when the part is alive (daemon, watchdog, manager).",
-                   (({"part": part}, 1 if alive[part] else 0) for part in ("daemon", "watchdog", "manager")))
+        yield _family(GaugeMetricFamily, "up", "1 when the part is alive (daemon, watchdog, manager).", ("part",),
+                      ((part, 1 if alive[part] else 0) for part in ("daemon", "watchdog", "manager")))
         if daemon.get("version") is not None:
-            out.family("build_info", "gauge", "The daemon's version.", [({"version": daemon["version"]}, 1)])
-        return out.text()
+            yield _family(GaugeMetricFamily, "build_info", "The daemon's version.", ("version",),
+                          [(daemon["version"], 1)])
+
+
+class _Collector(Collector):
+    """``prometheus_client``'s view of one ``Metrics``: a custom collector whose
+    ``collect()`` builds the families from the snapshot ``render`` hands it."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.snapshot: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        status, daemon = self.snapshot or ({}, {})
+        return self.metrics.families(status, daemon)
+
+
+def _family(kind: Callable[..., Metric], name: str, help_text: str, labels: tuple[str, ...],
+            samples: Iterable[tuple[Any, float]]) -> Metric:
+    """A labelled family from ``(key, value)`` pairs; a key is one label value or a tuple."""
+    family = kind(PREFIX + name, help_text, labels=labels)
+    for key, value in samples:
+        values = key if isinstance(key, tuple) else (key,)
+        family.add_metric([str(v) for v in values], value)
+    return family
 
 
 def _number(value: Any) -> float:
@@ -434,320 +420,9 @@ def format_health(ok: bool, info: Mapping[str, Any]) -> str:
     for part in failed:
         if part == "loop":
             limit = info.get("lag_limit", LAG_LIMIT)
-            words.append(f"control loop slow ({lag_text}, limit {format_value(limit)} s)")
+            words.append(f"control loop slow ({lag_text}, limit {limit:g} s)")
         else:
             words.append(f"{part} down")
     if "loop" not in failed:
         words.append(lag_text)
     return "unhealthy: " + "; ".join(words or ["unknown"])
-
-
-# -- the HTTP endpoint ------------------------------------------------------------------
-
-MAX_REQUEST = 8192
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
-_REFUSAL = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n")
-
-
-class _Conn:
-    __slots__ = ("sock", "fd", "inbuf", "out", "sent", "timer", "outcome")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.inbuf = bytearray()
-        self.out: bytes | None = None  # the response, once there is one
-        self.sent = 0
-        self.timer: Timer | None = None
-        self.outcome = ""
-
-
-class MetricsServer:
-    """``GET /metrics`` (and ``/healthz``) over HTTP/1.0 on 127.0.0.1:``port``, served by the
-    loop: a non-blocking listener and connections in a private epoll whose fd is one reader of
-    the reactor (the reactor's writer API cannot share an fd with a reader, so readiness for
-    both directions is watched here). A request is read up to 8 KiB within
-    ``request_timeout`` s, the response written as the socket takes it within
-    ``write_timeout`` s; beyond ``max_connections`` a client gets a 503 and is closed.
-
-    ``render()`` gives the /metrics body; ``healthz()`` -> (ok, info) gives /healthz (200 or
-    503, info as JSON; 404 when None). ``port`` 0 binds an ephemeral port (``.port`` says
-    which). ``counts`` holds what happened to clients (outcome -> n), and ``on_outcome``
-    (e.g. ``Metrics.http_request``) hears each outcome. A port that cannot be bound raises
-    OSError with a one-line message.
-    """
-
-    HOST = "127.0.0.1"
-
-    def __init__(self, reactor: Reactor, port: int, render: Callable[[], str],
-                 healthz: Callable[[], tuple[bool, dict]] | None = None, *,
-                 max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
-                 on_outcome: Callable[[str], None] | None = None) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise OSError(errno.EINVAL, f"invalid metrics port {port!r} (0-65535)")
-        self.reactor = reactor
-        self.render = render
-        self.healthz = healthz
-        self.max_connections = max_connections
-        self.request_timeout = request_timeout
-        self.write_timeout = write_timeout
-        self.on_outcome = on_outcome
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.closed = False
-        self._conns: dict[int, _Conn] = {}
-        self._listening = False
-        self._resume: Timer | None = None
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # close-on-exec, as every Python fd
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.HOST, port))
-            sock.listen(64)
-            sock.setblocking(False)
-        except OSError as err:
-            sock.close()
-            raise OSError(err.errno, f"cannot serve metrics on {self.HOST}:{port}: "
-                                     f"{err.strerror or err}") from None
-        self._sock = sock
-        self.port: int = sock.getsockname()[1]
-        try:
-            self._ep = select.epoll()  # close-on-exec too
-        except OSError:
-            sock.close()
-            raise
-        try:
-            self._ep.register(sock.fileno(), select.EPOLLIN)
-            reactor.add_reader(self._ep.fileno(), self._on_ready)
-        except BaseException:
-            self._ep.close()
-            sock.close()
-            raise
-        self._listening = True
-
-    # -- bookkeeping --
-
-    def _count(self, outcome: str) -> None:
-        self.counts[outcome] += 1
-        if self.on_outcome is not None:
-            try:
-                self.on_outcome(outcome)
-            except Exception:
-                log.exception("metrics server: on_outcome")
-
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
-
-    # -- events --
-
-    def _on_ready(self) -> None:
-        if self.closed:
-            return
-        try:
-            events = self._ep.poll(0, 64)
-        except OSError:
-            return
-        for fd, mask in events:
-            if self.closed:
-                return
-            if fd == self._sock.fileno():
-                try:
-                    self._accept()
-                except Exception:
-                    log.exception("metrics server: accept")
-                continue
-            conn = self._conns.get(fd)
-            if conn is None:
-                continue
-            try:
-                if conn.out is None:
-                    self._read(conn, mask)
-                else:
-                    self._write(conn)
-            except Exception:  # a broken client, or a bug here: never out of the loop
-                log.debug("metrics server: client failed", exc_info=True)
-                self._close(conn, conn.outcome or "error")
-
-    def _accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, _addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:  # EMFILE, ENOBUFS...: stop accepting for a moment
-                self._count("accept_error")
-                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause()
-                return
-            try:
-                sock.setblocking(False)
-                if len(self._conns) >= self.max_connections:
-                    try:
-                        sock.send(_REFUSAL, socket.MSG_NOSIGNAL)
-                    except OSError:
-                        pass
-                    sock.close()
-                    self._count("refused")
-                    continue
-                conn = _Conn(sock)
-                self._ep.register(conn.fd, select.EPOLLIN | select.EPOLLRDHUP)
-            except OSError:
-                sock.close()
-                self._count("error")
-                continue
-            self._conns[conn.fd] = conn
-            conn.timer = self.reactor.call_later(self.request_timeout, lambda c=conn: self._expire(c))
-
-    def _pause(self) -> None:
-        if not self._listening:
-            return
-        try:
-            self._ep.unregister(self._sock.fileno())
-        except OSError:
-            pass
-        self._listening = False
-        self._resume = self.reactor.call_later(1.0, self._unpause)
-
-    def _unpause(self) -> None:
-        self._resume = None
-        if self.closed or self._listening:
-            return
-        try:
-            self._ep.register(self._sock.fileno(), select.EPOLLIN)
-            self._listening = True
-        except OSError:
-            log.exception("metrics server: cannot listen again")
-
-    def _expire(self, conn: _Conn) -> None:
-        try:
-            if self._conns.get(conn.fd) is conn:
-                conn.timer = None
-                self._close(conn, "timeout")
-        except Exception:
-            log.exception("metrics server: timeout")
-
-    def _read(self, conn: _Conn, mask: int) -> None:
-        while True:
-            want = MAX_REQUEST + 1 - len(conn.inbuf)
-            try:
-                data = conn.sock.recv(max(want, 1))
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close(conn, "error")
-                return
-            if not data:  # the client closed (or half-closed) before a whole request
-                if not self._complete(conn.inbuf):
-                    self._close(conn, "closed_early")
-                    return
-                break
-            conn.inbuf += data
-            if self._complete(conn.inbuf) or len(conn.inbuf) > MAX_REQUEST:
-                break
-        if self._complete(conn.inbuf):
-            self._respond(conn, *self._handle(bytes(conn.inbuf)))
-        elif len(conn.inbuf) > MAX_REQUEST:
-            conn.outcome = "too_large"
-            self._respond(conn, 431, "text/plain; charset=utf-8", b"request too large\n")
-        elif mask & (select.EPOLLHUP | select.EPOLLERR):
-            self._close(conn, "closed_early")
-
-    @staticmethod
-    def _complete(buf: bytearray) -> bool:
-        return b"\r\n\r\n" in buf or b"\n\n" in buf
-
-    def _handle(self, request: bytes) -> tuple[int, str, bytes, bool]:
-        """(status, content type, body, head only) for one request."""
-        text = "text/plain; charset=utf-8"
-        line = request.split(b"\n", 1)[0].rstrip(b"\r").decode("latin-1")
-        parts = line.split()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return 400, text, b"bad request\n", False
-        method, target = parts[0], parts[1]
-        path = target.split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            return 405, text, b"only GET\n", False
-        head = method == "HEAD"
-        if path == "/metrics":
-            try:
-                body = self.render().encode("utf-8")
-            except Exception:
-                log.exception("metrics server: render failed")
-                return 500, text, b"metrics failed\n", head
-            return 200, CONTENT_TYPE, body, head
-        if path == "/healthz" and self.healthz is not None:
-            try:
-                ok, info = self.healthz()
-                body = (json.dumps(info, sort_keys=True) + "\n").encode("utf-8")
-            except Exception:
-                log.exception("metrics server: health failed")
-                return 500, text, b"health failed\n", head
-            return (200 if ok else 503), "application/json", body, head
-        return 404, text, b"not found: try /metrics or /healthz\n", head
-
-    def _respond(self, conn: _Conn, status: int, ctype: str, body: bytes, head: bool = False) -> None:
-        if not conn.outcome:
-            conn.outcome = ("served" if status < 400 or status == 503 else
-                            "bad_request" if status < 500 else "error")
-        header = (f"HTTP/1.0 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
-                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
-        conn.out = header if head else header + body
-        conn.inbuf.clear()
-        if conn.timer is not None:
-            conn.timer.cancel()
-        conn.timer = self.reactor.call_later(self.write_timeout, lambda c=conn: self._expire(c))
-        self._ep.modify(conn.fd, select.EPOLLOUT)
-        self._write(conn)
-
-    def _write(self, conn: _Conn) -> None:
-        assert conn.out is not None
-        try:
-            while conn.sent < len(conn.out):
-                n = conn.sock.send(memoryview(conn.out)[conn.sent:conn.sent + 65536], socket.MSG_NOSIGNAL)
-                if n <= 0:
-                    break
-                conn.sent += n
-        except (BlockingIOError, InterruptedError):
-            return  # the rest on EPOLLOUT
-        except OSError:
-            self._close(conn, "error")
-            return
-        if conn.sent >= len(conn.out):
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-                while conn.sock.recv(4096):  # what the client sent beyond the request: a close
-                    pass                     # with unread data would reset the connection
-            except OSError:
-                pass
-            self._close(conn, conn.outcome)
-
-    def _close(self, conn: _Conn, outcome: str) -> None:
-        if self._conns.pop(conn.fd, None) is None:
-            return
-        if conn.timer is not None:
-            conn.timer.cancel()
-            conn.timer = None
-        try:
-            self._ep.unregister(conn.fd)
-        except (OSError, ValueError):
-            pass
-        conn.sock.close()
-        self._count(outcome)
-
-    def close(self) -> None:
-        """Close the listener and every connection; the reactor forgets our fd. Idempotent."""
-        if self.closed:
-            return
-        for conn in list(self._conns.values()):
-            self._close(conn, "closed_by_server")
-        self.closed = True
-        if self._resume is not None:
-            self._resume.cancel()
-        try:
-            self.reactor.remove_reader(self._ep.fileno())
-        except (KeyError, ValueError, OSError):
-            pass
-        self._ep.close()
-        self._sock.close()
