@@ -487,13 +487,43 @@ class Daemon:
     # -- operations: config, health, metrics --------------------------------------------
 
     def _apply(self, new: config_file.Config) -> dict:
-        """Make the table what the file declares: new pools started, changed ones rolled,
-        resized ones scaled, pools an earlier file declared and this one does not deleted."""
+        """Make the table what the file declares: pools an earlier file declared and this
+        one does not deleted, changed ones rolled, resized ones scaled, new pools started.
+
+        Removed pools go first, and while the replicas of deleted pools are still ending,
+        new pools wait for them to be reaped (a renamed pool of servers on fixed ports would otherwise start
+        while the old one still holds the ports); that wait is bounded by the grace, after
+        which they are started anyway."""
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
+        engine = self.engine
+        removed = engine.undeclare_missing(set(new.pools))
+        ending = engine.deleted_not_ended()  # these, and those of an earlier delete
+        later: list[str] = []
         for decl in new.pools.values():
-            done[self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)].append(decl.name)
-        done["removed"] = self.engine.undeclare_missing(set(new.pools))
+            if ending and not engine.has_pool(decl.name):
+                later.append(decl.name)
+                done["added"].append(decl.name)
+                continue
+            done[engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)].append(decl.name)
+        done["removed"] = removed
+        if later:
+            engine.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
         return done
+
+    def _add_later(self, names: list[str], ended: bool) -> None:
+        """Start the pools _apply held back, as the config file declares them now (a later
+        reload may have changed or removed them meanwhile)."""
+        if not ended:
+            log.warning("config: the removed pools' replicas have not all ended; starting %s anyway",
+                        ", ".join(names))
+        for name in names:
+            decl = self.config.pools.get(name) if self.config is not None else None
+            if decl is None:
+                continue
+            try:
+                self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+            except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
+                log.error("config: pool %s: %s", name, err)
 
     def _prune_logs(self) -> None:
         """Logs live as long as their replica's record: drop those the journal forgot."""
