@@ -42,11 +42,11 @@ from . import containment, logsink, probes
 from . import logs as log_files
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
-from .errors import OrchestratorError, ShutdownRequested
+from .errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from .logs import LogCapture
 from .metrics import LagMonitor, MetricsServer, health
 from .paths import Paths, default_state_dir, running_pid, take_lock
-from .policy import LIMIT_KEYS, Policy
+from .policy import LIMIT_KEYS
 from .reactor import drain
 from .recovery import recover_leftovers
 from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
@@ -486,14 +486,16 @@ class Daemon:
 
     # -- operations: config, health, metrics --------------------------------------------
 
-    def _apply(self, new: config_file.Config) -> dict:
+    def _apply(self, new: config_file.Config, prepared: dict[str, Any] | None = None) -> dict:
         """Make the table what the file declares: pools an earlier file declared and this
         one does not deleted, changed ones rolled, resized ones scaled, new pools started.
 
         Removed pools go first, and while the replicas of deleted pools are still ending,
         new pools wait for them to be reaped (a renamed pool of servers on fixed ports would otherwise start
         while the old one still holds the ports); that wait is bounded by the grace, after
-        which they are started anyway."""
+        which they are started anyway. ``prepared``: engine.prepare_declared() of each
+        pool, when the caller checked them all already."""
+        prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
         engine = self.engine
         removed = engine.undeclare_missing(set(new.pools))
@@ -504,7 +506,8 @@ class Daemon:
                 later.append(decl.name)
                 done["added"].append(decl.name)
                 continue
-            done[engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)].append(decl.name)
+            what = engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            done[what].append(decl.name)
         done["removed"] = removed
         if later:
             engine.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
@@ -538,10 +541,14 @@ class Daemon:
         if self.config_path is None:
             raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
         new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
-        for decl in new.pools.values():  # refuse the whole file before changing anything
-            self.engine._prepare(decl.spec)
-            self.engine.containment.check_limits(Policy.from_wire(_policy_of(decl)).limits)
-        done = self._apply(new)
+        # the whole file is checked before anything changes
+        prepared: dict[str, Any] = {}
+        for decl in new.pools.values():
+            try:
+                prepared[decl.name] = self.engine.prepare_declared(decl.spec, _policy_of(decl))
+            except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
+                raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
+        done = self._apply(new, prepared)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new
         self.engine.config.grace = self.grace = new.daemon.grace if self._given["grace"] is None else self.grace

@@ -89,7 +89,16 @@ class Supervision:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int) -> str:
+    def prepare_declared(self, spec: dict, policy: dict) -> tuple[Any, Policy]:
+        """A config pool's spec and policy made ready (InvalidSpec if they cannot be): a
+        reload checks every pool of the file before it changes anything."""
+        runtime = self._prepare(spec)
+        pol = Policy.from_wire(policy)
+        self.containment.check_limits(pol.limits)
+        return runtime, pol
+
+    def declare(self, name: str, spec: dict, policy: dict, size: int,
+                prepared: tuple[Any, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
         or resized. Returns what it did: added, changed, resized or unchanged.
@@ -98,10 +107,9 @@ class Supervision:
         live replica made from another spec or policy than the one declared is rolled (an
         earlier rollout that gave up, or one still in flight, leaves such replicas), and a
         rollout of an earlier reload still in flight is superseded by this one, so that the
-        last file read is what the pool ends as, at its size."""
-        runtime = self._prepare(spec)
-        pol = Policy.from_wire(policy)
-        self.containment.check_limits(pol.limits)
+        last file read is what the pool ends as, at its size. ``prepared``: what
+        prepare_declared() made of ``spec`` and ``policy`` already."""
+        runtime, pol = prepared or self.prepare_declared(spec, policy)
         pool = self._pools.get(protocol.pool_name(name))
         if pool is None or pool.deleted:
             if pool is None:
@@ -111,7 +119,7 @@ class Supervision:
             pool.clear()
             self._converge(pool, size)
             return "added"
-        pool.declared = True
+        was_declared, pool.declared = pool.declared, True
         changed = runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy
         if changed:
             pool.runtime, pool.policy = runtime, pol
@@ -125,7 +133,8 @@ class Supervision:
                     rollout.then_scale = size
                 return "resized" if resized else "unchanged"
             if size == pool.desired:
-                self._save_pool(pool)
+                if not was_declared:  # a launched pool the file now declares: stored as such
+                    self._save_pool(pool)
                 return "unchanged"
             pool.clear()
             self._converge(pool, size)
