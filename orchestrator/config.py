@@ -28,12 +28,14 @@ a target is imported in the worker, a cwd is checked when a replica is made.
 
 The file, and every ``env_file`` it names, is read under the state dir's trust rules
 (``paths.read_operator_file``): a regular file, owned by the reader's uid or root, that
-nobody else can write; a config file of at most 1 MiB, an env file of at most 1 MiB, and
+nobody else can write; a config file of at most 256 KiB, an env file of at most 1 MiB, and
 all the env files of one config file at most 4 MiB together. Anything else is refused
 with one line before a byte of it is read.
 
-``diff(old, new)`` is what ``reload`` applies: pools added, removed, changed (what runs or
-how it is supervised differs: rolled onto the new spec) and resized (only ``size`` differs).
+``diff(old, new)`` compares two files: pools added, removed, changed (what runs or how it
+is supervised differs) and resized (only ``size`` differs), and the ``[daemon]`` settings
+that differ. ``reload`` uses it for those settings only: what it does to a pool is decided
+against what runs (``Supervision.declare``), not against the file read before.
 """
 
 from __future__ import annotations
