@@ -458,6 +458,9 @@ class Daemon:
                 if self.config_path is None:
                     log.info("SIGHUP: no config file to reload (start --config FILE)")
                     continue
+                if self.engine.closing:
+                    log.info("SIGHUP during shutdown: not reloading")
+                    continue
                 try:
                     log.info("SIGHUP: reloaded %s: %s", self.config_path, self._cmd_reload({}))
                 except OrchestratorError as err:
@@ -516,6 +519,8 @@ class Daemon:
     def _add_later(self, names: list[str], ended: bool) -> None:
         """Start the pools _apply held back, as the config file declares them now (a later
         reload may have changed or removed them meanwhile)."""
+        if self.engine.closing:  # the wait ended because the daemon stops: nothing to start
+            return
         if not ended:
             log.warning("config: the removed pools' replicas have not all ended; starting %s anyway",
                         ", ".join(names))

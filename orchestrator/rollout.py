@@ -60,6 +60,12 @@ class Rollout:
         """The replicas it still reads: the old and new ones of its steps in flight."""
         return [rid for step in self._active for rid in (step.old, step.new) if rid is not None]
 
+    def stopped_unreplaced(self) -> list[str]:
+        """Old replicas it asked to stop whose replacement it has not launched yet (stop
+        first: the slot waits for the old one to end). A rollout that supersedes this one
+        takes them over, so that their slots are filled again."""
+        return [step.old for step in self._active if step.old_stopped and step.new is None]
+
     def advance(self) -> None:
         """Move every step as far as the replicas' states allow; start new steps while
         there is room and nothing has failed; finish once all is done."""

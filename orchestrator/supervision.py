@@ -139,17 +139,20 @@ class Supervision:
             pool.clear()
             self._converge(pool, size)
             return "resized"
+        taken_over: list[str] = []
         for rollout in rolling:
+            taken_over += rollout.stopped_unreplaced()
             rollout.finish("superseded by a reload of the config file")
         pool.clear()
-        olds = self._one_per_slot(pool, stale)
+        # the slots emptied already are filled first, then the stale replicas are rolled
+        olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
 
         def logged(msg: dict) -> None:
             if not msg.get("ok"):
                 log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
 
         self._save_pool(pool)
-        self._start_rollout(pool, [r.id for r in olds], 1, logged, None, protocol.DEFAULT_WAIT, then_scale=size)
+        self._start_rollout(pool, olds, 1, logged, None, protocol.DEFAULT_WAIT, then_scale=size)
         return "changed"
 
     def _runs_declared(self, pool: Pool, rep: Replica) -> bool:
