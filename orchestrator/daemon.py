@@ -494,10 +494,10 @@ class Daemon:
         one does not deleted, changed ones rolled, resized ones scaled, new pools started.
 
         Removed pools go first, and while the replicas of deleted pools are still ending,
-        new pools wait for them to be reaped (a renamed pool of servers on fixed ports would otherwise start
-        while the old one still holds the ports); that wait is bounded by the grace, after
-        which they are started anyway. ``prepared``: engine.prepare_declared() of each
-        pool, when the caller checked them all already."""
+        new pools wait for them to be reaped (a pool of servers on fixed ports, renamed,
+        would otherwise start while the old one still holds the ports); that wait is bounded
+        by the grace plus 10 s, after which they are started anyway. ``prepared``:
+        engine.prepare_declared() of each pool, when the caller checked them all already."""
         prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
         engine = self.engine
