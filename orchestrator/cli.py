@@ -196,7 +196,7 @@ def _env_file(path: str) -> dict[str, str]:
     from .config import read_env_file  # the config file's env_file reads the same format
 
     try:
-        return read_env_file(path)
+        return read_env_file(path, trusted=False)  # read with the caller's own rights
     except OrchestratorError as err:
         raise OrchestratorError(f"--env-file {err}") from None
 

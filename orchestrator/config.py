@@ -26,8 +26,16 @@ silently ignored), with the close matches as a suggestion. Everything is checked
 the words the daemon would use (``Policy``, ``WorkerSpec``), but nothing is imported or run:
 a target is imported in the worker, a cwd is checked when a replica is made.
 
-``diff(old, new)`` is what ``reload`` applies: pools added, removed, changed (what runs or
-how it is supervised differs: rolled onto the new spec) and resized (only ``size`` differs).
+The file, and every ``env_file`` it names, is read under the state dir's trust rules
+(``paths.read_operator_file``): a regular file, owned by the reader's uid or root, that
+nobody else can write; a config file of at most 256 KiB, an env file of at most 1 MiB, and
+all the env files of one config file at most 4 MiB together. Anything else is refused
+with one line before a byte of it is read.
+
+``diff(old, new)`` compares two files: pools added, removed, changed (what runs or how it
+is supervised differs) and resized (only ``size`` differs), and the ``[daemon]`` settings
+that differ. ``reload`` uses it for those settings only: what it does to a pool is decided
+against what runs (``Supervision.declare``), not against the file read before.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from .errors import InvalidSpec, OrchestratorError
+from .paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, read_operator_file
 from .policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
 from .protocol import MAX_COUNT, pool_name
 from .spec import make_spec
@@ -52,6 +61,7 @@ __all__ = ["Config", "ConfigError", "DaemonSettings", "Plan", "PoolDecl", "diff"
 LOG_MAX_BYTES = 10 << 20
 LOG_BACKUPS = 3
 CPU_WEIGHT_MAX = 10_000  # cgroup v2 cpu.weight is 1..10000
+ENV_FILES_MAX_BYTES = 4 << 20  # all the env files one config file names, together
 
 # The cgroup limits are Policy fields too, but a [pools.NAME] table's own keys here (PoolDecl).
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name not in LIMIT_KEYS)
@@ -196,11 +206,9 @@ def load(path: str | os.PathLike) -> Config:
     """Read and check a config file; relative paths in it are relative to its directory."""
     source = os.fspath(path)
     try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except OSError as err:
-        raise ConfigError(f"{source}: cannot read the config file: {err.strerror or err}",
-                          source=source, problem=str(err)) from None
+        data = read_operator_file(source, "config file", CONFIG_MAX_BYTES)
+    except UnsafeFile as err:
+        raise ConfigError(str(err), source=source, problem=str(err)) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -223,6 +231,8 @@ class _Reader:
     def __init__(self, text: str, source: str, base_dir: str) -> None:
         self.text, self.source, self.base_dir = text, source, base_dir
         self.lines = _KeyLines(text)
+        self.env_files: dict[str, tuple[int, dict[str, str]]] = {}  # path -> (size, variables)
+        self.env_bytes = 0
 
     # errors, with the line of the key they are about
     def fail(self, path: tuple[str, ...], problem: str) -> ConfigError:
@@ -375,7 +385,7 @@ class _Reader:
             if not isinstance(path, str) or not path:
                 raise self.fail((*here, "env_file"), f"must be a file name, got {path!r}")
             try:
-                env.update(read_env_file(os.path.join(self.base_dir, path)))
+                env.update(self._env_file(os.path.join(self.base_dir, path)))
             except InvalidSpec as err:
                 raise self.fail((*here, "env_file"), str(err)) from None
         if "env" in table:
@@ -401,11 +411,29 @@ class _Reader:
             key = "env_file" if "env_file" in table and "env" in str(err) else "command" if has_command else "target"
             raise self.fail((*here, key), str(err)) from None
 
+    def _env_file(self, path: str) -> dict[str, str]:
+        """An env file's variables; each file is read once, but each pool that names one
+        counts its size against the bound of all of them together (every pool carries a
+        copy in its spec)."""
+        if path not in self.env_files:
+            data = read_operator_file(path, "env file", ENV_FILE_MAX_BYTES)
+            self.env_files[path] = (len(data), parse_env(data, path))
+        size, env = self.env_files[path]
+        self.env_bytes += size
+        if self.env_bytes > ENV_FILES_MAX_BYTES:
+            raise InvalidSpec(f"the env files of this config file's pools add up to more than "
+                              f"{ENV_FILES_MAX_BYTES >> 20} MiB: refusing {path}")
+        return dict(env)
+
     def _policy(self, here: tuple[str, ...], table: dict) -> dict:
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k in POLICY_KEYS}
+        try:
+            return Policy(**given).to_wire()  # the common case, checked once
+        except (InvalidSpec, TypeError):
+            pass
         port_base = given.get("port_base")
-        # Each key on its own first, so an error names the key it is about; a probe with
-        # {port} is checked with the pool's port base when that one is valid.
+        # Refused: each key on its own, so the error names the key it is about; a probe
+        # with {port} is checked with the pool's port base when that one is valid.
         base_ok = False
         if "port_base" in given:
             try:
@@ -437,15 +465,21 @@ class _Reader:
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _MODULE = re.compile(rf"{_IDENT}(?:\.{_IDENT})*")
 _TARGET = re.compile(rf"{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*")
-def read_env_file(path: str) -> dict[str, str]:
+
+
+def read_env_file(path: str, *, trusted: bool = True) -> dict[str, str]:
+    """An env file, as ``launch --env-file`` and a pool's ``env_file`` read it (see
+    ``parse_env``), under the trust rules (``paths.read_operator_file``; ``trusted=False``:
+    read by a client with its user's own rights, only the type and size rules hold)."""
+    return parse_env(read_operator_file(path, "env file", ENV_FILE_MAX_BYTES, trusted=trusted), path)
+
+
+def parse_env(data: bytes, path: str) -> dict[str, str]:
     """``KEY=VALUE`` lines (``#`` comments, blank lines, an optional ``export ``, a value
-    in matching quotes unquoted), as ``launch --env-file`` reads them."""
+    in matching quotes unquoted)."""
     env: dict[str, str] = {}
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as err:
-        raise InvalidSpec(f"{path}: {err.strerror or err}") from None
+        lines = data.decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise InvalidSpec(f"{path}: not UTF-8 text") from None
     for number, line in enumerate(lines, 1):

@@ -42,7 +42,7 @@ from . import containment, logsink, probes
 from . import logs as log_files
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
-from .errors import OrchestratorError, ShutdownRequested
+from .errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from .httpserver import MetricsServer
 from .logs import LogCapture
 from .metrics import LagMonitor, health
@@ -463,6 +463,9 @@ class Daemon:
                 if self.config_path is None:
                     log.info("SIGHUP: no config file to reload (start --config FILE)")
                     continue
+                if self.engine.closing:
+                    log.info("SIGHUP during shutdown: not reloading")
+                    continue
                 try:
                     log.info("SIGHUP: reloaded %s: %s", self.config_path, self._cmd_reload({}))
                 except OrchestratorError as err:
@@ -491,14 +494,49 @@ class Daemon:
 
     # -- operations: config, health, metrics --------------------------------------------
 
-    def _apply(self, new: config_file.Config) -> dict:
-        """Make the table what the file declares: new pools started, changed ones rolled,
-        resized ones scaled, pools an earlier file declared and this one does not deleted."""
+    def _apply(self, new: config_file.Config, prepared: dict[str, Any] | None = None) -> dict:
+        """Make the table what the file declares: pools an earlier file declared and this
+        one does not deleted, changed ones rolled, resized ones scaled, new pools started.
+
+        Removed pools go first, and while the replicas of deleted pools are still ending,
+        new pools wait for them to be reaped (a pool of servers on fixed ports, renamed,
+        would otherwise start while the old one still holds the ports); that wait is bounded
+        by the grace plus 10 s, after which they are started anyway. ``prepared``:
+        engine.prepare_declared() of each pool, when the caller checked them all already."""
+        prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
+        engine = self.engine
+        removed = engine.undeclare_missing(set(new.pools))
+        ending = engine.deleted_not_ended()  # these, and those of an earlier delete
+        later: list[str] = []
         for decl in new.pools.values():
-            done[self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)].append(decl.name)
-        done["removed"] = self.engine.undeclare_missing(set(new.pools))
+            if ending and not engine.has_pool(decl.name):
+                later.append(decl.name)
+                done["added"].append(decl.name)
+                continue
+            what = engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            done[what].append(decl.name)
+        done["removed"] = removed
+        if later:
+            engine.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
         return done
+
+    def _add_later(self, names: list[str], ended: bool) -> None:
+        """Start the pools _apply held back, as the config file declares them now (a later
+        reload may have changed or removed them meanwhile)."""
+        if self.engine.closing:  # the wait ended because the daemon stops: nothing to start
+            return
+        if not ended:
+            log.warning("config: the removed pools' replicas have not all ended; starting %s anyway",
+                        ", ".join(names))
+        for name in names:
+            decl = self.config.pools.get(name) if self.config is not None else None
+            if decl is None:
+                continue
+            try:
+                self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+            except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
+                log.error("config: pool %s: %s", name, err)
 
     def _prune_logs(self) -> None:
         """Logs live as long as their replica's record: drop those the journal forgot."""
@@ -513,9 +551,14 @@ class Daemon:
         if self.config_path is None:
             raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
         new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
-        for decl in new.pools.values():  # refuse the whole file before changing anything
-            self.engine.check_declaration(decl.spec, _policy_of(decl), decl.size)
-        done = self._apply(new)
+        # the whole file is checked before anything changes
+        prepared: dict[str, Any] = {}
+        for decl in new.pools.values():
+            try:
+                prepared[decl.name] = self.engine.prepare_declared(decl.spec, _policy_of(decl), decl.size)
+            except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
+                raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
+        done = self._apply(new, prepared)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new
         self.engine.config.grace = self.grace = new.daemon.grace if self._given["grace"] is None else self.grace

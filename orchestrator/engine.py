@@ -425,7 +425,7 @@ class Engine(Supervision):
             n = pool.next_n
             pool.next_n += 1
             rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
-                          restarts=pool.slot_restarts.get(slot, 0))
+                          restarts=pool.slot_restarts.get(slot, 0), made_from=(pool.runtime, pool.policy))
             self._replicas[rep.id] = rep
             pool.live[rep.id] = rep
             self._pending.append((rep, pool.runtime))

@@ -20,6 +20,16 @@ the files in it that others could read. Files are opened relative to a descripto
 checked dir, with O_NOFOLLOW, and checked again through the descriptor they were opened
 as (``fstat``), so what is checked is what is used.
 
+Files read on an operator's behalf (the config file of ``start --config`` and ``reload``,
+the ``env_file`` its pools name, ``launch --env-file``) are outside the state dir, but a
+daemon that reads them runs what they say, so the same rules hold (``read_operator_file``):
+the file must be a regular file (checked before it is opened, so a FIFO never blocks and a
+device is never opened, and again through the descriptor it was opened as), owned by the
+reader's effective uid or by root, not writable by group or others, and at most a bound in
+size. A symbolic link is followed (a Kubernetes ConfigMap is mounted as links), and what it
+leads to is checked. The client's ``launch --env-file`` is read with its user's own rights:
+the type and size rules hold there, the owner and mode rules do not.
+
 Liveness is the lock, never a pid check: the kernel drops it the moment the daemon exits
 (a zombie daemon already counts as gone), and F_GETLK names the holder's pid without
 taking the lock.
@@ -38,7 +48,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-from .errors import OrchestratorError
+from .errors import InvalidSpec, OrchestratorError
 
 SOCKET_NAME = "control.sock"
 AUTHKEY_NAME = "authkey"
@@ -315,6 +325,72 @@ def check_file(paths: Paths, name: str, kind: int = stat.S_IFREG) -> bool:
             return _check_entry(dirfd, name, kind, str(paths.state_dir / name), False)
     except FileNotFoundError:
         return False
+
+
+# -- files read on an operator's behalf -------------------------------------------------
+
+CONFIG_MAX_BYTES = 256 << 10  # a config file: parsed and applied in well under a second at this size
+ENV_FILE_MAX_BYTES = 1 << 20  # one env file (launch --env-file, a pool's env_file)
+_KIND_NAMES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+class UnsafeFile(InvalidSpec):
+    """A file read on an operator's behalf that is not a regular file of the reader (or
+    root) that nobody else can write, or that is too large: refused before it is read."""
+
+
+def _size(limit: int) -> str:
+    for shift, unit in ((20, "MiB"), (10, "KiB")):
+        if limit >= 1 << shift and limit % (1 << shift) == 0:
+            return f"{limit >> shift} {unit}"
+    return f"{limit} bytes"
+
+
+def _check_operator_file(st: os.stat_result, where: str, limit: int, trusted: bool) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KIND_NAMES.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise UnsafeFile(f"{where} is {kind}, not a regular file: refusing to read it")
+    if trusted:
+        me = os.geteuid()
+        if st.st_uid not in (me, 0):
+            whom = "root" if me == 0 else f"{user_name(me)} or root"
+            raise UnsafeFile(f"{where} is owned by {user_name(st.st_uid)}, not by {whom}: refusing to read it")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            raise UnsafeFile(f"{where} is writable by group or others (mode {mode:04o}): refusing to read it "
+                             f"(chmod go-w it)")
+    if st.st_size > limit:
+        raise UnsafeFile(f"{where} is {st.st_size} bytes, more than the {_size(limit)} allowed: refusing to read it")
+
+
+def read_operator_file(path: str | os.PathLike, what: str, limit: int, *, trusted: bool = True) -> bytes:
+    """The content of a file read on an operator's behalf (see the module docstring), or
+    UnsafeFile with one line that names ``what`` it is. ``trusted``: the reader acts for
+    someone else (the daemon), so the owner and mode rules hold too."""
+    where = f"{os.fspath(path)}: the {what}"
+    try:
+        # The type is checked before the open: opening a FIFO may block, a device's open
+        # may act (a tape rewinds, a watchdog arms). The fstat after it is what counts.
+        _check_operator_file(os.stat(path), where, limit, trusted)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as err:
+        raise UnsafeFile(f"{os.fspath(path)}: cannot read the {what}: {err.strerror or err}") from None
+    try:
+        st = os.fstat(fd)
+        _check_operator_file(st, where, limit, trusted)
+        chunks: list[bytes] = []
+        left = limit + 1  # one byte more than allowed: a file that grew since the fstat
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as err:
+        raise UnsafeFile(f"{os.fspath(path)}: cannot read the {what}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise UnsafeFile(f"{where} is more than the {_size(limit)} allowed: refusing to read it")
+    return b"".join(chunks)
 
 
 # -- the lock --------------------------------------------------------------------------

@@ -41,8 +41,11 @@ class _Step:
 
 class Rollout:
     def __init__(self, ops: Ops, pool: Any, olds: list[str], max_unavailable: int, *,
-                 on_done: Callable[[dict | None, str | None], None]) -> None:
+                 on_done: Callable[[dict | None, str | None], None], then_scale: int | None = None) -> None:
         self.ops = ops
+        # The pool's size once every slot is replaced (None: it keeps its size); a later
+        # resize while it runs changes it, so the size that is applied last is the latest.
+        self.then_scale = then_scale
         self.pool = pool
         self.stop_first = pool.policy.port_base is not None
         self.width = max(1, max_unavailable)
@@ -56,6 +59,12 @@ class Rollout:
     def ids(self) -> list[str]:
         """The replicas it still reads: the old and new ones of its steps in flight."""
         return [rid for step in self._active for rid in (step.old, step.new) if rid is not None]
+
+    def stopped_unreplaced(self) -> list[str]:
+        """Old replicas it asked to stop whose replacement it has not launched yet (stop
+        first: the slot waits for the old one to end). A rollout that supersedes this one
+        takes them over, so that their slots are filled again."""
+        return [step.old for step in self._active if step.old_stopped and step.new is None]
 
     def advance(self) -> None:
         """Move every step as far as the replicas' states allow; start new steps while

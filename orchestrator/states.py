@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 class ReplicaState(str, enum.Enum):
@@ -85,6 +85,10 @@ class Replica:
     restarts: int = 0  # replacements of its slot before it
     ready: bool = False  # has been ready (RUNNING) at least once
     started_at: float | None = None  # wall clock when it became RUNNING
+    # What it was made from: its pool's (runtime, policy) at its launch; not stored. A
+    # reload compares it with what the pool declares now, so it rolls what still runs an
+    # older spec, whatever happened to the rollouts before it.
+    made_from: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {

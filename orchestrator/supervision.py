@@ -108,11 +108,25 @@ class Supervision:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int) -> str:
+    def prepare_declared(self, spec: dict, policy: dict, size: int) -> tuple[Any, Policy]:
+        """A config pool's spec and policy made ready, checked as a declaration of ``size``
+        replicas is (InvalidSpec if they cannot be): a reload checks every pool of the file
+        before it changes anything."""
+        return self.check_declaration(spec, policy, size)
+
+    def declare(self, name: str, spec: dict, policy: dict, size: int,
+                prepared: tuple[Any, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
-        or resized. Returns what it did: added, changed, resized or unchanged."""
-        runtime, pol = self.check_declaration(spec, policy, size)
+        or resized. Returns what it did: added, changed, resized or unchanged.
+
+        The difference is taken against what runs, not against the file read before: every
+        live replica made from another spec or policy than the one declared is rolled (an
+        earlier rollout that gave up, or one still in flight, leaves such replicas), and a
+        rollout of an earlier reload still in flight is superseded by this one, so that the
+        last file read is what the pool ends as, at its size. ``prepared``: what
+        prepare_declared() made of ``spec`` and ``policy`` already."""
+        runtime, pol = prepared or self.prepare_declared(spec, policy, size)
         pool = self._pools.get(protocol.pool_name(name))
         if pool is None or pool.deleted:
             if pool is None:
@@ -122,27 +136,66 @@ class Supervision:
             pool.clear()
             self._converge(pool, size)
             return "added"
-        pool.declared = True
-        if runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy:
+        was_declared, pool.declared = pool.declared, True
+        changed = runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy
+        if changed:
             pool.runtime, pool.policy = runtime, pol
+        stale = [r for r in pool.live.values()
+                 if r.state in _LIVE and not self._leaving(r) and not self._runs_declared(pool, r)]
+        rolling = [r for r in self._rollouts if r.pool is pool]
+        if not (changed or stale):
+            if rolling:  # a restart of what is declared already: it ends at this size
+                resized = any(r.then_scale != size for r in rolling)
+                for rollout in rolling:
+                    rollout.then_scale = size
+                return "resized" if resized else "unchanged"
+            if size == pool.desired:
+                if not was_declared:  # a launched pool the file now declares: stored as such
+                    self._save_pool(pool)
+                return "unchanged"
             pool.clear()
-            olds = sorted((r for r in pool.live.values() if not self._leaving(r)),
-                          key=lambda r: r.slot if r.slot is not None else -1)
-
-            def logged(msg: dict) -> None:
-                if not msg.get("ok"):
-                    log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
-
-            self._save_pool(pool)
-            self._start_rollout(pool, [r.id for r in olds], 1, logged, None, protocol.DEFAULT_WAIT,
-                                then_scale=size)
-            return "changed"
-        if size == pool.desired:
-            self._save_pool(pool)
-            return "unchanged"
+            self._converge(pool, size)
+            return "resized"
+        taken_over: list[str] = []
+        for rollout in rolling:
+            taken_over += rollout.stopped_unreplaced()
+            rollout.finish("superseded by a reload of the config file")
         pool.clear()
-        self._converge(pool, size)
-        return "resized"
+        # the slots emptied already are filled first, then the stale replicas are rolled
+        olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
+
+        def logged(msg: dict) -> None:
+            if not msg.get("ok"):
+                log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
+
+        self._save_pool(pool)
+        self._start_rollout(pool, olds, 1, logged, None, protocol.DEFAULT_WAIT, then_scale=size)
+        return "changed"
+
+    def _runs_declared(self, pool: Pool, rep: Replica) -> bool:
+        """Was ``rep`` made from the spec and policy ``pool`` declares now?"""
+        made = rep.made_from
+        return (made is not None and pool.runtime is not None and made[0] is not None
+                and made[0].wire == pool.runtime.wire and made[1] == pool.policy)
+
+    def _one_per_slot(self, pool: Pool, stale: list[Replica]) -> list[Replica]:
+        """The stale replicas to roll, one per slot, in slot order. Overlapping rollouts
+        leave a slot held twice: a stale replica beside a current one in its slot, or
+        beside another stale one, is surplus and stopped now (the one kept is RUNNING if
+        one is, else the newest)."""
+        current = {r.slot for r in pool.live.values()
+                   if r.state in _LIVE and not self._leaving(r) and self._runs_declared(pool, r)}
+        by_slot: dict[int | None, list[Replica]] = {}
+        for rep in stale:
+            by_slot.setdefault(rep.slot, []).append(rep)
+        olds: list[Replica] = []
+        for slot, reps in by_slot.items():
+            reps.sort(key=lambda r: (r.state is S.RUNNING, r.n), reverse=True)
+            keep = reps if slot is None else [] if slot in current else reps[:1]
+            olds.extend(keep)
+            for rep in reps[len(keep):]:
+                self._stop(rep, reason="superseded by a reload", lower_desired=False)
+        return sorted(olds, key=lambda r: (r.slot if r.slot is not None else -1, r.n))
 
     def undeclare_missing(self, names: set[str]) -> list[str]:
         """Delete the pools an earlier config declared that the current one does not."""
@@ -150,6 +203,20 @@ class Supervision:
         for name in gone:
             self._cmd_delete({"pool": name}, lambda _msg: None, None)
         return gone
+
+    def has_pool(self, name: str) -> bool:
+        """Is ``name`` a pool of the table now (not deleted)? Else declaring it adds it."""
+        return self._pool(name, missing_ok=True) is not None
+
+    def deleted_not_ended(self) -> list[str]:
+        """The replicas of deleted pools that still run or are not reaped yet."""
+        return [rid for pool in self._pools.values() if pool.deleted
+                for rid, rep in pool.live.items() if not (rep.state.terminal and rep.pid is None)]
+
+    def when_ended(self, ids: list[str], then: Callable[[bool], None], timeout: float) -> None:
+        """Call ``then(True)`` in the turn in which all of ``ids`` have ended and been
+        reaped, or ``then(False)`` after ``timeout`` seconds if they have not."""
+        self._add_waiter(ids, "ended", lambda msg: then(bool(msg.get("ok"))), None, timeout, durable=False)
 
     def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """Terminate a pool's replicas and forget the pool (it does not come back on start)."""
@@ -186,18 +253,23 @@ class Supervision:
         def done(result: dict | None, error: str | None) -> None:
             self._rollouts.remove(rollout)
             timer.cancel()
-            if then_scale is None and not pool.deleted and not any(r.pool is pool for r in self._rollouts):
-                self._trim_surplus(pool)
-            if then_scale is not None and error is None:
-                self._converge(pool, then_scale)
+            alone = not pool.deleted and not any(r.pool is pool for r in self._rollouts)
+            size = rollout.then_scale
+            if size is not None and error is None:
+                if alone:  # a slot held twice by overlapping operations goes first
+                    pool.desired = size
+                    self._trim_surplus(pool)
+                self._converge(pool, size)
                 result = {**(result or {}), "ids": [r.id for r in pool.live.values() if not self._leaving(r)]}
+            elif size is None and alone:
+                self._trim_surplus(pool)
             if error is None:
                 self._outbox.append((reply, protocol.ok(cmd_id, result), True))
             else:
                 self._outbox.append((reply, protocol.error(cmd_id, f"restart of pool {pool.name} failed: {error}",
                                                            data=result), False))
 
-        rollout = Rollout(self, pool, olds, width, on_done=done)
+        rollout = Rollout(self, pool, olds, width, on_done=done, then_scale=then_scale)
         self._rollouts.append(rollout)
         timer = self.reactor.call_later(timeout, lambda: rollout.finish(f"timed out after {timeout:g} s"))
         rollout.advance()
