@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator import Orchestrator
     from orchestrator.channel import Client
-    from orchestrator.daemon import start_detached, stop
+    from orchestrator.control import start_detached, stop
     from orchestrator.paths import Paths, running_pid
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below still runs

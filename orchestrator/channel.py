@@ -57,10 +57,9 @@ from typing import Any
 from multiprocess import connection
 from multiprocess import managers
 
-from .errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError
+from .errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, UnsafeStateDir
 from .paths import (
-    AUTHKEY_NAME, SOCKET_NAME, Paths, UnsafeStateDir, check_file, check_state_dir, read_private, running_pid,
-    user_name,
+    AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
 )
 from .protocol import FrameTooLarge, command, encode_frame, raise_reply
 from .verbs import Verbs
@@ -316,7 +315,7 @@ class Client(Verbs):
     def _drop_connection(self) -> None:
         tls = self._replies._tls if self._replies is not None else None
         conn = getattr(tls, "connection", None)
-        if conn is not None:
+        if tls is not None and conn is not None:
             del tls.connection
             conn.close()
         self._mgr = None
