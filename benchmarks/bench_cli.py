@@ -35,7 +35,7 @@ class Checkout:
 
     def __init__(self, label: str, root: Path, tmp: Path) -> None:
         self.label = label
-        self.env = {**os.environ, "PYTHONPATH": str(root)}
+        self.env = {**_base_env(tmp), "PYTHONPATH": str(root)}
         self.env.pop("ORCHESTRATOR_STATE_DIR", None)
         self.state_dir = tmp / label
         self.state_dir.mkdir(mode=0o700)
@@ -46,17 +46,28 @@ class Checkout:
 
     def start(self) -> None:
         subprocess.run(self.argv("start", "--grace", "1"), env=self.env, check=True, stdout=subprocess.DEVNULL,
-                       timeout=120)
+                       timeout=120, cwd=self.state_dir)
         self.started = True
 
     def stop(self) -> None:
         if self.started:
-            subprocess.run(self.argv("stop"), env=self.env, timeout=120, check=False)
+            subprocess.run(self.argv("stop"), env=self.env, timeout=120, check=False, cwd=self.state_dir)
+
+
+def _base_env(tmp: Path) -> dict[str, str]:
+    """Bytecode cached, as an installed package has it (PYTHONDONTWRITEBYTECODE would make
+    every run compile every module it imports), in the temp dir rather than the checkouts."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+    os.makedirs(env["PYTHONPYCACHEPREFIX"], exist_ok=True)
+    return env
 
 
 def _time(argv: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+    # cwd: `-m` puts the working directory first on sys.path, before PYTHONPATH.
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
+                          cwd=env["PYTHONPYCACHEPREFIX"])
     took = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.decode().strip()}")
@@ -77,7 +88,7 @@ def main() -> int:
         if args.baseline:
             checkouts.append(Checkout("baseline", Path(args.baseline).resolve(), Path(tmp)))
         cases: list[tuple[str, list[str], dict[str, str]]] = [
-            ("-c pass", [sys.executable, "-c", "pass"], {**os.environ})]
+            ("-c pass", [sys.executable, "-c", "pass"], _base_env(Path(tmp)))]
         for c in checkouts:
             cases += [(f"{c.label}: --version", c.argv("--version"), c.env),
                       (f"{c.label}: status --json", c.argv("status", "--json"), c.env),

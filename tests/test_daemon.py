@@ -15,11 +15,12 @@ import psutil
 import pytest
 
 from helpers import (
-    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, survivors, tree, wait_for,
+    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, manager_proxies, survivors, tree, wait_for,
 )
 from orchestrator import ChannelError, Client, DaemonNotRunning, InvalidSpec, ShuttingDown, UnknownReplica
 
 pytestmark = pytest.mark.timeout(120)
+
 
 
 def sized(pools: list[dict]) -> list[dict]:
@@ -155,12 +156,12 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
             client.call("launch", {"pool": "web", "count": 1, "spec": {"command": "not-a-list"}})
         # Not plain data, straight onto the queue: the manager answers, nothing crashes.
         client.ping()
-        commands = client._commands
+        commands, replies = manager_proxies(daemon.state_dir)
         commands.put(["not", "a", "dict"])  # no id: nobody to answer, dropped
         commands.put({"id": "x1", "op": "status", "args": {"bad": {1, 2}}})
-        assert client._replies.take("x1", 10)["code"] == "invalid"
+        assert replies.take("x1", 10)["code"] == "invalid"
         commands.put({"id": "x2", "op": "status", "args": "nope"})
-        assert client._replies.take("x2", 10)["ok"] is False
+        assert replies.take("x2", 10)["ok"] is False
         assert client.ping() == "pong"
 
     with pytest.raises(ChannelError, match="auth"):
