@@ -120,6 +120,11 @@ def test_the_cli_and_client_load_no_daemon_module():
     loaded = {m.split(".", 1)[1] if "." in m else "__init__" for m in out if m.startswith("orchestrator")}
     assert loaded <= SHARED | CLIENT | {"__init__"}, f"daemon modules loaded: {sorted(loaded - SHARED - CLIENT)}"
     assert not [m for m in out if m.startswith("watchdog")], out
+    # The Client speaks the Manager protocol itself: multiprocess (and dill) cost ~50 ms a command.
+    code = "import sys, orchestrator.cli, orchestrator.channel\nprint(sorted(sys.modules))"
+    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "'multiprocess" not in mods and "'dill" not in mods
 
 
 def test_client_modules_import_only_shared_and_client_modules():
