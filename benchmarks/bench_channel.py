@@ -423,8 +423,8 @@ def bench_hops(client: Any, calls: int, blocks: int = 4) -> dict[str, dict]:
 
         client.ping()  # connects this thread to the channel; the two lines below reach into
         # the Client (private attributes) to time one bare RPC on its own connection
-        replies = client._replies
-        fd = client._commands._tls.connection.fileno()
+        conn = client._thread_connection(30.0)
+        fd = conn.fileno()
 
         def rt(qin: Any, qout: Any) -> Callable[[], Any]:
             def f() -> None:
@@ -436,7 +436,7 @@ def bench_hops(client: Any, calls: int, blocks: int = 4) -> dict[str, dict]:
         for label, _, qin, qout, _ in setups:
             fns[f"bare Manager RPC, {label} (`q.qsize()`)"] = qin.qsize
             fns[f"bare Manager queue put+get via an echo process, {label}"] = rt(qin, qout)
-        fns["our channel: one RPC (`replies.take(unknown id, 0)`)"] = lambda: replies.take("0" * 32, 0)
+        fns["our channel: one RPC (`replies.take(unknown id, 0)`)"] = lambda: conn.dispatch(client._board, "take", ("0" * 32, 0))
         fns["our channel: `_set_timeouts` per call"] = lambda: channel.set_timeouts(fd, 35.0)
         fns["our channel: `Client.ping()`"] = client.ping
 
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator import Orchestrator
     from orchestrator.channel import Client
-    from orchestrator.daemon import start_detached, stop
+    from orchestrator.control import start_detached, stop
     from orchestrator.paths import Paths, running_pid
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below still runs

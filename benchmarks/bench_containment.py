@@ -72,7 +72,7 @@ class Daemon:
 
     def start(self) -> None:
         from orchestrator.channel import Client
-        from orchestrator.daemon import start_detached
+        from orchestrator.control import start_detached
 
         self.pid = start_detached(self.paths, ["--cgroup", self.cgroup, "--grace", "2"])
         self.client = Client(str(self.paths.state_dir))
@@ -107,7 +107,7 @@ class Daemon:
             self.client = None
 
     def stop(self) -> None:
-        from orchestrator.daemon import stop
+        from orchestrator.control import stop
         from orchestrator.paths import running_pid
 
         self.close_client()

@@ -45,7 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from orchestrator.logs import LogCapture  # noqa: E402
+from orchestrator.logcapture import LogCapture  # noqa: E402
 from orchestrator.reactor import Reactor  # noqa: E402
 from orchestrator.spawner import LaunchPlan, OSApi  # noqa: E402
 

@@ -97,7 +97,7 @@ class DaemonUnderTest:
 
     def __init__(self, root: Path) -> None:
         from orchestrator.channel import Client
-        from orchestrator.daemon import start_detached
+        from orchestrator.control import start_detached
         from orchestrator.paths import Paths
 
         self.paths = Paths(root / "daemon")
@@ -138,7 +138,7 @@ class DaemonUnderTest:
         return up, down
 
     def close(self) -> None:
-        from orchestrator.daemon import stop
+        from orchestrator.control import stop
         from orchestrator.paths import running_pid
 
         if self.client is not None:

@@ -29,6 +29,11 @@ _HOMES = {
     "ShuttingDown": "errors",
     "DaemonNotRunning": "errors",
     "ChannelError": "errors",
+    "UnsafeStateDir": "errors",
+    "UnsafeFile": "errors",
+    "ConfigError": "errors",
+    "StoreError": "errors",
+    "SpawnerLost": "errors",
     "ShutdownRequested": "errors",
     "Terminated": "worker",
 }
@@ -52,8 +57,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import Orchestrator
     from .channel import Client
-    from .errors import (ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
-                         ShuttingDown, UnknownReplica)
+    from .errors import (ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError,
+                         ShutdownRequested, ShuttingDown, SpawnerLost, StoreError, UnknownReplica, UnsafeFile,
+                         UnsafeStateDir)
     from .spec import WorkerSpec
     from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
     from .version import __version__

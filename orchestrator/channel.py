@@ -1,4 +1,6 @@
 """The command channel: a multiprocess Manager queue on a Unix socket, and the Client.
+Client side (the CLI, a user's app): the Client speaks the Manager's protocol with the
+standard library (see "the client's end" below); the server's end is channelserver.py.
 
     Client (CLI, API, any process)         Manager server process             daemon
     ──────────────────────────────         ────────────────────────           ──────────────
@@ -29,13 +31,13 @@ Who is on the other end is checked before anything it sends is read, with SO_PEE
 
 * a client talks only to a server that runs as its own uid (root's only to root's): a
   state dir, socket or auth key planted by someone else gets nothing sent to it and
-  nothing unpickled from it (``_bounded_client``, before the auth handshake);
+  nothing unpickled from it (``open_connection``, before the auth handshake);
 * the manager server serves only clients of its own uid or root, and drops any other
-  before the auth handshake (``_PlainListener.accept``; the socket is 0600 in a 0700 dir
+  before the auth handshake (channelserver's ``_PlainListener.accept``; the socket is 0600 in a 0700 dir
   as well, so this is the second wall, not the first).
 
-Both ends still speak the Manager's protocol, which pickles its tuples, but unpickle with
-``_PlainUnpickler``: it refuses every global, so a message can only be plain data (the
+Both ends speak the Manager's protocol, which pickles its tuples, but unpickle with
+``PlainUnpickler``: it refuses every global, so a message can only be plain data (the
 client also accepts builtin exception classes, which the Manager uses for its ``#ERROR``
 replies). A pickle that would import or call anything is a ChannelError, never run.
 """
@@ -43,6 +45,8 @@ replies). A pickle that would import or call anything is a ChannelError, never r
 from __future__ import annotations
 
 import builtins
+import hmac
+import io
 import os
 import pickle
 import socket
@@ -54,13 +58,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from multiprocess import connection
-from multiprocess import managers
-
-from .errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError
+from .errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, UnsafeStateDir
 from .paths import (
-    AUTHKEY_NAME, SOCKET_NAME, Paths, UnsafeStateDir, check_file, check_state_dir, read_private, running_pid,
-    user_name,
+    AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
 )
 from .protocol import FrameTooLarge, command, encode_frame, raise_reply
 from .verbs import Verbs
@@ -134,7 +134,7 @@ def set_timeouts(fd: int, seconds: float) -> None:
         sock.detach()
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class PlainUnpickler(pickle.Unpickler):
     """Plain data only: every global (a class, a function: anything that could run) is
     refused, so loading a message can build dicts, lists, tuples, sets, str, bytes,
     numbers, bool and None, and nothing else."""
@@ -143,7 +143,7 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: the channel carries plain data only")
 
 
-class _ReplyUnpickler(_PlainUnpickler):
+class _ReplyUnpickler(PlainUnpickler):
     """A client's: plain data, and the builtin exception classes of ``#ERROR`` replies."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -154,75 +154,112 @@ class _ReplyUnpickler(_PlainUnpickler):
         return super().find_class(module, name)
 
 
-class _PlainConnection(connection.Connection):
-    """A multiprocess Connection that pickles with the stdlib pickler and unpickles plain
-    data only. The channel carries only plain data and the Manager's own protocol tuples,
-    so dill's pure-Python pickler (~46 µs a message against ~3 µs) buys nothing here. A
-    client's connections are of this class, a server's of ``_ServerConnection``."""
+# -- the client's end of the Manager protocol --------------------------------------------
+#
+# What multiprocess's BaseManager and BaseProxy do for a client, written against the
+# standard library, so that a client (the CLI, a user's app) never imports multiprocess
+# and dill (~50 ms of every command's start): the same frames (a 4-byte big-endian length,
+# or -1 and an 8-byte one), the same HMAC challenge both ways, the same request tuples
+# (ident, method, args, kwds) and (kind, result) replies as multiprocess.managers.Server
+# serves. The server end (channelserver.py) is unchanged.
+
+_CHALLENGE, _WELCOME, _FAILURE = b"#CHALLENGE#", b"#WELCOME#", b"#FAILURE#"
+_CHALLENGE_BYTES = 20
+_HANDSHAKE_MAX = 256  # a handshake message longer than this is refused, as multiprocess does
+
+
+class _AuthenticationError(ChannelError):
+    """The handshake failed: the other end does not hold this daemon's auth key."""
+
+
+class _ClientConnection:
+    """One connection to the manager server: frames out, frames in; a reply is unpickled
+    as plain data and builtin exceptions only (``_ReplyUnpickler``)."""
 
     _unpickler: type[pickle.Unpickler] = _ReplyUnpickler
 
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=fd)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def send_bytes(self, data: bytes) -> None:
+        n = len(data)
+        head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        self._sock.sendall(head + data)
+
+    def recv_bytes(self, limit: int | None = None) -> bytes:
+        (size,) = struct.unpack("!i", self._exactly(4))
+        if size == -1:
+            (size,) = struct.unpack("!Q", self._exactly(8))
+        if limit is not None and size > limit:
+            raise OSError(f"a message of {size} bytes, more than the {limit} expected")
+        return self._exactly(size)
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])  # a time-out: TimeoutError (SO_RCVTIMEO)
+            if k == 0:
+                raise EOFError("the manager server closed the connection")
+            got += k
+        return bytes(buf)
+
     def send(self, obj: Any) -> None:
-        self._check_closed()
-        self._check_writable()
-        self._send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> Any:
-        self._check_closed()
-        self._check_readable()
-        data = self._recv_bytes()  # a BytesIO, positioned at its end
-        data.seek(0)
+        data = self.recv_bytes()
         try:
-            return self._unpickler(data).load()
+            return self._unpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as err:
             raise ChannelError(str(err)) from None
 
+    def handshake(self, authkey: bytes) -> None:
+        """Answer the server's challenge, then challenge it (multiprocess's order)."""
+        message = self.recv_bytes(_HANDSHAKE_MAX)
+        if not message.startswith(_CHALLENGE):
+            raise _AuthenticationError("the manager server did not start the handshake")
+        self.send_bytes(hmac.new(authkey, message[len(_CHALLENGE):], "md5").digest())
+        if self.recv_bytes(_HANDSHAKE_MAX) != _WELCOME:
+            raise _AuthenticationError("digest sent was rejected")
+        challenge = os.urandom(_CHALLENGE_BYTES)
+        self.send_bytes(_CHALLENGE + challenge)
+        if hmac.compare_digest(self.recv_bytes(_HANDSHAKE_MAX), hmac.new(authkey, challenge, "md5").digest()):
+            self.send_bytes(_WELCOME)
+        else:
+            self.send_bytes(_FAILURE)
+            raise _AuthenticationError("digest received was wrong")
 
-class _ServerConnection(_PlainConnection):
-    _unpickler = _PlainUnpickler
-
-
-class _PlainListener(connection.Listener):
-    """The manager server's listener: a peer that is neither our uid nor root is dropped
-    on accept, before the auth handshake and before anything it sends is read."""
-
-    refused = 0
-
-    def fileno(self) -> int:
-        """The listening socket's fd (to poll it for a queued connection)."""
-        return self._listener._socket.fileno()
-
-    def accept(self) -> _ServerConnection:
-        if self._listener is None:
-            raise OSError("listener is closed")
-        conn = self._listener.accept()
-        try:
-            uid = peer_uid(conn.fileno())
-        except OSError:
-            conn.close()  # it hung up already
-            raise
-        if uid not in (os.geteuid(), 0):
-            conn.close()
-            _PlainListener.refused += 1
-            if _PlainListener.refused <= 10:  # a hostile peer must not fill the log
-                print(f"orchestrator.manager: refused a connection from {user_name(uid)}", file=sys.stderr, flush=True)
-            raise PermissionError(f"refused a connection from {user_name(uid)}")  # the accepter goes on
-        if self._authkey:
-            connection.deliver_challenge(conn, self._authkey)
-            connection.answer_challenge(conn, self._authkey)
-        conn.__class__ = _ServerConnection  # same object, stdlib pickling (no detach() to rewrap)
-        return conn
+    def dispatch(self, ident: str | None, method: str, args: tuple = ()) -> Any:
+        """One request, one reply: its result, or the error it carries raised."""
+        self.send((ident, method, args, {}))
+        kind, result = self.recv()
+        if kind == "#RETURN":
+            return result
+        if kind == "#ERROR" and isinstance(result, BaseException):
+            raise result  # e.g. the OSError of a manager refusing a connection at its limits
+        # "#TRACEBACK" / "#UNSERIALIZABLE": the server failed on our request
+        text = result if isinstance(result, str) else repr(result)
+        raise _RemoteError(text.strip().splitlines()[-1] if text.strip() else kind)
 
 
-_connect_bound = threading.local()  # per thread: Clients with other time-outs never race
+class _RemoteError(ChannelError):
+    """The manager server answered a request with a traceback (its last line here)."""
 
 
-def _bounded_client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
-    """multiprocess's Client, with every send and recv bounded by socket time-outs (the
-    handshake by the connecting Client's time-out; each call re-bounds its connection)."""
+def open_connection(address: str, authkey: bytes, timeout: float) -> _ClientConnection:
+    """A connection to the manager server, bounded by socket time-outs, its peer checked
+    before anything it sends is read, then authenticated."""
     sock = socket.socket(socket.AF_UNIX)
     try:
-        set_timeouts(sock.fileno(), getattr(_connect_bound, "seconds", DEFAULT_TIMEOUT))
+        set_timeouts(sock.fileno(), timeout)
         sock.connect(address)
         # Before the handshake, before any byte is read: is the server one of ours?
         uid, me = peer_uid(sock.fileno()), os.geteuid()
@@ -232,27 +269,13 @@ def _bounded_client(address: str, family: str | None = None, authkey: bytes | No
     except BaseException:
         sock.close()
         raise
-    conn = _PlainConnection(sock.detach())
-    if authkey is not None:
-        connection.answer_challenge(conn, authkey)
-        connection.deliver_challenge(conn, authkey)
+    conn = _ClientConnection(sock.detach())
+    try:
+        conn.handshake(authkey)
+    except BaseException:
+        conn.close()
+        raise
     return conn
-
-
-class ChannelManager(managers.BaseManager):
-    """Typeids: ``commands`` (the command queue) and ``replies`` (a board keyed by id,
-    whose ``call(cmd, timeout)`` puts a command on the queue and waits for its reply: one
-    round trip instead of a put and a take)."""
-
-
-ChannelManager.register("commands")
-ChannelManager.register("replies")
-
-
-def use_plain_pickling() -> None:
-    """Teach multiprocess our serializer name (idempotent; called by whoever connects or
-    serves, not as a side effect of importing this module)."""
-    managers.listener_client.setdefault(SERIALIZER, (_PlainListener, _bounded_client))
 
 
 # -- the client ------------------------------------------------------------------
@@ -269,12 +292,16 @@ class Client(Verbs):
             raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}")
         self._authkey = authkey if authkey is not None else read_authkey(self.paths)
         self._address, self._dirfd = socket_address(self.paths.state_dir)
-        self._mgr: ChannelManager | None = None
-        self._commands: Any = None
-        self._replies: Any = None
+        self._board: str | None = None  # the ident of the manager's reply board, once created
+        self._tls = threading.local()  # each thread's connection
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._mgr = self._commands = self._replies = None
+        with self._lock:
+            board, self._board = self._board, None
+        self._drop_connection()
+        if board is not None:
+            self._release(board)
         if self._dirfd is not None:
             os.close(self._dirfd)
             self._dirfd = None
@@ -285,17 +312,32 @@ class Client(Verbs):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _connect(self) -> None:
-        use_plain_pickling()
-        _connect_bound.seconds = self.timeout + 5.0
-        check_file(self.paths, SOCKET_NAME, stat.S_IFSOCK)  # ours, 0600; the peer is checked on connect
-        mgr = ChannelManager(address=self._address, authkey=self._authkey, serializer=SERIALIZER)
+    def _release(self, board: str) -> None:
+        """Give back the reference ``create`` took (as a proxy's finalizer does); best effort:
+        the board is the manager's for its whole life, a missed decref costs it a count."""
         try:
-            mgr.connect()
-            self._commands, self._replies = mgr.commands(), mgr.replies()
+            conn = open_connection(self._address, self._authkey, min(self.timeout, 5.0))
+        except (OrchestratorError, OSError, EOFError):
+            return
+        try:
+            conn.dispatch(None, "decref", (board,))
+        except (OrchestratorError, OSError, EOFError, AssertionError, KeyError):
+            pass
+        finally:
+            conn.close()
+
+    def _connect(self) -> None:
+        """Ask the manager for its reply board (one connection, closed after)."""
+        check_file(self.paths, SOCKET_NAME, stat.S_IFSOCK)  # ours, 0600; the peer is checked on connect
+        try:
+            conn = open_connection(self._address, self._authkey, self.timeout + 5.0)
+            try:
+                board, _exposed = conn.dispatch(None, "create", ("replies",))
+            finally:
+                conn.close()
         except UnsafeStateDir as err:
             raise UnsafeStateDir(f"{self.paths.state_dir}: {err}") from None
-        except connection.AuthenticationError:
+        except _AuthenticationError:
             raise ChannelError("authentication failed: wrong auth key for this daemon") from None
         except (FileNotFoundError, ConnectionRefusedError):
             pid = running_pid(self.paths)
@@ -311,20 +353,37 @@ class Client(Verbs):
                                "(see the daemon's log)") from None
         except OSError as err:  # a refusal's reason (the manager's thread or fd limit), a time-out
             raise ChannelError(f"cannot reach the daemon: {err}") from None
-        self._mgr = mgr
+        with self._lock:
+            if self._board is None:
+                self._board, board = str(board), None
+        if board is not None:  # another thread made one first: ours goes back
+            self._release(str(board))
+
+    def _thread_connection(self, limit: float) -> _ClientConnection:
+        """This thread's connection to the board (made on first use), bounded for one reply."""
+        conn: _ClientConnection | None = getattr(self._tls, "connection", None)
+        if conn is None:
+            conn = open_connection(self._address, self._authkey, self.timeout + 5.0)
+            try:  # the server gives this connection a thread of its own, named as a proxy names it
+                conn.dispatch(None, "accept_connection", (f"{os.getpid()}|{threading.current_thread().name}",))
+            except BaseException:
+                conn.close()
+                raise
+            self._tls.connection = conn
+        # The reply may take up to `limit` to come: bound this thread's socket just past it.
+        set_timeouts(conn.fileno(), limit + 5.0)
+        return conn
 
     def _drop_connection(self) -> None:
-        tls = self._replies._tls if self._replies is not None else None
-        conn = getattr(tls, "connection", None)
+        conn = getattr(self._tls, "connection", None)
         if conn is not None:
-            del tls.connection
+            del self._tls.connection
             conn.close()
-        self._mgr = None
 
     def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""
         limit = self.timeout if timeout is None else timeout
-        if self._mgr is None:
+        if self._board is None:
             self._connect()
         cmd = command(op, args, uuid.uuid4().hex)
         try:  # what the manager server could only refuse is refused here, before it is sent
@@ -333,15 +392,13 @@ class Client(Verbs):
             raise InvalidSpec(str(err)) from None
         except (TypeError, ValueError):
             pass  # not plain data, or NaN: the manager server answers that, with its words
-        replies = self._replies
         try:
-            tls = replies._tls  # this thread's connection, shared by every proxy of ours
-            if not hasattr(tls, "connection"):
-                replies._connect()
-            # The reply may take up to `limit` to come: bound this thread's socket just past it.
-            set_timeouts(tls.connection.fileno(), limit + 5.0)
-            msg = replies.call(cmd, limit)
-        except OrchestratorError:  # a peer of another uid, or a reply that is not plain data
+            conn = self._thread_connection(limit)
+            msg = conn.dispatch(self._board, "call", (cmd, limit))
+        except _RemoteError as err:
+            self._drop_connection()
+            raise ChannelError(f"{op}: the channel refused the command: {err}") from None
+        except OrchestratorError:  # a peer of another uid, a failed handshake, a reply that is not plain data
             self._drop_connection()
             raise
         except (OSError, EOFError) as err:
@@ -349,11 +406,9 @@ class Client(Verbs):
             if isinstance(err, (BlockingIOError, TimeoutError)):
                 raise ChannelError(f"{op}: the daemon did not answer within {limit:g} s") from None
             raise ChannelError(f"{op}: lost the connection to the daemon ({err})") from None
-        except managers.RemoteError as err:
-            raise ChannelError(f"{op}: the channel refused the command: {str(err).strip().splitlines()[-1]}") from None
         if msg is None:
             raise ChannelError(f"{op}: no reply from the daemon within {limit:g} s")
         return raise_reply(msg)
 
 
-__all__ = ["Client", "ChannelManager", "socket_address", "use_plain_pickling"]
+__all__ = ["Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]

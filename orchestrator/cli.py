@@ -1,5 +1,11 @@
 """``orchestrator [--state-dir DIR] COMMAND [ARGS]``: argument parsing and output only.
 
+Client side: it runs in a user's shell, and imports only what every process shares (errors,
+paths, argtypes, version) at module level. What one command needs is imported in that
+command: ``start`` the daemon (control.py spawns it, or daemon.py runs it in the
+foreground), ``status`` the channel and the table (display.py), ``logs`` its readers, so
+that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
+
 Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 3 the daemon is not
 running (for commands that need it, and for ``status``/``stop``). ``--json`` output goes
 to stdout only.
@@ -17,15 +23,16 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from . import logs
 from .argtypes import natural as _natural
 from .argtypes import port as _port
 from .argtypes import positive_seconds as _positive_seconds
 from .argtypes import seconds as _seconds
 from .errors import DaemonNotRunning, OrchestratorError
-from .pools import unpack_row
+from .logcli import add_parser as _add_logs_parser
+from .logcli import cmd_logs
+from .paths import Paths
+from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .version import __version__
-from .store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -38,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)  # the parent of every command (its class: what add_parser expects)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="the daemon's directory")
     ap = _Parser(prog="orchestrator", description="Keep pools of worker processes alive.")
     ap.add_argument("--state-dir", default=None, help="default: $ORCHESTRATOR_STATE_DIR, "
@@ -72,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     sub.add_parser("metrics", parents=[common], help="the daemon's metrics, Prometheus text format")
-    logs.add_parser(sub, common)
+    _add_logs_parser(sub, common)
 
     p = sub.add_parser("status", parents=[common], help="the daemon and its replicas")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -305,8 +312,8 @@ _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metric
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 
-def cmd_start(args: argparse.Namespace, paths: Any) -> int:
-    from . import daemon
+def cmd_start(args: argparse.Namespace, paths: Paths) -> int:
+    from . import control
 
     if args.config is not None:
         from . import config as config_file
@@ -317,7 +324,9 @@ def cmd_start(args: argparse.Namespace, paths: Any) -> int:
     given = {flag: value for flag, value in given.items() if value is not None}
     if args.foreground:
         if args.own_argv:
-            daemon.reexec_with_token()  # returns only if the token is there already
+            control.reexec_with_token()  # returns only if the token is there already
+        from . import daemon  # this process becomes the daemon: only now is it loaded
+
         settings = {_START_SETTINGS[f]: v for f, v in given.items() if f in _START_SETTINGS}
         kept = {_RETENTION[f]: v for f, v in given.items() if f in _RETENTION}
         if kept:
@@ -325,7 +334,7 @@ def cmd_start(args: argparse.Namespace, paths: Any) -> int:
                                      "keep_events": kept.get("keep_events", KEEP_EVENTS),
                                      "keep_seconds": kept.get("keep_days", KEEP_SECONDS / 86400) * 86400}
         return daemon.run_foreground(paths, ready_fd=args.ready_fd, **settings)
-    pid = daemon.start_detached(paths, [item for flag, value in given.items() for item in (flag, str(value))])
+    pid = control.start_detached(paths, [item for flag, value in given.items() for item in (flag, str(value))])
     print(pid)
     return EXIT_OK
 
@@ -338,10 +347,9 @@ def cmd_reload(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_health(args: argparse.Namespace, paths: Any) -> int:
-    from .errors import ChannelError
-    from .metrics import format_health
-
     from .channel import manager_down
+    from .display import format_health
+    from .errors import ChannelError
 
     try:
         with _client(paths, timeout=1.0) as client:
@@ -369,10 +377,10 @@ def cmd_metrics(args: argparse.Namespace, paths: Any) -> int:
     return EXIT_OK
 
 
-def cmd_stop(args: argparse.Namespace, paths: Any) -> int:
-    from . import daemon
+def cmd_stop(args: argparse.Namespace, paths: Paths) -> int:
+    from . import control
 
-    code = daemon.stop(paths, timeout=args.timeout)
+    code = control.stop(paths, timeout=args.timeout)
     if code == EXIT_NOT_RUNNING:
         print(f"orchestrator: no daemon is running for {paths.state_dir}", file=sys.stderr)
     elif code == EXIT_ERROR:
@@ -387,17 +395,21 @@ def cmd_status(args: argparse.Namespace, paths: Any) -> int:
     if args.json:
         print(json.dumps(data))
     else:
-        print(_format_status(data))
+        from .display import format_status
+
+        print(format_status(data))
     return code
 
 
 def _watch(args: argparse.Namespace, paths: Any) -> int:
     """Redraw the table in place (cursor home, clear to the end) until Ctrl-C."""
+    from .display import format_status
+
     samples: dict[int, tuple[float, float]] = {}
     try:
         while True:
             _, data = _status(args, paths)
-            table = _format_status(data, samples=samples, health=_health_line(paths, data))
+            table = format_status(data, samples=samples, health=_health_line(paths, data))
             sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + table + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)  # a terminal's redraw rate, not a wait on the daemon
@@ -408,7 +420,7 @@ def _watch(args: argparse.Namespace, paths: Any) -> int:
 def _health_line(paths: Any, data: dict) -> str:
     if not data["daemon"]["running"]:
         return "health: daemon not running"
-    from .metrics import format_health
+    from .display import format_health
 
     try:
         with _client(paths, timeout=1.0) as client:
@@ -421,6 +433,8 @@ def _health_line(paths: Any, data: dict) -> str:
 def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
     from .paths import running_pid
 
+    from .display import stored_status
+
     code = EXIT_OK
     data = None
     if running_pid(paths) is not None:
@@ -432,121 +446,10 @@ def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
     if data is None:
         code = EXIT_NOT_RUNNING
         data = {"daemon": {"running": False, "pid": None, "watchdog_pid": None, "manager_pid": None,
-                           "started_at": None}, **_stored_status(paths, args.all)}
+                           "started_at": None}, **stored_status(paths, args.all)}
         for rep in data["replicas"]:
             rep["last_known"] = True  # what the store last heard, not what runs now
     return code, {"state_dir": str(paths.state_dir), **data}
-
-
-def _stored_status(paths: Any, include_terminal: bool) -> dict:
-    if not paths.db.exists():
-        return {"pools": [], "replicas": []}
-    store = _open_store_readonly(paths)
-    try:
-        pools = []
-        for p in store.pools():
-            spec, policy, extra = unpack_row(p["spec"])
-            if not extra.get("deleted"):
-                pools.append({"name": p["name"], "desired": p["desired"], "spec": spec, "policy": policy or {},
-                              "state": "crashloop" if extra.get("crashloop") else None,
-                              "reason": extra.get("crashloop")})
-        return {"pools": pools, "replicas": store.replicas(include_terminal=include_terminal)}
-    finally:
-        store.close()
-
-
-def _open_store_readonly(paths: Any) -> Any:
-    """The journal for a reader (the daemon may be down); a bad file is a one-line error."""
-    from .store import Store, StoreError
-
-    try:
-        return Store(paths.db, readonly=True)
-    except StoreError as err:
-        raise OrchestratorError(str(err)) from None
-
-
-def _format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
-    """The table: daemon, pools, then one line per replica with its uptime, restarts, CPU%
-    and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
-    command it runs. With the daemon down, replicas are what the store last knew."""
-    d = data["daemon"]
-    now = time.time()
-    if d["running"]:
-        up = _duration(now - d["started_at"]) if d.get("started_at") else "?"
-        head = (f"daemon: running (pid {d['pid']}, watchdog {d['watchdog_pid']}, manager {d['manager_pid']}, "
-                f"up {up}, containment {d.get('containment', 'process-group')})")
-    else:
-        head = "daemon: not running; replicas below are as last known, not live"
-    out = [f"{head}  state dir: {data['state_dir']}"]
-    if (d.get("logs") or {}).get("dropped"):
-        out.append(f"logs: {d['logs']['dropped']} bytes of replica output dropped (disk full or too fast)")
-    if health:
-        out.append(health)
-    for p in data["pools"]:
-        state = p.get("state") or ("stopped" if not d["running"] else "ok")
-        extra = f" ({p['reason']})" if p.get("reason") else ""
-        out.append(f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}")
-    commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
-    if not data["replicas"]:
-        out.append("no replicas")
-        return "\n".join(out)
-    out.append(f"{'ID':<18} {'STATE':<12} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} {'CPU%':>6} {'RSS':>8}  COMMAND / REASON")
-    for r in data["replicas"]:
-        state = r["state"] if not r.get("last_known") else f"({r['state']})"
-        cpu, rss = _usage(r["pid"], samples) if d["running"] and r["pid"] else ("", "")
-        started = r.get("started_at") or (r.get("created_at") if r["state"] == "RUNNING" else None)
-        uptime = _duration(now - started) if started and r["ended_at"] is None and d["running"] else ""
-        tail = r["reason"] if r["reason"] and r["state"] not in ("RUNNING", "STARTING") else commands.get(r["pool"], "")
-        out.append(f"{r['id']:<18} {state:<12} {r['pid'] or '':>7} {uptime:>8} {r.get('restarts', 0):>8} "
-                   f"{cpu:>6} {rss:>8}  {tail}")
-    return "\n".join(out)
-
-
-def _command_text(spec: dict | None) -> str:
-    if not spec:
-        return ""
-    if spec.get("command"):
-        return " ".join(spec["command"])
-    return spec.get("target") or "<python callable>"
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def _usage(pid: int, samples: dict | None) -> tuple[str, str]:
-    """CPU% (since the process started, or since the last sample) and RSS of ``pid``."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        with p.oneshot():
-            t = p.cpu_times()
-            busy = t.user + t.system
-            rss = p.memory_info().rss
-            born = p.create_time()
-    except psutil.Error:
-        return "", ""
-    now = time.time()
-    last = samples.get(pid) if samples is not None else None
-    if samples is not None:
-        samples[pid] = (now, busy)
-    since, before = last if last is not None else (born, 0.0)
-    cpu = 100.0 * (busy - before) / max(now - since, 1e-3)
-    return f"{cpu:.1f}", _size(rss)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}G"
 
 
 def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
@@ -626,9 +529,12 @@ def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_events(args: argparse.Namespace, paths: Any) -> int:
+    from .display import open_store_readonly
+    from .logcli import stdout_gone
+
     if not paths.db.exists() and not args.follow:
         return EXIT_OK
-    store = _open_store_readonly(paths)  # with --follow, it picks the file up once it appears
+    store = open_store_readonly(paths)  # with --follow, it picks the file up once it appears
     try:
         seq = 0
         rows = store.events(replica=args.replica, since=args.since, limit=args.limit)
@@ -642,7 +548,7 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
                     who = ev["replica"] or "-"
                     print(f"{ev['seq']:>8} {when} {ev['kind']:<10} {who:<16} {json.dumps(ev['data'])}",
                           flush=args.follow)
-            if not args.follow or logs.stdout_gone():
+            if not args.follow or stdout_gone():
                 return EXIT_OK
             time.sleep(0.2)  # a reader of another process's file: there is no event to wait on
             rows = store.events(replica=args.replica, since=args.since, after_seq=seq)
@@ -671,5 +577,5 @@ _COMMANDS = {
     "reload": cmd_reload,
     "health": cmd_health,
     "metrics": cmd_metrics,
-    "logs": logs.cmd_logs,
+    "logs": cmd_logs,
 }

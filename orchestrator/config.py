@@ -49,7 +49,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
-from .errors import InvalidSpec, OrchestratorError
+from .errors import ConfigError, InvalidSpec
 from .paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, read_operator_file
 from .policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
 from .protocol import MAX_COUNT, pool_name
@@ -70,25 +70,6 @@ POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLIC
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days")
 TOP_KEYS = ("daemon", "pools")
-
-
-class ConfigError(OrchestratorError):
-    """An invalid config file, in one line: ``FILE:LINE: KEY: what is wrong``.
-
-    ``code`` is ``invalid``: refused by the daemon (``reload``), it reaches the client as an
-    InvalidSpec with the same line, and the CLI exits 1."""
-
-    code = "invalid"
-
-    def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
-                 key: str | None = None, problem: str | None = None) -> None:
-        super().__init__(message)
-        self.source, self.line, self.key, self.problem = source, line, key, problem
-
-    @classmethod
-    def at(cls, source: str, line: int | None, key: str, problem: str) -> "ConfigError":
-        where = f"{source}:{line}" if line else source
-        return cls(f"{where}: {key}: {_one_line(problem)}", source=source, line=line, key=key, problem=problem)
 
 
 # -- what a file declares ---------------------------------------------------------------
@@ -536,10 +517,6 @@ def _unprefixed(message: str, key: str) -> str:
     if message.startswith(key + " must "):
         return message[len(key) + 1:]
     return message
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 _BARE = re.compile(r"[A-Za-z0-9_-]+")

@@ -1,4 +1,5 @@
-"""The host daemon: one per state dir.
+"""The host daemon process: one per state dir. How the CLI starts and stops it (the
+client side) is control.py.
 
     orchestrator start ──spawns──► daemon (own session, stdio -> logs/daemon.log)
                                           │ holds a POSIX write lock on daemon.pid
@@ -26,9 +27,7 @@ import json
 import logging
 import os
 import secrets
-import select
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -39,24 +38,24 @@ from watchdog.ledger import Entry
 
 from . import config as config_file
 from . import containment, logsink, probes
-from . import logs as log_files
 from .children import ManagerBridge, WatchdogChild
+from .control import TOKEN_ENV, is_watchdog
 from .engine import Engine, EngineConfig
 from .errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from .httpserver import MetricsServer
-from .logs import LogCapture
+from .logcapture import LogCapture
+from .logfiles import remove as remove_logs
 from .metrics import LagMonitor, health
-from .paths import Paths, default_state_dir, running_pid, take_lock
+from .paths import Paths, running_pid, take_lock
 from .policy import LIMIT_KEYS
 from .reactor import drain
 from .recovery import recover_leftovers
-from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
+from .spawner import OSApi, raise_fd_limit, set_child_subreaper
 from .store import Store, StoreError
 from .version import __version__
-from .worker import ready as sd_ready
+from .worker import sd_notify
 
 log = logging.getLogger("orchestrator")
-TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"
 REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5
 WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is the bound
 
@@ -64,137 +63,6 @@ WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is
 def _policy_of(decl: config_file.PoolDecl) -> dict:
     """A config pool's policy, its cgroup limits included (they are policy keys on launch)."""
     return {**decl.policy, **{k: v for k in LIMIT_KEYS if (v := getattr(decl, k)) is not None}}
-
-
-def _is_watchdog(pid: int | None) -> bool:
-    """Is ``pid`` a watchdog (``python -m watchdog``), not a daemon?"""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"-m" in argv and b"watchdog" in argv
-
-
-# -- start / stop, as the CLI uses them ---------------------------------------------
-
-
-def daemon_env() -> dict[str, str]:
-    """The environment a daemon is exec'd with: a fresh token, so every descendant carries
-    it, and SPT_NOENV, so setproctitle does not clobber that environment in /proc."""
-    env = dict(os.environ)
-    env[TOKEN_ENV] = secrets.token_hex(8)
-    env["SPT_NOENV"] = "1"
-    return env
-
-
-def reexec_with_token() -> None:
-    """Make sure the daemon's exec-time environment carries its token: /proc/PID/environ
-    shows only that environment, and it is what forked Python workers show too, so the
-    watchdog's token sweep can find them. `start` sets it; a bare `start --foreground`
-    (systemd, a container) re-executes itself once with it."""
-    if os.environ.get(TOKEN_ENV):
-        return
-    env = daemon_env()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "orchestrator", *sys.argv[1:]], env)
-
-
-def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: float = 60.0) -> int:
-    """Start a daemon in its own session; return its pid once it accepts commands.
-    A state dir (or a file in it) that someone else controls is refused (UnsafeStateDir)
-    before anything in it is touched; the log is opened 0600, never through a link."""
-    from .paths import check_state_dir, open_log
-
-    check_state_dir(paths, create=True)  # 0700, ours; one that others could read is tightened
-    pid = running_pid(paths)
-    if pid is not None and not _is_watchdog(pid):  # a sweeping watchdog: the daemon waits for it
-        raise OrchestratorError(f"a daemon is already running for {paths.state_dir} (pid {pid})")
-    logfd = open_log(paths)
-    try:
-        r, w = os.pipe()
-    except BaseException:
-        os.close(logfd)
-        raise
-    env = daemon_env()
-    argv = [sys.executable, "-m", "orchestrator", "--state-dir", str(paths.state_dir),
-            "start", "--foreground", "--ready-fd", str(w), *(extra_args or [])]
-    try:
-        with open(os.devnull, "rb") as devnull:
-            proc = subprocess.Popen(argv, stdin=devnull, stdout=logfd, stderr=logfd, env=env,
-                                    pass_fds=(w,), start_new_session=True)
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(logfd)
-        os.close(w)
-    try:
-        msg = _read_until_eof(r, timeout)
-    finally:
-        os.close(r)
-    if msg.startswith("READY "):
-        proc.returncode = 0  # it lives on, detached; nothing of ours will wait for it
-        return int(msg.split()[1])
-    try:
-        code = proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.returncode = 0
-        raise OrchestratorError(f"the daemon did not become ready within {timeout:g} s; see {paths.log}") from None
-    detail = msg.removeprefix("ERROR ").strip() or f"it exited with {exit_reason(code)}; see {paths.log}"
-    raise OrchestratorError(detail)
-
-
-def _read_until_eof(fd: int, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    chunks = []
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(left * 1000):
-            break
-        data = os.read(fd, 4096)
-        if not data:
-            break
-        chunks.append(data)
-        if b"\n" in data:
-            break
-    return b"".join(chunks).decode(errors="replace").strip()
-
-
-def stop(paths: Paths, timeout: float = 30.0) -> int:
-    """SIGTERM to the daemon (identity-checked), then wait. 0 stopped, 3 not running, 1 timed out."""
-
-    pid = running_pid(paths)
-    if pid is None:
-        return 3
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return 0
-    try:
-        if running_pid(paths) != pid:  # it died and the pid may be someone else's now
-            return 0
-        if not signal_pidfd(pidfd, signal.SIGTERM):
-            return 0
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
-            return 1
-        try:
-            os.waitpid(pid, os.WNOHANG)  # if we started it (start_detached), do not leave a zombie
-        except ChildProcessError:
-            pass
-        return 0
-    finally:
-        os.close(pidfd)
-
-
-# -- the daemon itself --------------------------------------------------------------
 
 
 class Daemon:
@@ -211,7 +79,7 @@ class Daemon:
         # which wins over the built-in defaults.
         self.config_path = config_path
         self.config: config_file.Config | None = None
-        self._given = {"grace": grace, "stop_budget": stop_budget, "metrics_port": metrics_port}
+        self._given_grace, self._given_stop_budget, self._given_metrics_port = grace, stop_budget, metrics_port
         self.grace = 5.0 if grace is None else grace
         self.stop_budget = 30.0 if stop_budget is None else stop_budget
         self.metrics_port = metrics_port
@@ -231,6 +99,13 @@ class Daemon:
         self.manager: ManagerBridge | None = None
         self.log_sink: logsink.LogSink | None = None
 
+    @property
+    def _engine(self) -> Engine:
+        """The engine, for what runs from _serve on (signals, commands, shutdown)."""
+        if self.engine is None:
+            raise RuntimeError("the daemon's engine is not made yet")  # a bug in the caller
+        return self.engine
+
     # -- start-up ---------------------------------------------------------------------
 
     def run(self) -> int:
@@ -243,7 +118,7 @@ class Daemon:
         try:
             check_state_dir(paths, create=True)  # refuses another user's or a writable dir
             self._lock_fd = take_lock(paths)
-            if self._lock_fd is None and _is_watchdog(running_pid(paths)):
+            if self._lock_fd is None and is_watchdog(running_pid(paths)):
                 # A dead daemon's watchdog still sweeps (it holds the lock so that nobody
                 # starts on half-killed leftovers, and so that the files it removes are
                 # its dead daemon's, never ours): wait for it, bounded.
@@ -295,13 +170,13 @@ class Daemon:
     def _record_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # only record: the loop acts on it
 
-    def _load_config(self) -> None:
+    def _load_config(self, path: str) -> None:
         """The config file's [daemon] settings, under what the command line gave."""
-        self.config = config_file.load(self.config_path)
+        self.config = config_file.load(path)
         d = self.config.daemon
-        self.grace = d.grace if self._given["grace"] is None else self._given["grace"]
-        self.stop_budget = d.stop_budget if self._given["stop_budget"] is None else self._given["stop_budget"]
-        self.metrics_port = d.metrics_port if self._given["metrics_port"] is None else self._given["metrics_port"]
+        self.grace = d.grace if self._given_grace is None else self._given_grace
+        self.stop_budget = d.stop_budget if self._given_stop_budget is None else self._given_stop_budget
+        self.metrics_port = d.metrics_port if self._given_metrics_port is None else self._given_metrics_port
         if not self.retention:
             self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
                               "keep_seconds": d.keep_days * 86400}
@@ -309,7 +184,7 @@ class Daemon:
     def _serve(self) -> int:
         paths = self.paths
         if self.config_path is not None:
-            self._load_config()  # an invalid file: one line, and nothing started
+            self._load_config(self.config_path)  # an invalid file: one line, and nothing started
         # systemd's notify socket is ours (Type=notify), not the replicas'.
         self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None)
         set_child_subreaper()
@@ -377,7 +252,7 @@ class Daemon:
             log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
             self._notify(f"READY {os.getpid()}")
             if self._systemd_notify:
-                sd_ready(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
+                sd_notify(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
             if self.ready_fd is None and sys.stdout.isatty():
                 print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
             while True:
@@ -390,7 +265,7 @@ class Daemon:
 
     def _turn(self, timeout: float | None) -> None:
         """One turn of the loop; a shutdown signal is acted on between turns, never inside."""
-        self.engine.run_once(timeout)
+        self._engine.run_once(timeout)
         if self._stop_signal is not None:
             raise ShutdownRequested(self._stop_signal)
 
@@ -455,7 +330,7 @@ class Daemon:
             self.reap_orphans()
         for sig in signals:
             if sig in (signal.SIGTERM, signal.SIGINT):
-                if self.engine.closing:
+                if self._engine.closing:
                     log.info("%s during shutdown: the cleanup goes on", signal.Signals(sig).name)
                 elif self._stop_signal is None:
                     self._stop_signal = sig
@@ -463,7 +338,7 @@ class Daemon:
                 if self.config_path is None:
                     log.info("SIGHUP: no config file to reload (start --config FILE)")
                     continue
-                if self.engine.closing:
+                if self._engine.closing:
                     log.info("SIGHUP during shutdown: not reloading")
                     continue
                 try:
@@ -476,7 +351,7 @@ class Daemon:
         exit goes to its owner first (a replica's to the engine, which ends its group's
         remnants while the zombie still pins the group; a system child's to its supervisor)."""
         while (pid := self.os.exited_child()) is not None:
-            if self.engine.child_exited(pid):
+            if self._engine.child_exited(pid):
                 continue
             probe = probes.EXEC_PROBES.get(pid)
             if probe is not None:
@@ -505,7 +380,7 @@ class Daemon:
         engine.prepare_declared() of each pool, when the caller checked them all already."""
         prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
-        engine = self.engine
+        engine = self._engine
         removed = engine.undeclare_missing(set(new.pools))
         ending = engine.deleted_not_ended()  # these, and those of an earlier delete
         later: list[str] = []
@@ -524,7 +399,7 @@ class Daemon:
     def _add_later(self, names: list[str], ended: bool) -> None:
         """Start the pools _apply held back, as the config file declares them now (a later
         reload may have changed or removed them meanwhile)."""
-        if self.engine.closing:  # the wait ended because the daemon stops: nothing to start
+        if self._engine.closing:  # the wait ended because the daemon stops: nothing to start
             return
         if not ended:
             log.warning("config: the removed pools' replicas have not all ended; starting %s anyway",
@@ -534,7 +409,7 @@ class Daemon:
             if decl is None:
                 continue
             try:
-                self.engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+                self._engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
             except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
                 log.error("config: pool %s: %s", name, err)
 
@@ -545,7 +420,7 @@ class Daemon:
                if name.endswith((".out", ".err")) or ".out." in name or ".err." in name}
         stale = ids - known - {"daemon"}
         if stale:
-            log_files.remove(self.paths.logs, stale)
+            remove_logs(self.paths.logs, stale)
 
     def _cmd_reload(self, args: dict) -> dict:
         if self.config_path is None:
@@ -555,14 +430,14 @@ class Daemon:
         prepared: dict[str, Any] = {}
         for decl in new.pools.values():
             try:
-                prepared[decl.name] = self.engine.prepare_declared(decl.spec, _policy_of(decl), decl.size)
+                prepared[decl.name] = self._engine.prepare_declared(decl.spec, _policy_of(decl), decl.size)
             except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
                 raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
         done = self._apply(new, prepared)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new
-        self.engine.config.grace = self.grace = new.daemon.grace if self._given["grace"] is None else self.grace
-        if self._given["stop_budget"] is None:
+        self._engine.config.grace = self.grace = new.daemon.grace if self._given_grace is None else self.grace
+        if self._given_stop_budget is None:
             self.stop_budget = new.daemon.stop_budget
         if later:
             done["restart_needed"] = [k for k in later if k not in ("grace", "stop_budget")]
@@ -581,7 +456,7 @@ class Daemon:
         return self._healthz()[1]
 
     def _render_metrics(self) -> str:
-        engine = self.engine
+        engine = self._engine
         if self.log_capture is not None:
             totals = self.log_capture.totals()
             engine.metrics.set_log_totals(totals["bytes"], totals["dropped"])
@@ -624,8 +499,8 @@ class Daemon:
         """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
         setsid) outlive their replica; a clean stop ends them too, and their descendants."""
         me = os.getpid()
-        system = {self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None,
-                  *self.engine.system_pids()} - {None}
+        children = (self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None)
+        system = {pid for pid in children if pid is not None} | set(self._engine.system_pids())
         adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
                    for st in scan().values() if st.ppid == me and st.pid not in system and st.state != "Z"]
         if adopted:
@@ -657,5 +532,5 @@ def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any
             signal.signal(sig, signal.SIG_IGN)
 
 
-__all__ = ["Paths", "Daemon", "default_state_dir", "running_pid", "start_detached", "stop",
-           "run_foreground", "daemon_env"]
+__all__ = ["Daemon", "run_foreground"]
+

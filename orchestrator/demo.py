@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from .channel import Client
-from .daemon import _read_until_eof, daemon_env
+from .control import daemon_env, read_until_eof
 from .paths import Paths
 from .errors import OrchestratorError
 
@@ -53,7 +53,7 @@ class _Daemon:
             )
         os.close(w)
         try:
-            msg = _read_until_eof(r, 60)
+            msg = read_until_eof(r, 60)
         finally:
             os.close(r)
         if not msg.startswith("READY"):

@@ -1,4 +1,8 @@
-"""Typed errors. Each says what happened in one line; the CLI prints ``str(err)``."""
+"""Typed errors. Each says what happened in one line; the CLI prints ``str(err)``.
+
+Shared by every process (the CLI and clients, the daemon, the spawner): this module
+imports nothing. The public ones are exported by ``orchestrator`` (see its ``__all__``).
+"""
 
 from __future__ import annotations
 
@@ -42,6 +46,51 @@ class ChannelError(OrchestratorError):
     """The command channel failed: timed out, refused, or the daemon went away."""
 
     code = "channel"
+
+
+class UnsafeStateDir(OrchestratorError):
+    """A state dir, or a file in it, that someone else could control (or that is not what
+    it should be): refused before anything in it is read or written."""
+
+    code = "unsafe_state_dir"
+
+
+class UnsafeFile(InvalidSpec):
+    """A file read on an operator's behalf that is not a regular file of the reader (or
+    root) that nobody else can write, or that is too large: refused before it is read."""
+
+
+class ConfigError(OrchestratorError):
+    """An invalid config file, in one line: ``FILE:LINE: KEY: what is wrong``.
+
+    ``code`` is ``invalid``: refused by the daemon (``reload``), it reaches the client as an
+    InvalidSpec with the same line, and the CLI exits 1."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
+                 key: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.source, self.line, self.key, self.problem = source, line, key, problem
+
+    @classmethod
+    def at(cls, source: str, line: int | None, key: str, problem: str) -> "ConfigError":
+        where = f"{source}:{line}" if line else source
+        return cls(f"{where}: {key}: {' '.join(problem.split())}", source=source, line=line, key=key,
+                   problem=problem)
+
+
+class StoreError(OrchestratorError):
+    """The store cannot do its job; the message is one line meant for the operator."""
+
+    code = "store"
+
+
+class SpawnerLost(Exception):
+    """A spawner (zygote.Spawner) died or stalled during a request: fork here instead.
+
+    Not an OrchestratorError: it never reaches a client; the launcher catches it and
+    forks the replica itself."""
 
 
 class ShutdownRequested(BaseException):

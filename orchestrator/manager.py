@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from multiprocess import connection, process, util
 
-from .channel import SERIALIZER, ChannelManager, read_authkey, set_timeouts, socket_address, use_plain_pickling
+from .channel import SERIALIZER, read_authkey, set_timeouts, socket_address
+from .channelserver import ChannelManager, use_plain_pickling
 from .errors import OrchestratorError
 from .paths import Paths, check_state_dir
 from .protocol import FrameReader, FrameTooLarge, encode_frame, is_plain

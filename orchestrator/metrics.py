@@ -407,22 +407,3 @@ def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, dict]:
     info = {"healthy": not failed, "parts": parts, "failed": failed,
             "lag": round(lag, 4) if math.isfinite(lag) else None, "lag_limit": LAG_LIMIT}
     return not failed, info
-
-
-def format_health(ok: bool, info: Mapping[str, Any]) -> str:
-    """One line for ``orchestrator health``."""
-    lag = info.get("lag")
-    lag_text = f"loop lag {lag * 1000:.1f} ms" if isinstance(lag, (int, float)) else "loop lag unknown"
-    if ok:
-        return f"healthy: daemon, watchdog and manager alive; {lag_text}"
-    failed = list(info.get("failed") or ())
-    words = []
-    for part in failed:
-        if part == "loop":
-            limit = info.get("lag_limit", LAG_LIMIT)
-            words.append(f"control loop slow ({lag_text}, limit {limit:g} s)")
-        else:
-            words.append(f"{part} down")
-    if "loop" not in failed:
-        words.append(lag_text)
-    return "unhealthy: " + "; ".join(words or ["unknown"])

@@ -48,7 +48,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-from .errors import InvalidSpec, OrchestratorError
+from .errors import InvalidSpec, UnsafeFile, UnsafeStateDir
 
 SOCKET_NAME = "control.sock"
 AUTHKEY_NAME = "authkey"
@@ -71,13 +71,6 @@ _ENTRIES = (
 _KIND = {stat.S_IFREG: "regular file", stat.S_IFDIR: "directory", stat.S_IFSOCK: "socket"}
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _OPEN_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks the open
-
-
-class UnsafeStateDir(OrchestratorError):
-    """A state dir, or a file in it, that someone else could control (or that is not what
-    it should be): refused before anything in it is read or written."""
-
-    code = "unsafe_state_dir"
 
 
 class Paths:
@@ -333,11 +326,6 @@ CONFIG_MAX_BYTES = 256 << 10  # a config file: parsed and applied in well under 
 ENV_FILE_MAX_BYTES = 1 << 20  # one env file (launch --env-file, a pool's env_file)
 _KIND_NAMES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
-
-
-class UnsafeFile(InvalidSpec):
-    """A file read on an operator's behalf that is not a regular file of the reader (or
-    root) that nobody else can write, or that is too large: refused before it is read."""
 
 
 def _size(limit: int) -> str:

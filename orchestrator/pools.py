@@ -27,9 +27,10 @@ from .errors import InvalidSpec
 from .policy import Policy
 from .spec import MAX_PORT, Runtime
 from .states import Replica
+from .store import POOL_ROW_VERSION as _STORED
+from .store import unpack_pool_row as unpack_row  # noqa: F401  (supervision reads stored rows with it)
 
 OK, BACKOFF, CRASHLOOP = "ok", "backoff", "crashloop"
-_STORED = 2  # the version of the pool row's JSON (1: the bare spec)
 PROBE_KEYS = ("ready", "live")
 
 
@@ -135,13 +136,6 @@ class Pool:
         if self.runtime is None and self.unresolved is not None:
             return self.unresolved
         return (self.runtime.wire if self.runtime else None), self.policy.to_wire()
-
-
-def unpack_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
-    """(spec wire, policy wire, extras) of a stored pool row, old rows (a bare spec) too."""
-    if isinstance(spec_json, dict) and spec_json.get("v") == _STORED:
-        return spec_json.get("spec"), spec_json.get("policy"), spec_json
-    return spec_json, None, {}
 
 
 def check_templates(runtime: Runtime | None, policy: Policy, size: int) -> None:

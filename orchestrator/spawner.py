@@ -62,7 +62,9 @@ from watchdog.identity import open_verified, proc_stat, start_time
 from watchdog.ledger import Entry
 from watchdog.reaper import sweep
 
+from .errors import SpawnerLost
 from .oom import worker_oom_score_adj
+from .states import exit_reason  # noqa: F401  (moved to states; its importers still find it here)
 from .targets import TargetRef, load_preload, load_target
 from .worker import Terminated, exit_as_killed, install_sigterm_handler
 
@@ -117,16 +119,6 @@ def raise_fd_limit() -> tuple[int, int] | None:
     return soft, hard
 
 
-def exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}"
-    return f"exit code {code}"
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class LaunchPlan:
     """Everything one worker process is made from: a command (``argv`` + ``exe``, its whole
@@ -144,10 +136,6 @@ class LaunchPlan:
     cgroup: str | None = None  # the replica's cgroup dir, joined first thing in the child
     preload: tuple[str, ...] = ()  # imported before the target (at once if the spawner has them)
     pythonpath: tuple[str, ...] = ()  # the launching caller's, for the preload modules
-
-
-class SpawnerLost(Exception):
-    """A spawner (zygote.Spawner) died or stalled during a request: fork here instead."""
 
 
 @dataclass(slots=True)

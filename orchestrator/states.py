@@ -145,3 +145,16 @@ def transition(
     if new in TERMINAL:
         replica.ended_at = clock()
     return old
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, from its returncode (-N: killed by signal N), as a reason says it."""
+    if code < 0:
+        import signal  # only here: most importers of this module never need it
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"

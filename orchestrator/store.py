@@ -90,7 +90,8 @@ import time
 import urllib.parse
 from typing import Any, Callable, Iterable
 
-from .errors import OrchestratorError
+from .errors import StoreError
+from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -105,9 +106,7 @@ _BUSY_TIMEOUT_S = 5.0
 _WAL_AUTOCHECKPOINT_PAGES = 256           # ~1 MB of WAL between automatic checkpoints
 _JOURNAL_SIZE_LIMIT = 1024 * 1024         # WAL truncated back to this after a checkpoint
 # Default retention: ~2 MB of state.db at steady state under endless churn (~80 B an event).
-KEEP_REPLICAS = 5_000
-KEEP_EVENTS = 20_000
-KEEP_SECONDS = 7 * 86400.0
+POOL_ROW_VERSION = 2  # the version of a pool row's JSON, as pools.Pool.stored() writes it (1: the bare spec)
 PRUNE_RETIRED_MIN = 16                   # terminal replica saves that trigger a prune, at least
 _PRUNE_INTERVAL_S = 600.0                 # prune at least this often when anything is written
 _VACUUM_MIN_FREE_PAGES = 256              # only give pages back when >= 1 MB is free ...
@@ -195,12 +194,6 @@ else:  # pragma: no cover - interpreters without the C accelerator
 _loads = json.loads
 
 
-class StoreError(OrchestratorError):
-    """The store cannot do its job; the message is one line meant for the operator."""
-
-    code = "store"
-
-
 def _code(e: sqlite3.Error) -> int:
     return (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
 
@@ -216,6 +209,13 @@ def _is_corruption(e: sqlite3.Error) -> bool:
 
 class _Corrupt(Exception):
     pass
+
+
+def unpack_pool_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
+    """(spec wire, policy wire, extras) of a stored pool row, old rows (a bare spec) too."""
+    if isinstance(spec_json, dict) and spec_json.get("v") == POOL_ROW_VERSION:
+        return spec_json.get("spec"), spec_json.get("policy"), spec_json
+    return spec_json, None, {}
 
 
 class Store:

@@ -11,7 +11,6 @@ import os
 from typing import Any, Callable, Iterable, Sequence
 
 from .protocol import client_bound
-from .spec import make_spec
 
 
 def _ids(ids: Iterable[str | Sequence[str]]) -> list[str]:
@@ -55,6 +54,8 @@ class Verbs:
         policy: ``replace`` rolls it onto new ones (``count`` is then its new size).
         ``preload``: modules a Python target's replicas start with, imported once in the
         pool's spawner process, never in the daemon."""
+        from .spec import make_spec  # only the commands that carry a spec pay for its import
+
         spec = make_spec(command, target, env, os.getcwd() if cwd is None else cwd, preload).to_wire()
         args: dict[str, Any] = {"pool": pool, "spec": spec, "wait": wait, "timeout": timeout}
         if count is not None:
@@ -80,6 +81,8 @@ class Verbs:
         target: str | Callable[[], Any] | None = None,
     ) -> dict:
         """Set ``pool``'s size to ``n``; a spec creates the pool if it does not exist."""
+        from .spec import make_spec
+
         # Recorded with this directory, as launch does: the same pool launched from here is the same spec.
         spec = make_spec(command, target, cwd=os.getcwd()).to_wire() if command is not None or target is not None else None
         return self.call("scale", {"pool": pool, "n": n, "spec": spec})

@@ -143,7 +143,12 @@ def ready(**fields: object) -> bool:
     queue stays full for 5 s. A value holding a newline (it would forge another field) or a
     key that is not a word is a programming error: ValueError.
     """
-    addr = os.environ.get("NOTIFY_SOCKET")
+    return sd_notify(os.environ.get("NOTIFY_SOCKET"), **fields)
+
+
+def sd_notify(addr: str | None, **fields: object) -> bool:
+    """``ready()`` to the notify socket ``addr`` (the daemon's own, which it took out of
+    the environment its replicas inherit); the same answers and errors."""
     if not addr:
         return False
     lines = ["READY=1"]

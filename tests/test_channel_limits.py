@@ -24,11 +24,12 @@ from typing import Iterator
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, cli, cli_env, wait_for
+from helpers import DaemonUnderTest, cli, cli_env, manager_proxies, wait_for
 from orchestrator import Client, InvalidSpec
 from orchestrator.protocol import command
 
 pytestmark = pytest.mark.timeout(180)
+
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
@@ -227,8 +228,8 @@ def test_a_command_over_the_frame_limit_is_answered_at_once(daemon: DaemonUnderT
         with pytest.raises(InvalidSpec, match="too large"):  # refused before it is sent
             client.launch("web", ["sleep", "1000"], env={"BIG": "x" * BIG})
         # A client that sends it anyway gets an error reply, not silence until its time-out.
-        client._connect()
-        reply = client._replies.call(command("launch", {"pool": "web", "spec": {
+        _, replies = manager_proxies(daemon.state_dir)
+        reply = replies.call(command("launch", {"pool": "web", "spec": {
             "command": ["sleep", "1000"], "env": {"BIG": "x" * BIG}}}, "too-big"), 60)
         assert reply is not None and reply["ok"] is False and "too large" in reply["error"], reply
         assert client.ping() == "pong"

@@ -15,11 +15,12 @@ import psutil
 import pytest
 
 from helpers import (
-    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, survivors, tree, wait_for,
+    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, manager_proxies, survivors, tree, wait_for,
 )
 from orchestrator import ChannelError, Client, DaemonNotRunning, InvalidSpec, ShuttingDown, UnknownReplica
 
 pytestmark = pytest.mark.timeout(120)
+
 
 
 def sized(pools: list[dict]) -> list[dict]:
@@ -155,12 +156,12 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
             client.call("launch", {"pool": "web", "count": 1, "spec": {"command": "not-a-list"}})
         # Not plain data, straight onto the queue: the manager answers, nothing crashes.
         client.ping()
-        commands = client._commands
+        commands, replies = manager_proxies(daemon.state_dir)
         commands.put(["not", "a", "dict"])  # no id: nobody to answer, dropped
         commands.put({"id": "x1", "op": "status", "args": {"bad": {1, 2}}})
-        assert client._replies.take("x1", 10)["code"] == "invalid"
+        assert replies.take("x1", 10)["code"] == "invalid"
         commands.put({"id": "x2", "op": "status", "args": "nope"})
-        assert client._replies.take("x2", 10)["ok"] is False
+        assert replies.take("x2", 10)["ok"] is False
         assert client.ping() == "pong"
 
     with pytest.raises(ChannelError, match="auth"):
@@ -335,3 +336,40 @@ def test_manager_killed_is_replaced(daemon: DaemonUnderTest) -> None:
     wait_for(replaced, 20, "a new manager")
     after = daemon.status()
     assert [(r["id"], r["pid"]) for r in after["replicas"]] == [(r["id"], r["pid"]) for r in before["replicas"]]
+
+
+def test_foreground_under_systemd_notify_says_ready(state_dir: Path) -> None:
+    """Type=notify: the daemon sends READY=1 (and a STATUS) to $NOTIFY_SOCKET once it takes
+    commands, and keeps running; its replicas do not inherit the socket."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = str(state_dir.parent / "notify.sock")
+    sock.bind(addr)
+    sock.settimeout(60)
+    log = open(state_dir.parent / "fg.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "--state-dir", str(state_dir), "start", "--foreground", "--grace", "1"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=cli_env({"NOTIFY_SOCKET": addr}),
+        start_new_session=True,
+    )
+    seen: set[Ident] = set()
+    try:
+        lines = sock.recv(4096).decode().splitlines()
+        assert lines[0] == "READY=1" and lines[1].startswith("STATUS="), lines
+        assert cli(state_dir, "status").returncode == 0
+        cli(state_dir, "launch", "--pool", "w", "--wait", "--", "sleep", "1000", check=True)
+        rep = cli_json(state_dir, "status")["replicas"][0]
+        assert "NOTIFY_SOCKET" not in psutil.Process(rep["pid"]).environ()
+        seen |= tree(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        wait_for(lambda: not survivors(seen), 5, "every process to be gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        seen |= tree(proc.pid)
+        kill_all(seen)
+        log.close()
+        sock.close()

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,3 +100,80 @@ def test_an_import_of_orchestrator_from_watchdog_is_seen(tmp_path):
     path = tmp_path / "watchdog" / "m.py"
     path.write_text("def f():\n    import orchestrator.engine\n")
     assert _imports(path, "orchestrator") == {"engine"}
+
+
+# -- the client side loads none of the daemon ------------------------------------------
+
+# What a process of any kind may load (errors, paths, the wire protocol...); and what the
+# CLI and Client are themselves. Anything else of orchestrator/ (the engine, the reactor,
+# pools, probes, the spawner, metrics, the config's daemon side...) is the daemon's.
+SHARED = {"errors", "states", "version", "protocol", "spec", "paths", "store", "policy", "argtypes", "targets",
+          "worker", "retention", "logfiles"}
+CLIENT = {"cli", "channel", "verbs", "control", "display", "logread", "logcli", "demo"}
+
+
+def test_the_cli_and_client_load_no_daemon_module():
+    code = ("import sys, orchestrator.cli, orchestrator.channel\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in ('orchestrator', 'watchdog'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
+    loaded = {m.split(".", 1)[1] if "." in m else "__init__" for m in out if m.startswith("orchestrator")}
+    assert loaded <= SHARED | CLIENT | {"__init__"}, f"daemon modules loaded: {sorted(loaded - SHARED - CLIENT)}"
+    assert not [m for m in out if m.startswith("watchdog")], out
+    # The Client speaks the Manager protocol itself: multiprocess (and dill) cost ~50 ms a command.
+    code = "import sys, orchestrator.cli, orchestrator.channel\nprint(sorted(sys.modules))"
+    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "'multiprocess" not in mods and "'dill" not in mods
+
+
+def test_client_modules_import_only_shared_and_client_modules():
+    """Function-level imports count: what one command imports is still the client's."""
+    graph = _graph("orchestrator")
+    allowed = SHARED | CLIENT
+    # start --foreground turns this process into the daemon: the one arrow into it.
+    exceptions = {("cli", "daemon"), ("cli", "config")}  # config: start --config is checked before the start
+    wrong = sorted((m, d) for m in CLIENT for d in graph.get(m, set()) - allowed if (m, d) not in exceptions)
+    assert not wrong, f"client modules importing daemon modules: {wrong}"
+
+
+# -- the public names ----------------------------------------------------------------------
+
+
+def _documented_names() -> list[str]:
+    """The names listed in the README's API section: each bullet's leading `Name`s."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    names: list[str] = []
+    for line in section.splitlines():
+        if line.startswith("- "):
+            head = line[2:].split(":", 1)[0]
+            names += re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", head)
+    return names
+
+
+def test_exported_names_are_exactly_the_documented_ones():
+    import orchestrator
+
+    documented = _documented_names()
+    assert len(documented) == len(set(documented)), documented
+    assert sorted(orchestrator.__all__) == sorted(documented)
+
+
+def test_every_exported_name_imports():
+    code = ("import orchestrator\n"
+            "for name in orchestrator.__all__:\n"
+            "    getattr(orchestrator, name)\n"
+            "from orchestrator import *\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_error_types_are_orchestrator_errors_where_documented():
+    import orchestrator
+    from orchestrator import errors
+
+    for name in ("UnsafeStateDir", "UnsafeFile", "ConfigError", "StoreError"):
+        cls = getattr(orchestrator, name)
+        assert cls.__module__ == "orchestrator.errors" and issubclass(cls, orchestrator.OrchestratorError)
+    assert issubclass(orchestrator.UnsafeFile, orchestrator.InvalidSpec)
+    assert orchestrator.SpawnerLost is errors.SpawnerLost

@@ -1,4 +1,5 @@
-"""Replica log capture (orchestrator/logs.py): a real Reactor pumps real children's pipes.
+"""Replica log capture (orchestrator/logcapture.py) and reading it back (logread.py, logcli.py):
+a real Reactor pumps real children's pipes.
 
 Every child is started here with the ReplicaLog's fds on its 1 and 2, reaped here, and
 killed by pid if a test fails before it ends. Waits are bounded (the reactor's run_until,
@@ -27,9 +28,11 @@ from typing import Iterator
 import pytest
 
 from helpers import cli, cli_env, wait_for
-from orchestrator import logs
+from orchestrator import logcapture, logcli
 from orchestrator.errors import OrchestratorError, UnknownReplica
-from orchestrator.logs import LogCapture, follow, log_paths, pool_replicas, remove, tail
+from orchestrator.logcapture import LogCapture
+from orchestrator.logfiles import log_paths, remove
+from orchestrator.logread import follow, pool_replicas, tail
 from orchestrator.paths import Paths
 from orchestrator.reactor import Reactor
 
@@ -53,7 +56,7 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, rlog: logs.ReplicaLog, argv: list[str], **kw) -> subprocess.Popen:
+    def spawn(self, rlog: logcapture.ReplicaLog, argv: list[str], **kw) -> subprocess.Popen:
         kw.setdefault("stdin", subprocess.DEVNULL)
         p = subprocess.Popen(argv, stdout=rlog.stdout, stderr=rlog.stderr, pass_fds=(), **kw)
         self.procs.append(p)
@@ -335,8 +338,8 @@ def test_work_per_turn_is_bounded(logs_dir: Path, reactor: Reactor, children: Ch
     finally:
         cap.close()
     assert [r.bytes for r in rlogs] == [4 << 20] * 5
-    assert max(max(t) for t in per_turn) <= logs.READS_PER_TURN * logs.CHUNK
-    assert max(sum(t) for t in per_turn) <= logs.TURN_BUDGET
+    assert max(max(t) for t in per_turn) <= logcapture.READS_PER_TURN * logcapture.CHUNK
+    assert max(sum(t) for t in per_turn) <= logcapture.TURN_BUDGET
     assert sum(sum(t) for t in per_turn) > 10 << 20  # most of it was pumped by turns, not drains
 
 
@@ -360,15 +363,15 @@ def test_the_rate_caps_make_the_writer_wait(logs_dir: Path, reactor: Reactor, ch
         rlog.finish()
     finally:
         cap.close()
-    assert rate // 4 <= pumped <= rate * took + max(rate // 4, logs.CHUNK) + logs.CHUNK
+    assert rate // 4 <= pumped <= rate * took + max(rate // 4, logcapture.CHUNK) + logcapture.CHUNK
 
 
 def test_slow_writes_pause_the_pipe_and_lose_nothing(logs_dir: Path, reactor: Reactor, children: Children,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file write counts as throttled: the pipe is left unread a while each time
     (the child blocks), and every byte still arrives."""
-    monkeypatch.setattr(logs, "SLOW_WRITE", -1.0)
-    monkeypatch.setattr(logs, "SLOW_PAUSE", 0.005)
+    monkeypatch.setattr(logcapture, "SLOW_WRITE", -1.0)
+    monkeypatch.setattr(logcapture, "SLOW_PAUSE", 0.005)
     cap = LogCapture(logs_dir, reactor)
     try:
         rlog = cap.open("web-1")
@@ -474,7 +477,7 @@ def test_a_symlink_planted_in_place_of_a_backup_is_replaced_not_followed(
 
 FULL_DISK_SCRIPT = """
 import json, os, subprocess, sys
-from orchestrator.logs import LogCapture
+from orchestrator.logcapture import LogCapture
 from orchestrator.reactor import Reactor
 
 mnt = sys.argv[1]
@@ -673,7 +676,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     common.add_argument("--state-dir", default=argparse.SUPPRESS)
     ap = argparse.ArgumentParser(prog="orchestrator")
     sub = ap.add_subparsers(dest="command", required=True)
-    logs.add_parser(sub, common)
+    logcli.add_parser(sub, common)
     return ap.parse_args(argv)
 
 
@@ -691,24 +694,24 @@ def state(tmp_path: Path) -> Paths:
 
 
 def test_cmd_logs_lines_and_stderr(state: Paths, capsys: pytest.CaptureFixture) -> None:
-    assert logs.cmd_logs(_parse(["logs", "web-2"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-2"]), state) == 0
     assert capsys.readouterr().out == "".join(f"two {i}\n" for i in range(10, 20))
-    assert logs.cmd_logs(_parse(["logs", "web-2", "--lines", "2"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-2", "--lines", "2"]), state) == 0
     assert capsys.readouterr().out == "two 18\ntwo 19\n"
-    assert logs.cmd_logs(_parse(["logs", "web-2", "-n", "0"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-2", "-n", "0"]), state) == 0
     assert capsys.readouterr().out == ""
-    assert logs.cmd_logs(_parse(["logs", "web-2", "--stderr"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-2", "--stderr"]), state) == 0
     assert capsys.readouterr().out == "oops\n"
-    assert logs.cmd_logs(_parse(["logs", "web-10", "--lines", "3"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-10", "--lines", "3"]), state) == 0
     assert capsys.readouterr().out == "ten old\nten 1\nten 2\n"  # across the rotation
 
 
 def test_cmd_logs_pool_prefixes_each_line(state: Paths, capsys: pytest.CaptureFixture) -> None:
-    assert logs.cmd_logs(_parse(["logs", "--pool", "web", "--lines", "1"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "--pool", "web", "--lines", "1"]), state) == 0
     assert capsys.readouterr().out == "web-2 | two 19\nweb-10 | ten 2\n"  # in the order of n
-    assert logs.cmd_logs(_parse(["logs", "--pool", "web", "--stderr"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "--pool", "web", "--stderr"]), state) == 0
     assert capsys.readouterr().out == "web-2 | oops\n"
-    assert logs.cmd_logs(_parse(["logs", "web-10", "web-2", "-n", "1"]), state) == 0
+    assert logcli.cmd_logs(_parse(["logs", "web-10", "web-2", "-n", "1"]), state) == 0
     assert capsys.readouterr().out == "web-10 | ten 2\nweb-2 | two 19\n"
 
 
@@ -724,7 +727,7 @@ def test_cmd_logs_pool_prefixes_each_line(state: Paths, capsys: pytest.CaptureFi
 def test_cmd_logs_errors_are_one_line(state: Paths, argv: list[str], message: str,
                                       capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(OrchestratorError) as info:
-        logs.cmd_logs(_parse(argv), state)
+        logcli.cmd_logs(_parse(argv), state)
     assert message in str(info.value) and "\n" not in str(info.value)
     if argv[1:2] == ["web-9"]:
         assert isinstance(info.value, UnknownReplica)
@@ -733,14 +736,14 @@ def test_cmd_logs_errors_are_one_line(state: Paths, argv: list[str], message: st
 
 def test_cmd_logs_with_no_logs_dir(tmp_path: Path) -> None:
     with pytest.raises(UnknownReplica):
-        logs.cmd_logs(_parse(["logs", "web-1"]), Paths(tmp_path / "nothing"))
+        logcli.cmd_logs(_parse(["logs", "web-1"]), Paths(tmp_path / "nothing"))
 
 
 def test_every_option_states_its_default() -> None:
     common = argparse.ArgumentParser(add_help=False)
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers()
-    logs.add_parser(sub, common)
+    logcli.add_parser(sub, common)
     parser = sub.choices["logs"]
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
@@ -753,15 +756,15 @@ def test_every_option_states_its_default() -> None:
 CLI_SCRIPT = """
 import argparse, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from orchestrator import logs
+from orchestrator import logcli
 from orchestrator.paths import Paths
 common = argparse.ArgumentParser(add_help=False)
 common.add_argument("--state-dir")
 ap = argparse.ArgumentParser(prog="orchestrator")
 sub = ap.add_subparsers(dest="command", required=True)
-logs.add_parser(sub, common)
+logcli.add_parser(sub, common)
 args = ap.parse_args(sys.argv[1:])
-sys.exit(logs.cmd_logs(args, Paths(args.state_dir)))
+sys.exit(logcli.cmd_logs(args, Paths(args.state_dir)))
 """
 
 
@@ -1007,8 +1010,8 @@ def test_forget_removes_every_file_of_those_replicas_a_bounded_number_per_turn(
             reactor.run_once(1.0)
             turns += 1
             assert turns < 1000
-        assert max(unlinks) <= logs.REMOVE_PER_TURN
-        assert turns >= 200 * 4 // logs.REMOVE_PER_TURN  # 800 files (+ the probes past the chains' ends)
+        assert max(unlinks) <= logcapture.REMOVE_PER_TURN
+        assert turns >= 200 * 4 // logcapture.REMOVE_PER_TURN  # 800 files (+ the probes past the chains' ends)
         assert sorted(os.listdir(logs_dir)) == sorted(kept)
     finally:
         cap.close()

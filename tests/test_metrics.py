@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.httpserver import MetricsServer
-from orchestrator.metrics import EXIT_KINDS, LagMonitor, Metrics, format_health, health
+from orchestrator.display import format_health
+from orchestrator.metrics import EXIT_KINDS, LagMonitor, Metrics, health
 from orchestrator.reactor import Reactor
 
 

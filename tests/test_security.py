@@ -487,12 +487,13 @@ def test_channel_unpickles_plain_data_only(tmp_path: Path) -> None:
     """Even from a trusted peer, a message that would import or call anything is a
     ChannelError, never run: the client takes plain data and builtin exceptions (the
     Manager's #ERROR replies), the server plain data only."""
-    from orchestrator.channel import _PlainConnection, _ServerConnection
+    from orchestrator.channel import _ClientConnection
+    from orchestrator.channelserver import _ServerConnection
 
     marker = tmp_path / "pwned"
     a, b = socket.socketpair()
-    sender = _PlainConnection(a.detach())
-    client_end = _PlainConnection(os.dup(b.fileno()))
+    sender = _ClientConnection(a.detach())
+    client_end = _ClientConnection(os.dup(b.fileno()))
     server_end = _ServerConnection(b.detach())
     try:
         plain = ("#RETURN", {"id": "x", "ok": True, "result": [1, 2.5, "s", None, True, b"b", (1,), {3}]})

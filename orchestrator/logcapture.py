@@ -1,5 +1,6 @@
-"""Replicas' stdout and stderr: captured through pipes the control loop pumps into
-size-rotated files, and read back by ``orchestrator logs`` (with the daemon up or down).
+"""Replicas' stdout and stderr, captured in the daemon: pipes the control loop pumps into
+size-rotated files (their layout: logfiles.py; read back by logread.py, with the daemon up
+or down).
 
     <logs dir>/<id>.out, <id>.out.1 .. <id>.out.K     stdout, newest first (.K the oldest)
     <logs dir>/<id>.err, <id>.err.1 .. <id>.err.K     stderr
@@ -87,33 +88,24 @@ Pipes have one cost the direct fds would not: the read ends live in the daemon, 
 daemon killed -9 leaves its replicas writing into pipes nobody reads (EPIPE / SIGPIPE). The
 watchdog ends those replicas anyway (no replica outlives its daemon), so nothing is lost
 that was not going to be.
-
-The readers (``tail``, ``follow``, ``log_paths``, ``remove``, ``cmd_logs``) only read the
-files, so they work with the daemon down and after the replicas ended.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import errno
 import fcntl
 import logging
 import os
-import re
-import select
-import stat
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
-from .argtypes import natural
-from .errors import InvalidSpec, OrchestratorError, UnknownReplica
-from .protocol import parse_replica_id, pool_name
+from .logfiles import DIR_FLAGS, STREAMS, WRITE_FLAGS, BACKUP_LIMIT, open_log_file
+from .protocol import parse_replica_id
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("orchestrator.logs")  # the name daemon.log has always shown for these lines
 
 CHUNK = 64 << 10  # bytes per read
 READS_PER_TURN = 4  # reads of one pipe in one turn (256 KiB)
@@ -130,58 +122,8 @@ MIN_READ = 4096  # a stream allowed less than this (by its rate) is left unread 
 CREATE_AFTER = 1.0  # seconds: a replica's files are made by its first output or then
 REMOVE_PER_TURN = 64  # unlinks of forgotten replicas' files in one turn, at most
 REMOVE_TURN_TIME = 0.002  # seconds of unlinking in one turn, after which the rest waits a turn
-STREAMS = ("out", "err")
 DEFAULT_MAX_BYTES = 10 << 20
 DEFAULT_BACKUPS = 3
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_WRITE_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                | os.O_NOCTTY | os.O_CLOEXEC)  # NONBLOCK: a FIFO planted there never blocks the open
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_BACKUP_LIMIT = 10_000  # rotated files probed at most (K is a pool's setting, never this large)
-
-
-def _check_stream(stream: str) -> str:
-    if stream not in STREAMS:
-        raise ValueError(f"stream must be 'out' or 'err', got {stream!r}")
-    return stream
-
-
-def _check_id(replica_id: str) -> str:
-    if not isinstance(replica_id, str) or parse_replica_id(replica_id) is None:
-        raise InvalidSpec(f"invalid replica id {replica_id!r}")
-    return replica_id
-
-
-def _open_dir(logs_dir: str | os.PathLike) -> int | None:
-    try:
-        return os.open(logs_dir, _DIR_FLAGS)
-    except FileNotFoundError:
-        return None
-
-
-def _open_log_file(dirfd: int, name: str, flags: int, where: Path) -> tuple[int, os.stat_result]:
-    """Open ``name`` in the dir ``dirfd`` without following a link; refuse anything but a
-    regular file of ours with one link. Raises OSError (FileNotFoundError if absent)."""
-    try:
-        fd = os.open(name, flags, 0o600, dir_fd=dirfd)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "a symbolic link: refusing to follow it", str(where / name)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
-            raise OSError(errno.EPERM, "not a regular file of ours with a single link", str(where / name))
-        if flags & os.O_WRONLY and stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-# -- the daemon side: capture ------------------------------------------------------------
 
 
 class _Bucket:
@@ -228,7 +170,7 @@ class _Stream:
         self.created = False  # a file was opened (it exists, unless someone removed it)
         self.size = 0
         if eager:
-            self.fd, st = _open_log_file(cap.dirfd, self.name, _WRITE_FLAGS, cap.logs_dir)
+            self.fd, st = open_log_file(cap.dirfd, self.name, WRITE_FLAGS, cap.logs_dir)
             self.size, self.created = st.st_size, True
         try:
             self.r, self.w = os.pipe()  # both close-on-exec; the spawner dup2s w onto 1 or 2
@@ -379,7 +321,7 @@ class _Stream:
         if not now and self.cap.reactor.monotonic() < self.retry_at:
             return False
         try:
-            self.fd, st = _open_log_file(self.cap.dirfd, self.name, _WRITE_FLAGS, self.cap.logs_dir)
+            self.fd, st = open_log_file(self.cap.dirfd, self.name, WRITE_FLAGS, self.cap.logs_dir)
         except OSError as err:
             self.retry_at = self.cap.reactor.monotonic() + RETRY
             self._failed(f"opening {self.name}", err)
@@ -509,7 +451,7 @@ class ReplicaLog:
 class LogCapture:
     """Every replica's capture in one daemon; owned by the control loop's thread."""
 
-    def __init__(self, logs_dir: str | os.PathLike, reactor: Any, *, max_bytes: int = DEFAULT_MAX_BYTES,
+    def __init__(self, logs_dir: str | os.PathLike[str], reactor: Any, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS, rate: int | None = RATE,
                  total_rate: int | None = TOTAL_RATE, create_after: float = CREATE_AFTER) -> None:
         """``rate``: bytes/s one stream is pumped at most, ``total_rate``: all of them (None:
@@ -529,7 +471,7 @@ class LogCapture:
         self.reactor = reactor
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.logs_dir, 0o700)
-        self.dirfd = os.open(self.logs_dir, _DIR_FLAGS | os.O_NOFOLLOW)
+        self.dirfd = os.open(self.logs_dir, DIR_FLAGS | os.O_NOFOLLOW)
         self._buf = bytearray(CHUNK)  # one read buffer: the loop pumps one pipe at a time
         self._view = memoryview(self._buf)
         self._open: dict[str, ReplicaLog] = {}
@@ -553,8 +495,8 @@ class LogCapture:
     def _limits(max_bytes: int, backups: int) -> tuple[int, int]:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a whole number >= 1, got {max_bytes!r}")
-        if isinstance(backups, bool) or not isinstance(backups, int) or not 0 <= backups <= _BACKUP_LIMIT:
-            raise ValueError(f"backups must be a whole number from 0 to {_BACKUP_LIMIT}, got {backups!r}")
+        if isinstance(backups, bool) or not isinstance(backups, int) or not 0 <= backups <= BACKUP_LIMIT:
+            raise ValueError(f"backups must be a whole number from 0 to {BACKUP_LIMIT}, got {backups!r}")
         return max_bytes, backups
 
     def _new_turn(self) -> None:
@@ -645,7 +587,7 @@ class LogCapture:
                 self._removing_failed += 1
             # Backups are contiguous from .1 (rotation keeps them so): the first missing one
             # ends the chain; a missing current file does not (.1 may be there all the same).
-            if (there or index == 0) and index < _BACKUP_LIMIT:
+            if (there or index == 0) and index < BACKUP_LIMIT:
                 self._doomed.appendleft((rid, stream, index + 1))
             now = time.perf_counter()
             if now - t0 > SLOW_WRITE:  # the disk is struggling: give it (and the loop) a rest
@@ -677,429 +619,3 @@ class LogCapture:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# -- the reading side: the CLI ------------------------------------------------------------
-
-
-def _backup_names(dirfd: int, name: str) -> list[str]:
-    """``name.1`` .. ``name.K`` that exist (contiguous from 1, as rotation keeps them)."""
-    found = []
-    for i in range(1, _BACKUP_LIMIT + 1):
-        try:
-            os.stat(f"{name}.{i}", dir_fd=dirfd, follow_symlinks=False)
-        except FileNotFoundError:
-            break
-        found.append(f"{name}.{i}")
-    return found
-
-
-def log_paths(logs_dir: str | os.PathLike, replica_id: str, stream: str = "out") -> list[Path]:
-    """The files of one stream that exist, oldest first: .K .. .1, then the current one."""
-    _check_id(replica_id)
-    name = f"{replica_id}.{_check_stream(stream)}"
-    logs = Path(logs_dir)
-    dirfd = _open_dir(logs)
-    if dirfd is None:
-        return []
-    try:
-        names = _backup_names(dirfd, name)[::-1]
-        with contextlib.suppress(FileNotFoundError):
-            os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            names.append(name)
-        return [logs / n for n in names]
-    finally:
-        os.close(dirfd)
-
-
-def _open_chain(dirfd: int, name: str, where: Path) -> list[tuple[int, int]]:
-    """(fd, size) of the current file then .1, .2 ..., newest first; a file seen twice (a
-    rotation while we opened them) once. The caller closes the fds."""
-    out: list[tuple[int, int]] = []
-    seen: set[tuple[int, int]] = set()
-    try:
-        for n in [name, *_backup_names(dirfd, name)]:
-            try:
-                fd, st = _open_log_file(dirfd, n, _READ_FLAGS, where)
-            except FileNotFoundError:
-                continue
-            except OSError:  # a link or a FIFO planted there: not a log of ours, skip it
-                continue
-            if (st.st_dev, st.st_ino) in seen:
-                os.close(fd)
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            out.append((fd, st.st_size))
-    except BaseException:
-        for fd, _ in out:
-            os.close(fd)
-        raise
-    return out
-
-
-def _last_lines(files: list[tuple[int, int]], lines: int) -> tuple[list[bytes], bytes]:
-    """The last ``lines`` whole lines of files read as one stream, newest file first, each
-    up to its given size; and the unterminated tail (a line still being written)."""
-    chunks: list[bytes] = []
-    newlines = 0
-    for fd, size in files:
-        pos = size
-        while pos > 0 and newlines <= lines:
-            k = min(CHUNK, pos)
-            pos -= k
-            data = os.pread(fd, k, pos)
-            chunks.append(data)
-            newlines += data.count(b"\n")
-        if newlines > lines:
-            break
-    blob = b"".join(reversed(chunks))
-    body, sep, partial = blob.rpartition(b"\n")
-    if not sep:
-        body, partial = b"", blob
-    whole = body.split(b"\n") if sep else []
-    return (whole[-lines:] if lines > 0 else []), partial
-
-
-def _decode(line: bytes) -> str:
-    return line.decode("utf-8", "replace")
-
-
-def tail(logs_dir: str | os.PathLike, replica_id: str, *, stream: str = "out", lines: int = 10) -> list[str]:
-    """The last ``lines`` lines of a replica's stream, across its rotated files (a line
-    still being written counts as the last one); [] if it has no log."""
-    _check_id(replica_id)
-    name = f"{replica_id}.{_check_stream(stream)}"
-    if lines <= 0:
-        return []
-    dirfd = _open_dir(logs_dir)
-    if dirfd is None:
-        return []
-    try:
-        files = _open_chain(dirfd, name, Path(logs_dir))
-    finally:
-        os.close(dirfd)
-    try:
-        whole, partial = _last_lines(files, lines)
-    finally:
-        for fd, _ in files:
-            os.close(fd)
-    if partial:
-        whole = [*whole, partial][-lines:]
-    return [_decode(x) for x in whole]
-
-
-class _Follower:
-    """One replica's current file, read as it grows; a rotation (the file replaced) is
-    followed: the old file is read to its end first, then the new one from its start."""
-
-    IDLE_FLUSH = 0.5  # seconds an unterminated line waits for its end before it is shown
-
-    def __init__(self, replica_id: str, name: str) -> None:
-        self.replica_id = replica_id
-        self.name = name
-        self.fd = -1
-        self.ino: tuple[int, int] | None = None
-        self.pos = 0
-        self.partial = b""
-        self.partial_since = 0.0
-
-    def start(self, dirfd: int, where: Path, lines: int) -> list[bytes]:
-        """Open the chain as it is now: the last ``lines`` lines, and the offset to go on from."""
-        files = _open_chain(dirfd, self.name, where)
-        try:
-            if not files:
-                return []
-            whole, partial = _last_lines(files, lines) if lines > 0 else ([], b"")
-            fd, size = files[0]
-            st = os.fstat(fd)
-            if os.stat(self.name, dir_fd=dirfd, follow_symlinks=False).st_ino != st.st_ino:
-                return whole  # rotated while we looked: the new file is picked up from 0
-            self.fd, self.ino = fd, (st.st_dev, st.st_ino)
-            files[0] = (-1, 0)
-            # An unterminated last line is not shown yet: it is read again from its start.
-            self.pos = size - len(partial) if lines > 0 and len(partial) <= size else size
-            return whole
-        except FileNotFoundError:
-            return []
-        finally:
-            for fd, _ in files:
-                if fd >= 0:
-                    os.close(fd)
-
-    def poll(self, dirfd: int, where: Path, now: float) -> list[bytes]:
-        out: list[bytes] = []
-        try:
-            st = os.stat(self.name, dir_fd=dirfd, follow_symlinks=False)
-            current = (st.st_dev, st.st_ino)
-        except FileNotFoundError:
-            current = None
-        got = 0
-        if self.fd >= 0:
-            got += self._read(out)  # to its end: a replaced file gets no more writes
-            if current is not None and current != self.ino:
-                old = self.ino
-                self._close()
-                # Rotated more than once since the last poll: the files made in between
-                # are backups now, newer than ours; read them whole, oldest first.
-                for name in self._newer_backups(dirfd, old):
-                    try:
-                        self.fd, _ = _open_log_file(dirfd, name, _READ_FLAGS, where)
-                    except OSError:
-                        continue
-                    self.pos = 0
-                    got += self._read(out)
-                    self._close()
-        if self.fd < 0 and current is not None:
-            if self.ino is None:  # its first file: rotated ones it may already have are older
-                for name in self._newer_backups(dirfd, None):
-                    try:
-                        self.fd, _ = _open_log_file(dirfd, name, _READ_FLAGS, where)
-                    except OSError:
-                        continue
-                    self.pos = 0
-                    got += self._read(out)
-                    self._close()
-            try:
-                fd, st2 = _open_log_file(dirfd, self.name, _READ_FLAGS, where)
-            except OSError:
-                fd = -1
-            if fd >= 0:
-                self.fd, self.ino, self.pos = fd, (st2.st_dev, st2.st_ino), 0
-                got += self._read(out)
-        if got:
-            self.partial_since = now
-        elif self.partial and now - self.partial_since >= self.IDLE_FLUSH:
-            out.append(self.partial)
-            self.partial = b""
-        return out
-
-    def _newer_backups(self, dirfd: int, old: tuple[int, int] | None) -> list[str]:
-        """``name.k-1`` .. ``name.1`` where ``name.k`` is the file we read before; all the
-        backups if that one is gone (everything kept is newer than it)."""
-        newer = []
-        for name in _backup_names(dirfd, self.name):
-            try:
-                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            except FileNotFoundError:
-                break
-            if (st.st_dev, st.st_ino) == old:
-                break
-            newer.append(name)
-        return newer[::-1]
-
-    def _read(self, out: list[bytes]) -> int:
-        """Append the whole lines that were added since the last read; returns the bytes read."""
-        if os.fstat(self.fd).st_size < self.pos:  # truncated under us (copy-truncate by hand)
-            self.pos = 0
-        got = 0
-        while True:
-            data = os.pread(self.fd, CHUNK, self.pos)
-            if not data:
-                return got
-            got += len(data)
-            self.pos += len(data)
-            data = self.partial + data
-            body, sep, self.partial = data.rpartition(b"\n")
-            if sep:
-                out.extend(body.split(b"\n"))
-            else:
-                self.partial = data
-            if len(self.partial) > CHUNK:  # a line without end: show it in pieces
-                out.append(self.partial)
-                self.partial = b""
-
-    def _close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def close(self) -> None:
-        self._close()
-
-
-def pool_replicas(logs_dir: str | os.PathLike, pool: str, stream: str = "out") -> list[str]:
-    """Ids of a pool's replicas that have a log of ``stream`` (``<pool>-<n>.<stream>``, or
-    only rotated files of it), in the order of n."""
-    pool_name(pool)
-    pattern = re.compile(rf"{re.escape(pool)}-([0-9]{{1,18}})\.{_check_stream(stream)}(?:\.[0-9]+)?")
-    found: dict[int, str] = {}
-    try:
-        with os.scandir(logs_dir) as it:
-            for entry in it:
-                m = pattern.fullmatch(entry.name)
-                if m:
-                    n = int(m.group(1))
-                    if m.group(1) == str(n):  # "web-01" is no id the engine makes
-                        found[n] = f"{pool}-{n}"
-    except FileNotFoundError:
-        return []
-    return [found[n] for n in sorted(found)]
-
-
-def follow(logs_dir: str | os.PathLike, replica_ids: list[str], *, stream: str = "out", prefix: bool,
-           stop: Callable[[], bool], lines: int = 0, pool: str | None = None,
-           interval: float = 0.1) -> Iterator[str]:
-    """Lines of the replicas' ``stream`` as they are written (``web-3 | line`` with
-    ``prefix``), until ``stop()`` is true. ``lines``: first the last N lines of each, as one
-    consistent start (nothing is shown twice nor missed between the two). ``pool``: replicas
-    of that pool whose logs appear later are followed too, from their first line. Files are
-    polled every ``interval`` seconds (a reader in the CLI, not in the daemon); a rotation
-    is followed, a log not there yet is picked up when it appears."""
-    _check_stream(stream)
-    where = Path(logs_dir)
-    followers: dict[str, _Follower] = {}
-    dirfd = _open_dir(where)
-
-    def fmt(rid: str, line: bytes) -> str:
-        text = _decode(line)
-        return f"{rid} | {text}" if prefix else text
-
-    try:
-        for rid in replica_ids:
-            _check_id(rid)
-            f = followers[rid] = _Follower(rid, f"{rid}.{stream}")
-            if dirfd is not None:
-                for line in f.start(dirfd, where, lines):
-                    yield fmt(rid, line)
-        next_scan = 0.0
-        while True:
-            now = time.monotonic()
-            if dirfd is None:
-                dirfd = _open_dir(where)
-            if dirfd is not None:
-                if pool is not None and now >= next_scan:
-                    next_scan = now + 1.0
-                    for rid in pool_replicas(where, pool, stream):
-                        if rid not in followers:
-                            followers[rid] = _Follower(rid, f"{rid}.{stream}")
-                for rid, f in followers.items():
-                    for line in f.poll(dirfd, where, now):
-                        yield fmt(rid, line)
-            if stop():
-                return
-            time.sleep(interval)
-    finally:
-        for f in followers.values():
-            f.close()
-        if dirfd is not None:
-            os.close(dirfd)
-
-
-def remove(logs_dir: str | os.PathLike, replica_ids: Iterable[str]) -> int:
-    """Delete every log file (current and rotated, stdout and stderr) of these replicas,
-    e.g. once their records were pruned; returns the number of files removed."""
-    wanted = {rid for rid in replica_ids if isinstance(rid, str) and parse_replica_id(rid)}
-    if not wanted:
-        return 0
-    dirfd = _open_dir(logs_dir)
-    if dirfd is None:
-        return 0
-    removed = 0
-    try:
-        with os.scandir(dirfd) as it:
-            names = [e.name for e in it]
-        for name in names:
-            base = name
-            head, dot, tail_ = name.rpartition(".")
-            if dot and tail_.isascii() and tail_.isdigit():
-                base = head
-            rid, dot, stream = base.rpartition(".")
-            if dot and stream in (*STREAMS, "probe") and rid in wanted:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=dirfd)
-                    removed += 1
-    finally:
-        os.close(dirfd)
-    return removed
-
-
-# -- the command --------------------------------------------------------------------------
-
-
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add ``logs`` to the CLI's subparsers."""
-    p = sub.add_parser("logs", parents=[common],
-                       help="a replica's captured stdout or stderr (works with the daemon down)",
-                       description="Print the last lines of replicas' captured output, from the files in "
-                                   "the state dir's logs/ (rotated files included).")
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="replica id(s); more than one prefixes each line with its id (default: none, give --pool)")
-    p.add_argument("--pool", metavar="P", default=None,
-                   help="every replica of pool P that has logs, each line prefixed with its id (default: none)")
-    p.add_argument("--lines", "-n", type=natural, default=10, metavar="N",
-                   help="lines shown from the end of each log; 0 shows none (default 10)")
-    p.add_argument("--stderr", action="store_true",
-                   help="show the captured stderr instead of stdout (default: stdout)")
-    p.add_argument("--follow", "-f", action="store_true",
-                   help="then keep printing lines as they are written, until Ctrl-C (default: off)")
-
-
-def stdout_gone() -> bool:
-    """Nobody can read what we would write: stdout is closed, or it is a pipe whose reader
-    has exited (``| head -1``). A follow that has nothing new to write asks this, or it
-    would wait for the next line to find out (as ``tail -f`` did before coreutils 8.28)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, ValueError, OSError):
-        return True
-    poll = select.poll()
-    poll.register(fd, 0)  # POLLERR, POLLHUP and POLLNVAL are reported without asking
-    return bool(poll.poll(0))
-
-
-def _quiet_stdout() -> None:
-    """stdout's reader is gone (``| head -1``): point fd 1 at /dev/null, so the flush at
-    exit finds somewhere to write and no traceback is printed."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-    finally:
-        os.close(devnull)
-
-
-def cmd_logs(args: argparse.Namespace, paths: Any) -> int:
-    """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
-    stream = "err" if args.stderr else "out"
-    ids = list(args.ids or ())
-    pool = args.pool
-    logs_dir = Path(paths.logs)
-    if ids and pool is not None:
-        raise OrchestratorError("logs takes replica IDs or --pool P, not both")
-    if pool is not None:
-        pool_name(pool)
-        ids = pool_replicas(logs_dir, pool, stream)
-        if not ids:
-            raise OrchestratorError(f"no logs of pool {pool!r} in {logs_dir}")
-    elif not ids:
-        raise OrchestratorError("logs needs a replica ID or --pool P")
-    else:
-        for rid in ids:
-            if parse_replica_id(rid) is None or not (log_paths(logs_dir, rid, "out")
-                                                    or log_paths(logs_dir, rid, "err")):
-                raise UnknownReplica(f"no logs of replica {rid!r} in {logs_dir}")
-    prefix = pool is not None or len(ids) > 1
-    with contextlib.suppress(AttributeError, ValueError):
-        sys.stdout.reconfigure(errors="replace")  # type: ignore[union-attr]
-    out = sys.stdout
-    try:
-        if args.follow:
-            try:
-                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stdout_gone,
-                                   lines=args.lines, pool=pool):
-                    out.write(line + "\n")
-                    out.flush()
-            except KeyboardInterrupt:  # Ctrl-C is how a follow ends
-                out.flush()
-            return 0
-        for rid in ids:
-            for line in tail(logs_dir, rid, stream=stream, lines=args.lines):
-                out.write(f"{rid} | {line}\n" if prefix else f"{line}\n")
-        out.flush()
-    except BrokenPipeError:
-        _quiet_stdout()
-    return 0
