@@ -59,7 +59,8 @@ class Pool:
     def free_slots(self, count: int) -> list[int]:
         """The ``count`` lowest slots that no live replica holds and no replacement awaits."""
         held = {r.slot for r in self.live.values()} | set(self.pending)
-        out, slot = [], 0
+        out: list[int] = []
+        slot = 0
         while len(out) < count:
             if slot not in held:
                 out.append(slot)
