@@ -6,7 +6,8 @@ The daemon's loop thread runs it, beside the engine (engine.py) and apart from i
 engine owns the replica table and the processes (forks, exits, signals, transitions, one
 commit per turn); the ``Supervisor`` decides, and acts on the table only through ``Table``
 below. The engine tells it what happened through its hooks: ``started`` (a replica's exec
-succeeded), ``ended_on_its_own``, ``stopped`` (ended after a stop was asked), ``settle``.
+succeeded), ``ended_on_its_own``, ``stopped`` (ended after a stop was asked), ``settle``;
+spawning.py asks it for a replica's ``notify_socket`` and reports a ``bad_template``.
 
     exec succeeded ─► ready probe? ──yes─► retry until ready ─► RUNNING ─► liveness checks
           │                │                     └ ready_timeout ─► FAILED (then stopped)

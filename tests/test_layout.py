@@ -96,3 +96,13 @@ def test_an_import_of_orchestrator_from_watchdog_is_seen(tmp_path):
     path = tmp_path / "watchdog" / "m.py"
     path.write_text("def f():\n    import orchestrator.engine\n")
     assert _imports(path, "orchestrator") == {"engine"}
+
+
+def test_the_engine_and_its_collaborators_meet_only_through_their_interfaces():
+    """supervision.py and spawning.py act on the engine through a Protocol of their own, so
+    they never import engine.py; containment.py decides for both and imports neither."""
+    graph = _graph("orchestrator")
+    for module in ("supervision", "spawning", "containment", "rollout", "waiters"):
+        assert "engine" not in graph[module], f"{module}.py imports engine.py"
+    assert not {"supervision", "spawning"} & graph["containment"]
+    assert "spawning" not in graph["supervision"]
