@@ -16,7 +16,7 @@ reaped. Variants:
 
 Variants run interleaved, one batch each per round in a rotating order, so machine drift
 hits them equally; a few warm-up rounds are not counted. For the orchestrator, per-replica
-latencies come from the loop's own transitions (a thin wrapper on Engine._transition
+latencies come from the loop's own transitions (a thin wrapper on Engine.transition
 stamps each with perf_counter): launch call -> RUNNING, and terminate call -> TERMINATED or
 INTERRUPTED (recorded right after the reap).
 
@@ -82,13 +82,13 @@ def trace_transitions(orch: Orchestrator) -> dict[tuple[str, str], float]:
     """Stamp every transition the loop makes with perf_counter (loop thread only writes)."""
     engine = orch._engine
     stamps: dict[tuple[str, str], float] = {}
-    original = engine._transition
+    original = engine.transition
 
     def traced(rep, new, reason=None, *, exit_code=None):
         original(rep, new, reason, exit_code=exit_code)
         stamps[(rep.id, new.value)] = time.perf_counter()
 
-    engine._transition = traced
+    engine.transition = traced
     return stamps
 
 

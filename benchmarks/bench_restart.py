@@ -4,7 +4,7 @@ One replica (``sleep 1000``) is SIGKILLed; the time until a new one runs in its 
 
 * orchestrator: the embedded ``Orchestrator`` with ``restart=always``, the backoff at its
   minimum (MIN 0, and the default 0.1 s for reference); the RUNNING moment is stamped by the
-  loop itself (a thin wrapper on ``Engine._transition``), the kill right before ``os.kill``;
+  loop itself (a thin wrapper on ``Engine.transition``), the kill right before ``os.kill``;
 * supervisord: ``autorestart=true``, ``startsecs=0``, driven over its own Unix socket
   (XML-RPC), polled every millisecond for the new pid; installed into this venv from the
   package index if missing, and stopped by its own pid afterwards.
@@ -39,14 +39,14 @@ def pct(values: list[float], q: float) -> float:
 def trace_running(orch: Orchestrator) -> dict[str, float]:
     engine = orch._engine
     stamps: dict[str, float] = {}
-    original = engine._transition
+    original = engine.transition
 
     def traced(rep, new, reason=None, *, exit_code=None):
         original(rep, new, reason, exit_code=exit_code)
         if new.value == "RUNNING":
             stamps[rep.id] = time.perf_counter()
 
-    engine._transition = traced
+    engine.transition = traced
     return stamps
 
 

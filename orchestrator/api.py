@@ -121,7 +121,7 @@ class Orchestrator(Verbs):
             self._watchdog = WatchdogChild(link, self._engine.reactor, os_api)
         if store is not None:
             recover_leftovers(store, os_api, grace=min(self._config.grace, 1.0))  # a killed earlier run
-            self._engine.restore(store.load()[0], relaunch=False)  # ids continue, never reused
+            self._engine.supervisor.restore(store.load()[0], relaunch=False)  # ids continue, never reused
         self._thread = threading.Thread(target=self._loop, name="orchestrator-loop", daemon=True)
         self._thread.start()
         if not self._started.wait(30):

@@ -35,7 +35,7 @@ with one line before a byte of it is read.
 ``diff(old, new)`` compares two files: pools added, removed, changed (what runs or how it
 is supervised differs) and resized (only ``size`` differs), and the ``[daemon]`` settings
 that differ. ``reload`` uses it for those settings only: what it does to a pool is decided
-against what runs (``Supervision.declare``), not against the file read before.
+against what runs (``Supervisor.declare``), not against the file read before.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
     start --cgroup auto|off|PATH ──► detect() ──► Cgroups        one cgroup per replica
                                            └────► ProcessGroups  the process-group design
 
-The engine calls one interface in both modes (``ProcessGroups`` is the no-op variant): the
-cgroup ``prepare``d for a replica goes into its ``LaunchPlan`` (the forked child joins it
-before anything else), a stop ``signal``s every member, SIGKILL is one ``kill``
-(``cgroup.kill``), and the replica has ended once ``watch_empty`` says its cgroup holds no
-process; then its cgroup is ``remove``d. Without a cgroup (``path`` None everywhere) the
-engine signals the replica's process group and the descendants that left it, as before.
+The engine calls one interface in both modes, and every decision that differs between
+them is taken here, never in the engine: the cgroup ``claim``ed for a replica goes into its
+``LaunchPlan`` (the forked child joins it before anything else) and is registered with the
+watchdog; ``signal_tree`` reaches every member, ``kill_after_grace`` and ``kill_tree`` are one
+``cgroup.kill``; when its main process exits, ``end_remnants`` kills what is left, and
+``watch_end`` says the replica has ended once its cgroup holds no process (then it is
+``release``d), with the OOM evidence. ``ProcessGroups`` does the same to the replica's
+process group and the descendants that left it (``escaped``, killed after the grace too).
 
 Layout (``watchdog.cgroup.Subtree``): under the daemon's own cgroup (``auto``) or a given
 cgroup dir (``PATH``), ``orchestrator-<sha1(state dir)[:12]>/`` with ``daemon/`` (the daemon
@@ -36,21 +38,41 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, Callable
+import signal
+from typing import Any, Callable, Protocol
 
 from watchdog import cgroup
 from watchdog.cgroup import CgroupUnavailable, Subtree
 
 from .errors import InvalidSpec, OrchestratorError
+from .oom import was_oom_killed
 
 log = logging.getLogger("orchestrator")
 
-__all__ = ["Cgroups", "ProcessGroups", "CgroupUnavailable", "detect", "subtree_name", "previous", "record",
-           "forget", "drop_previous", "RECORD_NAME", "DRAIN_TIMEOUT"]
+__all__ = ["Cgroups", "ProcessGroups", "CgroupUnavailable", "Tree", "Signals", "detect", "subtree_name",
+           "previous", "record", "forget", "drop_previous", "RECORD_NAME", "DRAIN_TIMEOUT"]
 
 RECORD_NAME = "cgroup"  # in the state dir: the subtree of the daemon that runs (or last ran) there
 PROBE_SUFFIX = ".probe"  # replicas/<id>.probe: the cgroup of a replica's exec probes
 DRAIN_TIMEOUT = 3.0  # seconds a replica's cgroup may take to empty after its main process exited
+
+
+class Tree(Protocol):
+    """A replica's process tree as the engine holds it (engine.Proc): what is read and set here."""
+
+    pid: int  # its main process, our child: unreaped, its zombie pins the pid and the group
+    cgroup: str | None  # its own cgroup (Cgroups), else None
+    reaped: bool
+    killed: bool  # SIGKILL sent by us (not the kernel's OOM killer)
+    escaped: list[tuple[int, int]]  # (pid, start) of descendants that left its group
+
+
+class Signals(Protocol):
+    """The process signals containment sends (spawner.OSApi)."""
+
+    def signal_group(self, pgid: int, sig: int) -> bool: ...
+    def escaped_descendants(self, pid: int) -> list[tuple[int, int]]: ...
+    def signal_verified(self, ident: tuple[int, int], sig: int) -> bool: ...
 
 
 def subtree_name(state_dir: Any) -> str:
@@ -68,9 +90,55 @@ class ProcessGroups:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+        self.os: Any = None
 
-    def attach(self, reactor: Any) -> None:
+    def attach(self, reactor: Any, os_api: Signals, watchdog: Any = None) -> None:
+        """The loop's reactor, the signals to send and the watchdog's feed (none needed here)."""
+        self.os = os_api
+
+    def claim(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
+        """No cgroup (CgroupUnavailable if ``limits`` need one): the child makes its group."""
+        return self.prepare(replica_id, limits)
+
+    def release(self, path: str | None) -> None:
         pass
+
+    def signal_tree(self, tree: Tree, sig: int) -> list[tuple[int, int]]:
+        """``sig`` to the replica's group and to the descendants that left it, which are
+        returned: the kill after the grace reaches them too."""
+        # Walk the tree first: once the group dies, what left it is re-parented out of reach.
+        escaped = self.os.escaped_descendants(tree.pid)
+        self.os.signal_group(tree.pid, sig)
+        for ident in escaped:
+            self.os.signal_verified(ident, sig)
+        return escaped
+
+    def kill_after_grace(self, tree: Tree) -> None:
+        """SIGKILL to the group if its leader is not reaped, and to every escaped
+        descendant, even after the main process is reaped."""
+        if not tree.reaped:
+            tree.killed = True
+            tree.escaped += self.os.escaped_descendants(tree.pid)
+            self.os.signal_group(tree.pid, signal.SIGKILL)
+        for ident in tree.escaped:
+            self.os.signal_verified(ident, signal.SIGKILL)
+        tree.escaped = []
+
+    def kill_tree(self, tree: Tree) -> None:
+        """SIGKILL now (a shutdown out of time): the group of an unreaped main process."""
+        tree.killed = True
+        self.os.signal_group(tree.pid, signal.SIGKILL)
+
+    def end_remnants(self, tree: Tree) -> None:
+        """Its main process exited, not reaped yet: the zombie still pins the group, so what
+        the worker left in it is killed before the reap."""
+        self.os.signal_group(tree.pid, signal.SIGKILL)
+
+    def watch_end(self, tree: Tree, code: int | None, since: float, then: Callable[[bool], None]) -> None:
+        """Reaped: it has ended now. ``then(oom)``: a SIGKILL we did not send, that the
+        kernel log says the OOM killer sent (bounded: at most 0.5 s and 8 MiB of /dev/kmsg,
+        and only for such an exit)."""
+        then(code == -signal.SIGKILL and not tree.killed and bool(was_oom_killed(tree.pid, since)))
 
     def check_limits(self, limits: dict[str, Any]) -> None:
         """InvalidSpec (one line) if any limit is set: there is no cgroup to hold it."""
@@ -119,11 +187,15 @@ class Cgroups:
         self.controllers = subtree.controllers  # read once: they do not change under us
         self._mount = cgroup.read_mount()  # for the identity checks of signal()
         self.reactor: Any = None
+        self.os: Any = None
+        self.watchdog: Any = None
         self._watches: dict[int, _Watch] = {}
 
-    def attach(self, reactor: Any) -> None:
-        """The loop's reactor: ``watch_empty`` registers its fds there."""
-        self.reactor = reactor
+    def attach(self, reactor: Any, os_api: Signals, watchdog: Any = None) -> None:
+        """The loop's reactor (``watch_empty`` registers its fds there), the signals to send
+        to a main process not in its cgroup yet, and the watchdog's feed (WatchdogLink): it
+        kills every registered cgroup if the daemon dies."""
+        self.reactor, self.os, self.watchdog = reactor, os_api, watchdog
 
     # -- limits ---------------------------------------------------------------------
 
@@ -149,6 +221,64 @@ class Cgroups:
         kills leftover replica cgroups (the watchdog, the next start, a clean stop) kills it
         too. No limits: a probe is not charged to its replica."""
         return self.subtree.make_replica(replica_id + PROBE_SUFFIX)
+
+    def claim(self, replica_id: str, limits: dict[str, Any] | None = None) -> str:
+        """``prepare`` the replica's cgroup and register it with the watchdog."""
+        path = self.prepare(replica_id, limits)
+        if self.watchdog is not None:
+            self.watchdog.add_cgroup(path)
+        return path
+
+    def release(self, path: str | None) -> None:
+        """Remove a claimed cgroup and unregister it; one that cannot go stays registered
+        (the watchdog kills it if we die; a clean stop retries)."""
+        if path is None:
+            return
+        status = self.remove(path)
+        if status not in ("removed", "missing"):
+            log.error("cannot remove cgroup %s: %s", path, status)
+        elif self.watchdog is not None:
+            self.watchdog.remove_cgroup(path)
+
+    def signal_tree(self, tree: Tree, sig: int) -> list[tuple[int, int]]:
+        """``sig`` to every member of the replica's cgroup; to its main process alone if it
+        is not among them (forked, not in its cgroup yet). Nothing escapes a cgroup: []."""
+        assert tree.cgroup is not None
+        if tree.pid not in self.signal(tree.cgroup, sig):
+            self.os.signal_group(tree.pid, sig)
+        return []
+
+    def kill_after_grace(self, tree: Tree) -> None:
+        """``cgroup.kill``, unless the main process is reaped: its exit killed the cgroup already."""
+        if not tree.reaped:
+            self.kill_tree(tree)
+
+    def kill_tree(self, tree: Tree) -> None:
+        assert tree.cgroup is not None
+        tree.killed = True
+        self.kill(tree.cgroup)
+        self.os.signal_group(tree.pid, signal.SIGKILL)  # in case it had not joined yet
+
+    def end_remnants(self, tree: Tree) -> None:
+        """Its main process exited: what it left, whatever group or session it is in."""
+        assert tree.cgroup is not None
+        self.kill(tree.cgroup)
+
+    def watch_end(self, tree: Tree, code: int | None, since: float, then: Callable[[bool], None]) -> None:
+        """Reaped; ended once its cgroup is empty (an event, bounded: DRAIN_TIMEOUT). Then
+        the cgroup is released and ``then(oom)`` told whether the kernel OOM-killed in it."""
+        path = tree.cgroup
+        assert path is not None
+
+        def drained(empty: bool) -> None:
+            if not empty:
+                log.error("%s: its cgroup %s still holds processes after the kill; ending it anyway",
+                          os.path.basename(path), path)
+            oom = self.oom_killed(path)
+            self.release(path)
+            then(oom)
+
+        self.watch_empty(path, drained)
 
     def signal(self, path: str, sig: int) -> list[int]:
         """Send ``sig`` to every process of the cgroup (identity-checked); their pids. An
@@ -252,8 +382,8 @@ class Cgroups:
         True if the subtree is gone."""
         while self._watches:  # the loop is over: nobody is told any more
             self._forget(self._watches.popitem()[1])
-        report = self.subtree.kill_all()
-        for rec in report["cgroups"]:
+        left_over: Any = self.subtree.kill_all()["cgroups"]  # a list of records
+        for rec in left_over:
             log.warning("cgroup %s was left at the end: %s", rec["path"], rec)
         if self.moved_self:
             try:
@@ -285,9 +415,11 @@ def detect(choice: str, state_dir: Any, *, move_self: bool = True, name: str | N
             parent = cgroup.require_own_path()
         else:
             mount = cgroup.find_mount()
-            why = "no cgroup2 mount in /proc/self/mountinfo" if mount is None else None
-            if why is None and not (os.path.isabs(choice) and os.path.normpath(choice) == choice
-                                    and (choice == mount or choice.startswith(mount.rstrip("/") + "/"))):
+            why = None
+            if mount is None:
+                why = "no cgroup2 mount in /proc/self/mountinfo"
+            elif not (os.path.isabs(choice) and os.path.normpath(choice) == choice
+                      and (choice == mount or choice.startswith(mount.rstrip("/") + "/"))):
                 why = f"not a normalised absolute path under the cgroup2 mount {mount}"
             if why is not None:
                 raise CgroupUnavailable(why)

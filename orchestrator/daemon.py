@@ -230,7 +230,7 @@ class Daemon:
             self.watchdog.start()
             engine.start_spawners()  # until one is ready, replicas are forked here
             # Pools first, then the channel: no command may see a half-restored table.
-            engine.restore(self.store.load()[0])
+            engine.supervisor.restore(self.store.load()[0])
             if self.config is not None:
                 self._apply(self.config)
             engine.settle()
@@ -377,23 +377,23 @@ class Daemon:
         new pools wait for them to be reaped (a pool of servers on fixed ports, renamed,
         would otherwise start while the old one still holds the ports); that wait is bounded
         by the grace plus 10 s, after which they are started anyway. ``prepared``:
-        engine.prepare_declared() of each pool, when the caller checked them all already."""
+        engine.supervisor.prepare_declared() of each pool, when the caller checked them all already."""
         prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
         engine = self._engine
-        removed = engine.undeclare_missing(set(new.pools))
-        ending = engine.deleted_not_ended()  # these, and those of an earlier delete
+        removed = engine.supervisor.undeclare_missing(set(new.pools))
+        ending = engine.supervisor.deleted_not_ended()  # these, and those of an earlier delete
         later: list[str] = []
         for decl in new.pools.values():
-            if ending and not engine.has_pool(decl.name):
+            if ending and not engine.supervisor.has_pool(decl.name):
                 later.append(decl.name)
                 done["added"].append(decl.name)
                 continue
-            what = engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
             done[what].append(decl.name)
         done["removed"] = removed
         if later:
-            engine.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
+            engine.supervisor.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
         return done
 
     def _add_later(self, names: list[str], ended: bool) -> None:
@@ -409,7 +409,7 @@ class Daemon:
             if decl is None:
                 continue
             try:
-                self._engine.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+                self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
             except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
                 log.error("config: pool %s: %s", name, err)
 
@@ -430,7 +430,7 @@ class Daemon:
         prepared: dict[str, Any] = {}
         for decl in new.pools.values():
             try:
-                prepared[decl.name] = self._engine.prepare_declared(decl.spec, _policy_of(decl), decl.size)
+                prepared[decl.name] = self._engine.supervisor.prepare_declared(decl.spec, _policy_of(decl), decl.size)
             except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
                 raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
         done = self._apply(new, prepared)

@@ -1,7 +1,7 @@
 """A pool: its desired size, its slots, and the bookkeeping of its restart policy.
 
-Pure state, no I/O: the engine decides with it and acts. A pool's states, as ``status``
-shows them:
+Pure state, no I/O, in the daemon's loop thread: the supervisor and the engine decide with
+it and act. A pool's states, as ``status`` shows them:
 
     ok          every replica that should run runs (or is starting)
     backoff     a replacement is scheduled; ``restarts`` counts them
@@ -60,7 +60,8 @@ class Pool:
     def free_slots(self, count: int) -> list[int]:
         """The ``count`` lowest slots that no live replica holds and no replacement awaits."""
         held = {r.slot for r in self.live.values()} | set(self.pending)
-        out, slot = [], 0
+        out: list[int] = []
+        slot = 0
         while len(out) < count:
             if slot not in held:
                 out.append(slot)

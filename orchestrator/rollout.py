@@ -10,9 +10,10 @@ slots at a time. Two orders, by what the slot holds:
 bind it while the old runs). A new replica that fails or is not ready stops the rollout:
 what is in flight finishes, nothing more is started, and the reply says which failed.
 
-A rollout is advanced by the engine after every turn in which a replica changed
-(``advance``): it only reads replica states and asks the engine, through ``Ops``, to launch
-and stop; the engine stays the one owner of the table.
+Run by the daemon's loop thread. A rollout is advanced by the supervisor (supervision.py)
+at the end of every turn in which a replica changed (``advance``): it only reads replica
+states and asks the supervisor, through ``Ops``, to launch and stop; the engine stays the
+one owner of the table.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from .states import ReplicaState as S
 
 
 class Ops(Protocol):
+    """What a rollout asks of its supervisor (supervision.Supervisor)."""
+
     def replica(self, rid: str) -> Replica | None: ...
     def launch_into(self, pool: Any, slot: int | None) -> str: ...
     def stop_for_rollout(self, rid: str) -> None: ...

@@ -116,9 +116,9 @@ def daemon(tmp_path):
 
 @pytest.fixture
 def fake() -> Iterator[Any]:
-    """The fake OS of the engine's state-machine tests (test_engine.FakeOS); its pipes are
+    """The fake OS of the engine's state-machine tests (fakes.FakeOS); its pipes are
     closed at teardown."""
-    from test_engine import FakeOS
+    from fakes import FakeOS
 
     f = FakeOS()
     try:

@@ -260,15 +260,15 @@ def test_a_probe_that_fails_to_expand_at_run_time_fails_its_replica_not_the_loop
     stop, a journal of an older version): the replica is FAILED with the reason and the
     pool stops replacing (crashloop), and the loop goes on."""
     from orchestrator.policy import Policy
-    from test_engine import SPEC, Harness
+    from fakes import SPEC, Harness
 
     h = Harness(fake)
     try:
         (ok,) = h.ok("launch", pool="web", count=1, spec=SPEC, policy={"restart": "always"})
-        pool = h.engine._pools["web"]
+        pool = h.engine.pool("web")
         # Bypass the checks, as an older daemon's journal would.
         pool.policy = Policy(restart="always", ready="tcp:127.0.0.1:7{slot}000")
-        (rid,) = h.engine._launch(pool, 1)
+        (rid,) = h.engine.launch(pool, 1)
         h.turn()
         h.fake.ready(h.rep(rid)["pid"])
         h.turn()

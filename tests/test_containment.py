@@ -1,6 +1,6 @@
 """Containment (orchestrator/containment.py): a cgroup per replica, or process groups.
 
-Part 1 drives the engine over tests/test_engine.py's FakeOS with a fake cgroup containment:
+Part 1 drives the engine over tests/fakes.py's FakeOS with a fake cgroup containment:
 a replica whose main process is reaped ends only once its cgroup is empty (bounded), its
 cgroup is removed and the watchdog told; the OOM reason; limits refused in one line; the
 stop signal to the cgroup's members; a reaped pid reused while a cgroup drains.
@@ -39,7 +39,8 @@ from orchestrator import Orchestrator
 from orchestrator.containment import Cgroups, detect, subtree_name
 from orchestrator.engine import Engine, EngineConfig
 from orchestrator.reactor import Reactor
-from test_engine import SPEC, Harness, FakeOS
+from orchestrator.spawner import OSApi
+from fakes import SPEC, FakeOS, Harness
 from watchdog import cgroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,9 +163,9 @@ def cg_h(fake: FakeOS):
     """A Harness whose engine uses FakeCgroups and a FakeLink watchdog feed."""
     harness = Harness(fake)
     harness.cg = FakeCgroups()
-    harness.engine.containment = harness.cg
-    harness.cg.attach(harness.engine.reactor)
     harness.link = harness.engine.watchdog = FakeLink()
+    harness.engine.containment = harness.cg
+    harness.cg.attach(harness.engine.reactor, fake, harness.link)
     plans = []
     spawn = fake.spawn
     fake.spawn = lambda plan, via=None: (plans.append(plan), spawn(plan, via))[1]
@@ -343,7 +344,7 @@ def test_watch_empty_is_an_event_not_a_spin(outer):
     reactor = Reactor()
     tree = cgroup.Subtree.create(outer, "orchestrator-w", move_self=False)
     cg = Cgroups(tree, "test", moved_self=False)
-    cg.attach(reactor)
+    cg.attach(reactor, OSApi())
     path = cg.prepare("r-1")
     proc = subprocess.Popen(["sleep", "300"], preexec_fn=lambda: cgroup.join(path))
     try:

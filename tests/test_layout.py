@@ -177,3 +177,13 @@ def test_error_types_are_orchestrator_errors_where_documented():
         assert cls.__module__ == "orchestrator.errors" and issubclass(cls, orchestrator.OrchestratorError)
     assert issubclass(orchestrator.UnsafeFile, orchestrator.InvalidSpec)
     assert orchestrator.SpawnerLost is errors.SpawnerLost
+
+
+def test_the_engine_and_its_collaborators_meet_only_through_their_interfaces():
+    """supervision.py and spawning.py act on the engine through a Protocol of their own, so
+    they never import engine.py; containment.py decides for both and imports neither."""
+    graph = _graph("orchestrator")
+    for module in ("supervision", "spawning", "containment", "rollout", "waiters"):
+        assert "engine" not in graph[module], f"{module}.py imports engine.py"
+    assert not {"supervision", "spawning"} & graph["containment"]
+    assert "spawning" not in graph["supervision"]

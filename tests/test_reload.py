@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
-from test_engine import Harness
+from fakes import Harness
 from test_supervision import h  # noqa: F401  (the fixture: a Harness over the fake OS)
 from test_supervision import live as fake_live
 from test_supervision_cli import free_port_range
@@ -69,7 +69,7 @@ def step(h: Harness, *, start: bool = True, stop: bool = True) -> None:
 def settle(h: Harness) -> None:
     for _ in range(60):
         step(h)
-        if not h.engine._rollouts and all(r["state"] == "RUNNING" for r in fake_live(h)):
+        if not h.engine.supervisor._rollouts and all(r["state"] == "RUNNING" for r in fake_live(h)):
             return
     raise AssertionError(f"not settled: {fake_live(h)}")
 
@@ -81,10 +81,10 @@ def argv_of(h: Harness) -> list[tuple[str, ...]]:
 @pytest.mark.parametrize("ports", [False, True])
 def test_overlapping_declarations_end_as_the_last_one(h: Harness, ports: bool) -> None:
     policy = {**ALWAYS, "port_base": 9000} if ports else ALWAYS
-    assert h.engine.declare("web", sleep(1), policy, 2) == "added"
+    assert h.engine.supervisor.declare("web", sleep(1), policy, 2) == "added"
     settle(h)
     for n, size in ((2, 4), (3, 5), (4, 3)):
-        assert h.engine.declare("web", sleep(n), policy, size) == "changed"
+        assert h.engine.supervisor.declare("web", sleep(n), policy, size) == "changed"
         h.turn()
         step(h, stop=False)  # one new replica ready; the old ones are still ending
     settle(h)
@@ -93,38 +93,38 @@ def test_overlapping_declarations_end_as_the_last_one(h: Harness, ports: bool) -
     assert sorted(r["slot"] for r in reps) == [0, 1, 2]
     (pool,) = h.status()["pools"]
     assert pool["desired"] == 3 and pool["spec"] == sleep(4)
-    assert h.engine.declare("web", sleep(4), policy, 3) == "unchanged"
+    assert h.engine.supervisor.declare("web", sleep(4), policy, 3) == "unchanged"
     for _ in range(5):  # nothing of the superseded rollouts is left to act later
         step(h)
     assert argv_of(h) == [("sleep", "4")] * 3 and pool["desired"] == 3
 
 
 def test_a_resize_during_a_rollout_is_the_size_it_ends_at(h: Harness) -> None:
-    assert h.engine.declare("web", sleep(1), ALWAYS, 2) == "added"
+    assert h.engine.supervisor.declare("web", sleep(1), ALWAYS, 2) == "added"
     settle(h)
-    assert h.engine.declare("web", sleep(2), ALWAYS, 4) == "changed"
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 4) == "changed"
     h.turn()
     step(h)  # part of the way
-    assert h.engine.declare("web", sleep(2), ALWAYS, 1) in ("changed", "resized")
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 1) in ("changed", "resized")
     settle(h)
     assert argv_of(h) == [("sleep", "2")]
-    assert h.engine.declare("web", sleep(2), ALWAYS, 1) == "unchanged"
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 1) == "unchanged"
 
 
 def test_a_rollout_that_gave_up_is_taken_up_by_the_next_declaration(h: Harness) -> None:
-    assert h.engine.declare("web", sleep(1), ALWAYS, 2) == "added"
+    assert h.engine.supervisor.declare("web", sleep(1), ALWAYS, 2) == "added"
     settle(h)
-    assert h.engine.declare("web", sleep(2), ALWAYS, 2) == "changed"
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 2) == "changed"
     h.turn()
     (new,) = [r for r in fake_live(h) if r["state"] == "STARTING"]
     h.fake.exit(new["pid"], 1)  # the new spec fails: the rollout stops, the olds run on
     h.turn()
     h.turn()
     assert set(argv_of(h)) == {("sleep", "1")}
-    assert h.engine.declare("web", sleep(2), ALWAYS, 2) == "changed"  # the same again: rolled again
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 2) == "changed"  # the same again: rolled again
     settle(h)
     assert argv_of(h) == [("sleep", "2")] * 2
-    assert h.engine.declare("web", sleep(2), ALWAYS, 2) == "unchanged"
+    assert h.engine.supervisor.declare("web", sleep(2), ALWAYS, 2) == "unchanged"
 
 
 # -- through the CLI, with real processes ---------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from orchestrator import OrchestratorError
 from orchestrator.states import TRANSITIONS, ReplicaState
 from stress.invariants import reachable
-from test_engine import FakeOS, Harness
+from fakes import FakeOS, Harness
 
 pytestmark = pytest.mark.stress
 

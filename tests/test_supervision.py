@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from test_engine import SPEC, Harness
+from fakes import SPEC, Harness
 
 S_ALWAYS = {"restart": "always", "backoff": [1, 8], "max_restarts": [5, 60]}
 
