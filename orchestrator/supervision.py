@@ -113,10 +113,11 @@ class Supervisor:
 
     def stopped(self, rep: Replica) -> None:
         """``rep`` ended after it was asked to stop: replaced if that was the point."""
-        if rep.id in self._replacing:
+        if rep.id in self._replacing:  # only a failed liveness probe asks for that
             self._replacing.discard(rep.id)
-            liveness = rep.reason == "liveness probe failed"
-            self._replace(rep, reason="liveness probe failed" if liveness else "restarted", backoff=liveness)
+            # A failure like any other: after the slot's backoff, and counted against
+            # max_restarts, so a replica that is never live ends in a crash loop.
+            self._replace(rep, reason="liveness probe failed", backoff=True)
 
     def ended_on_its_own(self, rep: Replica, *, failed: bool) -> None:
         """The restart policy decides: replaced after a backoff (the pool keeps its size),

@@ -165,6 +165,24 @@ def test_liveness_failure_replaces_the_replica(daemon: DaemonUnderTest, tmp_path
     flag.write_text("")
 
 
+def test_a_replica_that_is_never_live_ends_in_a_crash_loop(daemon: DaemonUnderTest) -> None:
+    """Liveness failures count against --max-restarts like crashes do: replacements after
+    the backoff, then crashloop, not a replacement every few seconds forever."""
+    proc = cli(daemon.state_dir, "launch", "--pool", "dead", "--live", "exec:false", "--live-interval", "0.1",
+               "--live-failures", "1", "--backoff", "0.05:0.05", "--max-restarts", "2/60", "--grace", "0.5",
+               "--", "sleep", "1000")
+    assert proc.returncode == 0, proc.stderr
+
+    def pool() -> dict:
+        return next(p for p in status(daemon)["pools"] if p["name"] == "dead")
+
+    wait_for(lambda: pool()["state"] == "crashloop", 30, "the pool to enter a crash loop")
+    assert "liveness probe failed" in pool()["reason"]
+    events = [json.loads(line) for line in cli(daemon.state_dir, "events", "--json").stdout.splitlines()]
+    restarts = [e for e in events if e["kind"] == "restart"]
+    assert len(restarts) == 2 and all(e["data"]["reason"] == "liveness probe failed" for e in restarts), restarts
+
+
 def test_delete_signal_env_file_and_cwd(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     env_file = tmp_path / "app.env"
     env_file.write_text("# settings\nGREETING=hello\nexport QUOTED='a b'\n")
