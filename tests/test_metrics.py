@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
 import socket
 import struct
 import threading
@@ -22,6 +21,7 @@ from typing import Any, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import fd_count
 from orchestrator.httpserver import MetricsServer
 from orchestrator.metrics import EXIT_KINDS, LagMonitor, Metrics, format_health, health
 from orchestrator.reactor import Reactor
@@ -44,10 +44,6 @@ def families(text: str) -> dict[str, Any]:
 def samples(fam: Any, name: str | None = None) -> dict[tuple, float]:
     """{sorted label items: value} of one family's samples (``name``: only that sample name)."""
     return {tuple(sorted(s.labels.items())): s.value for s in fam.samples if name is None or s.name == name}
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 STATUS = {
@@ -248,15 +244,6 @@ def test_churn_rate_over_the_last_minute():
 
 
 # -- loop lag ---------------------------------------------------------------------------
-
-@pytest.fixture
-def reactor():
-    r = Reactor()
-    try:
-        yield r
-    finally:
-        r.close()
-
 
 def test_lag_is_near_zero_when_idle(reactor):
     mon = LagMonitor(reactor, interval=0.1)
