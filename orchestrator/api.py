@@ -99,9 +99,10 @@ class Orchestrator(Verbs):
         if self._use_watchdog:
             from watchdog import WatchdogLink
 
-            if self._state_dir is None:
-                self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
-            link = WatchdogLink(self._state_dir or self._own_dir, token=self._token, batch=True)
+            report_dir = self._state_dir
+            if report_dir is None:
+                report_dir = self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
+            link = WatchdogLink(report_dir, token=self._token, batch=True)
         store = None
         if self._db is not None:
             from .store import Store  # sqlite3 only for a caller that asked for a journal

@@ -13,6 +13,7 @@ writer of replies in the reactor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -235,7 +236,7 @@ class ManagerBridge:
         os.set_blocking(cmd_r, False)
         self._cmd_fd = cmd_r
         self._reply = BufferedWriter(reply_w)
-        self.reactor.add_reader(cmd_r, self._on_commands)
+        self.reactor.add_reader(cmd_r, functools.partial(self._on_commands, cmd_r))
         self.reactor.add_writer(self._reply)
         if self._watchdog is not None:
             start = start_time(pid)
@@ -252,9 +253,9 @@ class ManagerBridge:
             frame = encode_frame(error(msg.get("id"), str(err)))
         self._reply.write(frame)
 
-    def _on_commands(self) -> None:
+    def _on_commands(self, fd: int) -> None:
         try:
-            data = os.read(self._cmd_fd, 1 << 16)
+            data = os.read(fd, 1 << 16)
         except BlockingIOError:
             return
         if not data:  # the manager is gone; its pidfd brings the restart

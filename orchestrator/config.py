@@ -407,7 +407,9 @@ class _Reader:
         return dict(env)
 
     def _policy(self, here: tuple[str, ...], table: dict) -> dict:
-        given = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items() if k in POLICY_KEYS}
+        # Any: the values are as the file has them; Policy checks each one.
+        given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in table.items() if k in POLICY_KEYS}
         try:
             return Policy(**given).to_wire()  # the common case, checked once
         except (InvalidSpec, TypeError):
@@ -425,7 +427,7 @@ class _Reader:
         for key in POLICY_KEYS:
             if key not in given:
                 continue
-            kwargs = {key: given[key]}
+            kwargs: dict[str, Any] = {key: given[key]}
             if key in ("ready", "live") and base_ok:
                 kwargs["port_base"] = port_base
             try:
@@ -437,8 +439,8 @@ class _Reader:
         try:
             return Policy(**given).to_wire()
         except InvalidSpec as err:  # a combination of keys
-            key = next((k for k in POLICY_KEYS if k in given and str(err).startswith(k)), None)
-            raise self.fail((*here, key) if key else here, str(err)) from None
+            about = next((k for k in POLICY_KEYS if k in given and str(err).startswith(k)), None)
+            raise self.fail((*here, about) if about else here, str(err)) from None
 
 
 # -- values ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import http
 import json
 import logging
@@ -173,7 +174,7 @@ class MetricsServer:
                 self._count("error")
                 continue
             self._conns[conn.fd] = conn
-            conn.timer = self.reactor.call_later(self.request_timeout, lambda c=conn: self._expire(c))
+            conn.timer = self.reactor.call_later(self.request_timeout, functools.partial(self._expire, conn))
 
     def _pause(self) -> None:
         if not self._listening:
@@ -268,7 +269,7 @@ class MetricsServer:
         conn.out = out
         if conn.timer is not None:
             conn.timer.cancel()
-        conn.timer = self.reactor.call_later(self.write_timeout, lambda c=conn: self._expire(c))
+        conn.timer = self.reactor.call_later(self.write_timeout, functools.partial(self._expire, conn))
         self._ep.modify(conn.fd, select.EPOLLOUT)
         self._write(conn)
 

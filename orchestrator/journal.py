@@ -90,18 +90,19 @@ class Journal:
         if self.store is None:
             return None
         if self.reopen is not None and self.store.pending and self._current_file_id() != self._file_id:
-            self._recreate()
+            self._recreate(self.reopen)
         try:
             self.store.commit()
         except StoreError as err:
             return str(err)
         return None
 
-    def _recreate(self) -> None:
+    def _recreate(self, reopen: Callable[[], Any]) -> None:
         """state.db was deleted or replaced: writing on into the unlinked file would lose
-        everything at the next start. Open a new one and write the table from memory."""
+        everything at the next start. Open a new one with ``reopen`` and write the table
+        from memory."""
         try:
-            fresh = self.reopen()
+            fresh = reopen()
         except StoreError as err:
             log.error("state.db vanished and cannot be recreated (will retry): %s", err)
             return

@@ -47,9 +47,12 @@ class ReplyBoard:
         self._replies: dict[str, tuple[float, dict]] = {}
 
     def post(self, msg: dict) -> None:
+        cmd_id = msg.get("id")
+        if not isinstance(cmd_id, str):
+            return  # only a command with an id is waited for (``call``): nobody could take it
         now = time.monotonic()
         with self._cond:
-            self._replies[msg.get("id")] = (now, msg)
+            self._replies[cmd_id] = (now, msg)
             if len(self._replies) > 1000:
                 for key, (t, _) in list(self._replies.items()):
                     if now - t > REPLY_TTL:

@@ -106,7 +106,8 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative ``(le, count)`` pairs, as ``HistogramMetricFamily`` takes them."""
-        out, cumulative = [], 0
+        out: list[tuple[str, float]] = []
+        cumulative = 0
         for bound, count in zip(self.bounds, self.counts):
             cumulative += count
             out.append((floatToGoString(bound), cumulative))
@@ -312,7 +313,7 @@ class _Collector(Collector):
         return self.metrics.families(status, daemon)
 
 
-def _family(kind: Callable[..., Metric], name: str, help_text: str, labels: tuple[str, ...],
+def _family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, help_text: str, labels: tuple[str, ...],
             samples: Iterable[tuple[Any, float]]) -> Metric:
     """A labelled family from ``(key, value)`` pairs; a key is one label value or a tuple."""
     family = kind(PREFIX + name, help_text, labels=labels)

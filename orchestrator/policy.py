@@ -181,7 +181,9 @@ class Policy:
         unknown = set(wire) - known
         if unknown:
             raise InvalidSpec(f"unknown policy key(s): {', '.join(sorted(unknown))}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in wire.items()})
+        # Any: the values are as they came over the wire; __post_init__ checks each one.
+        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in wire.items()}
+        return cls(**kwargs)
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?\s*", re.IGNORECASE)

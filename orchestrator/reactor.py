@@ -37,7 +37,9 @@ import threading
 import time
 from typing import Callable, Protocol
 
-Callback = Callable[[], None]
+# A callback's result is ignored (a retrying start() says whether it started, for its
+# other callers); object, not None, lets such a method be scheduled as it is.
+Callback = Callable[[], object]
 log = logging.getLogger("orchestrator")
 MAX_FD_FAULTS = 10  # failures in a row of one fd's callback before the fd is dropped
 

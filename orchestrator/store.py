@@ -182,9 +182,12 @@ _SQL_SELECT_REPLICAS = "SELECT " + ", ".join(_REPLICA_COLS) + ", extra FROM repl
 # call (~1.5 us); building it once and calling it directly costs ~0.6 us. Compact separators
 # keep rows small. default=str: a journal entry carrying an odd value (a Path, an exception)
 # must not crash the control loop; it is stored as text. No circular-reference check
-# (markers=None): data is plain data by contract.
-if _json_encoder.c_make_encoder is not None:
-    _c_encode = _json_encoder.c_make_encoder(
+# (markers=None): data is plain data by contract. The C encoder is an undocumented name of
+# json.encoder (typeshed does not declare it), hence the getattr.
+_c_make_encoder: Callable[..., Any] | None = getattr(_json_encoder, "c_make_encoder", None)
+_dumps: Callable[[Any], str]
+if _c_make_encoder is not None:
+    _c_encode = _c_make_encoder(
         None, str, _json_encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
 
     def _dumps(obj: Any, _join: Any = "".join, _enc: Any = _c_encode) -> str:

@@ -1,10 +1,11 @@
-"""Shared fixtures: an account of every process a test starts, and embedded orchestrators.
+"""Shared fixtures: an account of every process a test starts, daemons driven through the
+CLI, embedded orchestrators, and a real Reactor.
 
-Rules they exist to keep (docs/design.md, "How it is tested"): a test tears down what it
-started by identity (pid + create time; helpers.Ident), never by name; SIGCONT then SIGKILL
-for leftovers, then a bounded wait; every process an Orchestrator from
-``make_orchestrator`` starts carries ``ORCH_TEST_TAG`` (command workers and whatever they
-start), so a leftover is found even when the test never saw its pid.
+Rules they exist to keep: a test tears down what it started by identity (pid + create
+time; helpers.Ident), never by name; SIGCONT then SIGKILL for leftovers, then a bounded
+wait; every process an Orchestrator from ``make_orchestrator`` starts carries
+``ORCH_TEST_TAG`` (command workers and whatever they start), so a leftover is found even
+when the test never saw its pid.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import psutil
 import pytest
 
-from helpers import Ident, kill_all
+from helpers import DaemonUnderTest, Ident, kill_all, no_leftovers, tagged
+
+if TYPE_CHECKING:
+    from orchestrator.reactor import Reactor
 
 TAG_VAR = "ORCH_TEST_TAG"
 
@@ -58,14 +63,7 @@ class ProcessTracker:
     def tagged(self) -> set[Ident]:
         """Processes with this test's tag in their environment (a Python worker that set
         its title has overwritten its environment: it is found as a descendant instead)."""
-        found = set()
-        for p in psutil.process_iter():
-            try:
-                if p.pid != self._me.pid and p.environ().get(TAG_VAR) == self.tag:
-                    found.add(Ident((p.pid, p.create_time())))
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return tagged(self.tag)
 
     def survivors(self) -> list[Ident]:
         """Every process this test started that is still alive (zombies do not count)."""
@@ -89,29 +87,47 @@ class ProcessTracker:
         of ours, zombies included."""
         left = self.survivors()
         kill_all(left)
-        procs = []
-        for ident in [*left, *self.zombies()]:
-            try:
-                p = psutil.Process(ident.pid)
-                if p.create_time() == ident[1]:
-                    procs.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=timeout)
+        _wait_for_end([*left, *self.zombies()], timeout)
+
+
+def _wait_for_end(idents: list[Ident], timeout: float) -> None:
+    """Wait (bounded) for these processes to end, each if it is still the one we saw;
+    psutil reaps children of ours, zombies included."""
+    procs = []
+    for ident in idents:
+        try:
+            p = psutil.Process(ident.pid)
+            if p.create_time() == ident[1]:
+                procs.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    """A daemon driven through the CLI (helpers.DaemonUnderTest) in ``tmp_path/state``; the
-    teardown stops it and fails the test if anything it was seen to own is left."""
-    from helpers import DaemonUnderTest
+def state_dir(tmp_path: Path) -> Path:
+    """A daemon's state dir, not made yet: ``tmp_path/state``."""
+    return tmp_path / "state"
 
-    d = DaemonUnderTest(tmp_path / "state")
-    try:
+
+@pytest.fixture
+def daemon(state_dir: Path) -> Iterator[DaemonUnderTest]:
+    """A daemon driven through the CLI (helpers.DaemonUnderTest) in ``state_dir``; the
+    teardown stops it and fails the test if anything it was seen to own is left."""
+    with no_leftovers(DaemonUnderTest(state_dir)) as d:
         yield d
+
+
+@pytest.fixture
+def reactor() -> Iterator[Reactor]:
+    """A real control loop, closed at teardown."""
+    from orchestrator.reactor import Reactor
+
+    r = Reactor()
+    try:
+        yield r
     finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
+        r.close()
 
 
 @pytest.fixture
@@ -251,15 +267,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     lines = [f"{len(left)} process(es) of this session left behind (killed now):",
              *(f"  {_describe(i)}" for i in left)]
     kill_all(left)
-    gone: list[psutil.Process] = []
-    for ident in left:
-        try:
-            p = psutil.Process(ident.pid)
-            if p.create_time() == ident[1]:
-                gone.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(gone, timeout=5)
+    _wait_for_end(left, 5)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in lines:

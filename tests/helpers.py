@@ -1,4 +1,5 @@
-"""Shared by the daemon tests: drive the real CLI, and account for every process.
+"""Shared by the tests: drive the real CLI, account for every process, and the small
+helpers more than one test file needs (bounded waits, fds, free ports, reading lines).
 
 Every process a test causes to exist is recorded as an identity (pid, create time); the
 teardown checks that none is left and kills (SIGCONT, SIGKILL) by identity what is. Nothing
@@ -7,14 +8,18 @@ is ever matched by name or command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import psutil
 
@@ -50,6 +55,19 @@ def cli_json(state_dir: Path, *args: str) -> dict:
 
 def status(state_dir: Path, all: bool = False) -> dict:  # noqa: A002
     return cli_json(state_dir, "status", *(["--all"] if all else []))
+
+
+def one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
+    """The one line a refused command wrote to stderr (no traceback), its exit ``code`` checked."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def sized(pools: list[dict]) -> list[dict]:
+    """A pool's name and size (status shows more of it since the restart policy landed)."""
+    return [{"name": p["name"], "desired": p["desired"]} for p in pools]
 
 
 class Ident(tuple):
@@ -104,6 +122,114 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") 
 
 def survivors(idents: Iterable[Ident]) -> list[Ident]:
     return [i for i in idents if i.alive()]
+
+
+def tagged(tag: str) -> set[Ident]:
+    """Live (non-zombie) processes other than this one whose environment carries
+    ORCH_TEST_TAG=tag: the sweep that finds what a snapshot could have missed (a Python
+    worker that set its title has overwritten its environment and is not found here)."""
+    me = os.getpid()
+    found = set()
+    for p in psutil.process_iter():
+        try:
+            if p.pid == me or p.environ().get("ORCH_TEST_TAG") != tag:
+                continue
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.add(Ident((p.pid, p.create_time())))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def wait_gone(identities: Iterable[tuple[int, int]], timeout: float) -> list[tuple[int, int]]:
+    """Wait (bounded, on pidfds) until every ``(pid, start)`` has exited, zombie or reaped;
+    return those that did not."""
+    from watchdog.identity import open_verified
+
+    fds = {}
+    for pid, start in identities:
+        fd = open_verified(pid, start)
+        if fd is not None:
+            fds[fd] = (pid, start)
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        left = set(fds)
+        deadline = time.monotonic() + timeout
+        while left and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(remaining * 1000):
+                poller.unregister(fd)
+                left.discard(fd)
+        return [fds[fd] for fd in left]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def reap_child(pid: int, timeout: float) -> int:
+    """Wait (bounded, on a pidfd) for a child of this process to exit; reap it; its exit code."""
+    fd = os.pidfd_open(pid)
+    try:
+        assert select.select([fd], [], [], timeout)[0], f"child {pid} did not exit"
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def read_lines(fd: int, count: int, timeout: float = 20.0) -> list[str]:
+    """``count`` lines from ``fd``, waiting at most ``timeout`` for them."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while buf.count(b"\n") < count:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            raise TimeoutError(f"only got {buf!r}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise EOFError(f"EOF after {buf!r}")
+        buf += chunk
+    return buf.decode().splitlines()
+
+
+def open_fds() -> set[str]:
+    """This process's open file descriptors, now."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+def fd_count() -> int:
+    return len(open_fds())
+
+
+def free_port_range(n: int) -> int:
+    """A base port whose next ``n`` ports are free on 127.0.0.1 right now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def serves(port: int) -> bool:
+    """Does an HTTP server on 127.0.0.1:``port`` answer ``GET /`` with 200 (within 1 s)?"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return s.recv(12).startswith(b"HTTP/1.0 200")
+    except OSError:
+        return False
 
 
 def kill_all(idents: Iterable[Ident]) -> None:
@@ -183,6 +309,20 @@ class DaemonUnderTest:
         tree.kill_all(timeout=5)
         tree.destroy()
         return path
+
+
+D = TypeVar("D", bound=DaemonUnderTest)
+
+
+@contextlib.contextmanager
+def no_leftovers(daemon: D) -> Iterator[D]:
+    """Yield ``daemon``; at the end stop it, kill what it was seen to own, and fail the
+    test if anything was left to kill."""
+    try:
+        yield daemon
+    finally:
+        left = daemon.teardown()
+        assert not left, f"processes left behind: {left}"
 
 
 class OwnedProcesses:

@@ -15,16 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DaemonUnderTest, cli, wait_for
+from helpers import DaemonUnderTest, cli, one_line_error, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _one_line_error(proc, code: int = 1) -> str:
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
 
 
 def _pools(d: DaemonUnderTest) -> dict[str, dict]:
@@ -43,7 +36,7 @@ def _alive(d: DaemonUnderTest, pid: int) -> None:
 
 def test_a_probe_template_that_expands_to_port_0_is_refused_at_launch(daemon: DaemonUnderTest) -> None:
     pid = daemon.start()
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--ready", "tcp:127.0.0.1:{slot}",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--ready", "tcp:127.0.0.1:{slot}",
                                "--", "sleep", "300"))
     assert "slot 0" in line and "port must be 1..65535" in line, line
     _alive(daemon, pid)
@@ -56,16 +49,16 @@ def test_a_probe_template_that_expands_to_port_0_is_refused_at_launch(daemon: Da
 
 def test_port_base_past_65535_is_refused_at_launch_and_at_scale(daemon: DaemonUnderTest) -> None:
     pid = daemon.start()
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65535", "--count", "3",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65535", "--count", "3",
                                "--", "sleep", "300"))
     assert "65537" in line and "65535" in line, line
     assert "p" not in _pools(daemon)
     assert cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65534", "--count", "2",
                "--", "sleep", "300").returncode == 0
-    line = _one_line_error(cli(daemon.state_dir, "scale", "p", "3"))
+    line = one_line_error(cli(daemon.state_dir, "scale", "p", "3"))
     assert "65536" in line, line
     # A later launch that would grow it past the range is refused the same way.
-    _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65534", "--", "sleep", "300"))
+    one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65534", "--", "sleep", "300"))
     _alive(daemon, pid)
     assert _pools(daemon)["p"]["desired"] == 2
     assert cli(daemon.state_dir, "scale", "p", "1").returncode == 0
@@ -78,12 +71,12 @@ def test_a_probe_address_that_goes_out_of_range_at_a_higher_slot_is_refused_at_s
     # Slots 0..5 probe ports 65530..65535; slot 6 would probe 65536.
     assert cli(daemon.state_dir, "launch", "--pool", "p", "--live", "tcp:127.0.0.1:6553{slot}",
                "--", "sleep", "300").returncode == 0
-    line = _one_line_error(cli(daemon.state_dir, "scale", "p", "7"))
+    line = one_line_error(cli(daemon.state_dir, "scale", "p", "7"))
     assert "slot 6" in line and "live" in line and "65536" in line, line
     _alive(daemon, pid)
     assert _pools(daemon)["p"]["desired"] == 1
     # The same through {port}: 6553 + slot, then a literal 0.
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "h", "--port-base", "6553", "--count", "2",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "h", "--port-base", "6553", "--count", "2",
                                "--ready", "http://127.0.0.1:{port}0/", "--", "sleep", "300"))
     assert "slot 1" in line and "65540" in line, line
     _alive(daemon, pid)
@@ -91,12 +84,12 @@ def test_a_probe_address_that_goes_out_of_range_at_a_higher_slot_is_refused_at_s
 
 def test_an_env_or_argv_template_with_port_but_no_port_base_is_refused(daemon: DaemonUnderTest) -> None:
     pid = daemon.start()
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--env", "ADDR=127.0.0.1:{port}",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--env", "ADDR=127.0.0.1:{port}",
                                "--", "sleep", "300"))
     assert "{port}" in line and "port" in line, line
-    _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--", "sleep", "{port}"))
+    one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--", "sleep", "{port}"))
     # With a port base, an env template past the range is refused like $PORT is.
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65535", "--count", "2",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--port-base", "65535", "--count", "2",
                                "--env", "ADDR=127.0.0.1:{port}", "--", "sleep", "300"))
     assert "65536" in line, line
     _alive(daemon, pid)
@@ -107,10 +100,10 @@ def test_launch_replace_onto_a_template_invalid_for_the_pools_size_is_refused(da
     pid = daemon.start()
     assert cli(daemon.state_dir, "launch", "--pool", "p", "--count", "2", "--", "sleep", "300").returncode == 0
     # Without --count the pool keeps its size (2): slot 1 would get 65536.
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--replace", "--port-base", "65535",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--replace", "--port-base", "65535",
                                "--", "sleep", "300"))
     assert "slot 1" in line and "65536" in line, line
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--replace", "--count", "7",
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "p", "--replace", "--count", "7",
                                "--ready", "tcp:127.0.0.1:6553{slot}", "--", "sleep", "300"))
     assert "slot 6" in line, line
     _alive(daemon, pid)
@@ -125,13 +118,13 @@ def test_a_config_reload_with_a_bad_expansion_is_refused_and_the_running_config_
     pid = daemon.start("--config", str(conf))
     wait_for(lambda: len(daemon.status()["replicas"]) == 2, 20, "the declared pool")
     conf.write_text(good.replace("size = 2", "size = 3"))
-    line = _one_line_error(cli(daemon.state_dir, "reload"))
+    line = one_line_error(cli(daemon.state_dir, "reload"))
     assert "65536" in line, line
     _alive(daemon, pid)
     assert _pools(daemon)["web"]["desired"] == 2
     # The same file at start: one line, no daemon.
     assert cli(daemon.state_dir, "stop", "--timeout", "30").returncode == 0
-    line = _one_line_error(cli(daemon.state_dir, "start", "--config", str(conf)))
+    line = one_line_error(cli(daemon.state_dir, "start", "--config", str(conf)))
     assert "65536" in line, line
 
 
@@ -170,8 +163,8 @@ def test_a_poisoned_journal_does_not_kill_start_and_the_pool_can_be_deleted(
     log = (daemon.state_dir / "logs" / "daemon.log").read_text()
     assert "pool bad" in log and "Traceback" not in log, log[-2000:]
 
-    assert "no usable spec" in _one_line_error(cli(daemon.state_dir, "restart", "--pool", "bad"))
-    assert "bad" in _one_line_error(cli(daemon.state_dir, "scale", "bad", "3"))
+    assert "no usable spec" in one_line_error(cli(daemon.state_dir, "restart", "--pool", "bad"))
+    assert "bad" in one_line_error(cli(daemon.state_dir, "scale", "bad", "3"))
     _alive(daemon, pid)
     assert cli(daemon.state_dir, "delete", "bad").returncode == 0
     assert "bad" not in _pools(daemon)

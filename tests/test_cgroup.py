@@ -35,10 +35,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from watchdog import cgroup  # noqa: E402
 from watchdog.cgroup import CgroupUnavailable, Subtree  # noqa: E402
-from watchdog.identity import open_verified, proc_stat, start_time  # noqa: E402
+from watchdog.identity import proc_stat, start_time  # noqa: E402
 from watchdog.ledger import Ledger, encode_add_cgroup, encode_remove_cgroup  # noqa: E402
 from watchdog.link import WatchdogLink  # noqa: E402
-from helpers import OwnedProcesses  # noqa: E402
+from helpers import OwnedProcesses, read_lines, reap_child, wait_gone  # noqa: E402
 
 PROGRAMS = Path(__file__).resolve().parent / "test_cgroup_parent.py"
 TREE_ROLES = {"root", "setsid", "orphan", "timeout", "job"}
@@ -129,20 +129,6 @@ def owned():
         registry.teardown()
 
 
-def read_lines(fd: int, count: int, timeout: float = 20.0) -> list[str]:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while buf.count(b"\n") < count:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            raise TimeoutError(f"only got {buf!r}")
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            raise EOFError(f"EOF after {buf!r}")
-        buf += chunk
-    return buf.decode().splitlines()
-
-
 def start_in(owned: OwnedProcesses, path: str, args: list[str], **kwargs) -> subprocess.Popen:
     """Start ``args`` inside the cgroup ``path``: the child joins it between fork and exec,
     as the daemon's spawner does."""
@@ -170,29 +156,6 @@ def start_tree(owned: OwnedProcesses, path: str) -> tuple[subprocess.Popen, dict
     members = {(pid, start_time(pid)) for _where, pid in cgroup._members(path)}
     owned.identities |= members
     return root, roles, members
-
-
-def wait_gone(identities, timeout: float) -> list[tuple[int, int]]:
-    """Wait until every ``(pid, start)`` has exited; return those that did not."""
-    fds = {}
-    for pid, start in identities:
-        fd = open_verified(pid, start)
-        if fd is not None:
-            fds[fd] = (pid, start)
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        left = set(fds)
-        deadline = time.monotonic() + timeout
-        while left and (remaining := deadline - time.monotonic()) > 0:
-            for fd, _ in poller.poll(remaining * 1000):
-                poller.unregister(fd)
-                left.discard(fd)
-        return [fds[fd] for fd in left]
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def alive(identity: tuple[int, int]) -> bool:
@@ -315,15 +278,6 @@ def test_oom_killed_reads_memory_events(tmp_path):
     assert cgroup.oom_killed(str(tmp_path))
 
 
-def _reap(pid: int, timeout: float) -> int:
-    fd = os.pidfd_open(pid)
-    try:
-        assert select.select([fd], [], [], timeout)[0], f"child {pid} did not exit"
-    finally:
-        os.close(fd)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
 @pytest.mark.timeout(60)
 def test_link_replays_cgroups_to_a_new_watchdog(tmp_path):
     copier = tmp_path / "copier-python"  # stands in for the interpreter: copies the feed
@@ -339,7 +293,7 @@ def test_link_replays_cgroups_to_a_new_watchdog(tmp_path):
         link.add_cgroup("/cg/orchestrator-a/replicas/after start")
         link.stop()
     finally:
-        assert _reap(pid, 20) == 0
+        assert reap_child(pid, 20) == 0
     ledger = Ledger()
     ledger.feed((tmp_path / "feed").read_bytes())
     assert list(ledger.cgroups) == ["/cg/orchestrator-a/replicas/before-start", "/cg/orchestrator-a/replicas/after start"]

@@ -68,17 +68,6 @@ def tree(fd: int) -> None:
         signal.pause()
 
 
-def read_lines(fd: int, count: int, timeout: float) -> list[str]:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while buf.count(b"\n") < count:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            raise TimeoutError(f"only got {buf!r}")
-        buf += os.read(fd, 4096)
-    return buf.decode().splitlines()
-
-
 def members(path: str) -> list[list[int]]:
     """``[pid, start]`` of every process in the cgroup ``path`` and below."""
     from watchdog.cgroup import _members
@@ -101,6 +90,7 @@ def parent(argv: list[str]) -> None:
     parser.add_argument("--register", action="append", default=[])
     args = parser.parse_args(argv)
 
+    from helpers import read_lines  # tests/, this script's directory, is on sys.path
     from watchdog import WatchdogLink, start_time
     from watchdog.cgroup import Subtree, join
 

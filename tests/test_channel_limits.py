@@ -24,19 +24,11 @@ from typing import Iterator
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, cli, cli_env, manager_proxies, wait_for
+from helpers import DaemonUnderTest, cli, cli_env, manager_proxies, one_line_error, wait_for
 from orchestrator import Client, InvalidSpec
 from orchestrator.protocol import command
 
 pytestmark = pytest.mark.timeout(180)
-
-
-
-def _one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
 
 
 def _launch(daemon: DaemonUnderTest, *extra: str) -> subprocess.CompletedProcess:
@@ -149,7 +141,7 @@ def test_a_manager_at_its_thread_limit_refuses_with_a_reason_and_serves_again(
     pids_cgroup.move(manager)
     pids_cgroup.limit(pids_cgroup.current())  # not one thread more: TasksMax reached
     for _ in range(3):  # one refused connection does not cost the next one its answer
-        line = _one_line_error(_launch(daemon))
+        line = one_line_error(_launch(daemon))
         assert "thread" in line, line
     assert "cannot start a thread" in _daemon_log(daemon)
     pids_cgroup.limit("max")
@@ -174,7 +166,7 @@ def test_a_manager_at_its_fd_limit_refuses_with_a_reason_and_serves_again(daemon
         lowest_free = min(set(range(len(taken) + 1)) - taken)
         manager.rlimit(psutil.RLIMIT_NOFILE, (lowest_free, hard))  # no fd for a connection
         for _ in range(3):
-            line = _one_line_error(_launch(daemon))
+            line = one_line_error(_launch(daemon))
             assert "Too many open files" in line, line
     finally:
         manager.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
@@ -200,7 +192,7 @@ def test_a_manager_that_cannot_be_restarted_at_the_fd_limit_comes_back_and_leaks
         info = json.loads(health.stdout)
         assert info["failed"] == ["manager"] and info["parts"]["manager"] is False, info
         assert "Too many open files" in info["reason"], info
-        plain = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "web", "--", "true"))
+        plain = one_line_error(cli(daemon.state_dir, "launch", "--pool", "web", "--", "true"))
         assert "manager server is down" in plain and "Too many open files" in plain, plain
     finally:
         proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
@@ -235,7 +227,7 @@ def test_a_command_over_the_frame_limit_is_answered_at_once(daemon: DaemonUnderT
         assert client.ping() == "pong"
     env_file = tmp_path / "big.env"
     env_file.write_text("BIG=" + "x" * BIG + "\n")
-    _one_line_error(_launch(daemon, "--env-file", str(env_file)))
+    one_line_error(_launch(daemon, "--env-file", str(env_file)))
     assert _launch(daemon).returncode == 0
     assert daemon.status()["daemon"]["pid"] == pid
 

@@ -15,32 +15,11 @@ import psutil
 import pytest
 
 from helpers import (
-    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, manager_proxies, survivors, tree, wait_for,
+    DaemonUnderTest, Ident, cli, cli_env, cli_json, kill_all, manager_proxies, sized, survivors, tree, wait_for,
 )
 from orchestrator import ChannelError, Client, DaemonNotRunning, InvalidSpec, ShuttingDown, UnknownReplica
 
 pytestmark = pytest.mark.timeout(120)
-
-
-
-def sized(pools: list[dict]) -> list[dict]:
-    """A pool's name and size (status shows more of it since the restart policy landed)."""
-    return [{"name": p["name"], "desired": p["desired"]} for p in pools]
-
-
-@pytest.fixture
-def state_dir(tmp_path: Path) -> Path:
-    return tmp_path / "state"
-
-
-@pytest.fixture
-def daemon(state_dir: Path):
-    d = DaemonUnderTest(state_dir)
-    try:
-        yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
 
 
 def _running(data: dict) -> list[dict]:

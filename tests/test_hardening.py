@@ -19,22 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, tree, wait_for
+from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, one_line_error, sized, survivors, tree, wait_for
 from orchestrator import Client, OrchestratorError
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sized(pools: list[dict]) -> list[dict]:
-    """A pool's name and size (status shows more of it since the restart policy landed)."""
-    return [{"name": p["name"], "desired": p["desired"]} for p in pools]
-
-
-def _one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
 
 
 # -- 3. no command crashes the daemon ---------------------------------------------------
@@ -43,7 +31,7 @@ def _one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
 def test_unicode_digit_id_and_nul_in_a_path_are_that_commands_errors(daemon: DaemonUnderTest) -> None:
     pid = daemon.start()
     assert cli(daemon.state_dir, "launch", "--pool", "web", "--", "sleep", "1000").returncode == 0
-    line = _one_line_error(cli(daemon.state_dir, "terminate", "web-\u00b2"))
+    line = one_line_error(cli(daemon.state_dir, "terminate", "web-\u00b2"))
     assert "unknown replica" in line
     with Client(daemon.state_dir) as client:
         for spec in ({"command": ["/bin/sl\0eep", "1"]}, {"command": ["sleep"], "env": {"A\0": "b"}},
@@ -295,14 +283,14 @@ def test_a_full_disk_leaves_read_only_commands_alone(tmp_path: Path) -> None:
     ["launch", "--pool", "p", "--wait", "--timeout", "inf", "--", "true"],
 ])
 def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str]) -> None:
-    line = _one_line_error(cli(tmp_path / "state", *args), code=2)
+    line = one_line_error(cli(tmp_path / "state", *args), code=2)
     assert "must be" in line
     assert not (tmp_path / "state" / "daemon.pid").exists()
 
 
 def test_a_pool_name_with_a_newline_is_refused(daemon: DaemonUnderTest) -> None:
     daemon.start()
-    line = _one_line_error(cli(daemon.state_dir, "launch", "--pool", "web\n", "--", "sleep", "1"))
+    line = one_line_error(cli(daemon.state_dir, "launch", "--pool", "web\n", "--", "sleep", "1"))
     assert "invalid pool name" in line
     assert daemon.status()["pools"] == []
 
@@ -324,7 +312,7 @@ def test_status_and_events_on_an_empty_or_corrupt_journal(tmp_path: Path, conten
         assert "Traceback" not in proc.stderr, proc.stderr
     assert status.returncode in (1, 3) and events.returncode in (0, 1)
     if content:
-        _one_line_error(events)
+        one_line_error(events)
 
 
 # -- 10. work resolved where the caller is --------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import cli, cli_env, wait_for
+from helpers import cli, cli_env, fd_count, wait_for
 from orchestrator import logcapture, logcli
 from orchestrator.errors import OrchestratorError, UnknownReplica
 from orchestrator.logcapture import LogCapture
@@ -39,15 +39,11 @@ from orchestrator.reactor import Reactor
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.fixture(autouse=True)
 def no_fd_leak() -> Iterator[None]:
-    before = _fds()
+    before = fd_count()
     yield
-    assert _fds() == before, "file descriptors leaked"
+    assert fd_count() == before, "file descriptors leaked"
 
 
 class Children:
@@ -80,15 +76,6 @@ def children() -> Iterator[Children]:
         yield c
     finally:
         c.cleanup()
-
-
-@pytest.fixture
-def reactor() -> Iterator[Reactor]:
-    r = Reactor()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture
@@ -425,17 +412,17 @@ def test_a_planted_symlink_is_not_followed_by_an_eager_open(logs_dir: Path, reac
     cap = LogCapture(logs_dir, reactor, create_after=0)  # files made in open(): it raises
     try:
         os.symlink(target, logs_dir / "web-1.out")
-        before = _fds()
+        before = fd_count()
         with pytest.raises(OSError) as info:
             cap.open("web-1")
         assert info.value.errno == errno.ELOOP and "symbolic link" in str(info.value)
-        assert _fds() == before
+        assert fd_count() == before
         assert target.read_text() == "do not touch\n"
         assert cap.totals()["open"] == 0
         os.mkfifo(logs_dir / "web-2.err")  # a FIFO neither blocks the open nor is used
         with pytest.raises(OSError):
             cap.open("web-2")
-        assert _fds() == before
+        assert fd_count() == before
     finally:
         cap.close()
 

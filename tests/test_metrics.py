@@ -263,15 +263,6 @@ def test_churn_rate_over_the_last_minute():
 
 # -- loop lag ---------------------------------------------------------------------------
 
-@pytest.fixture
-def reactor():
-    r = Reactor()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 def test_lag_is_near_zero_when_idle(reactor):
     mon = LagMonitor(reactor, interval=0.1)
     t0 = time.monotonic()

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import DaemonUnderTest, cli, cli_env, wait_for
-from test_supervision_cli import free_port_range
+from helpers import DaemonUnderTest, cli, cli_env, free_port_range, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

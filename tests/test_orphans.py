@@ -16,23 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, tree, wait_for
+from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, tagged, tree, wait_for
 from orchestrator import ChannelError, Client, DaemonNotRunning, ShuttingDown
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def tagged(tag: str) -> set[Ident]:
-    """Every live process carrying ORCH_TEST_TAG=tag (set by this test, inherited by all
-    the daemon starts): the sweep that finds what a snapshot could have missed."""
-    out = set()
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("ORCH_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE:
-                out.add(Ident((p.pid, p.create_time())))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
 
 
 def start_tagged(d: DaemonUnderTest, tag: str) -> int:

@@ -20,22 +20,14 @@ import uuid
 import psutil
 import pytest
 
-from helpers import Ident, wait_for
+from helpers import Ident, cli, open_fds, wait_for
 from orchestrator import probes
 from orchestrator.errors import InvalidSpec
 from orchestrator.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
-from orchestrator.reactor import Reactor
 from orchestrator.spawner import OSApi
 
 
 # -- fixtures and helpers -----------------------------------------------------------------
-
-
-@pytest.fixture
-def reactor():
-    r = Reactor()
-    yield r
-    r.close()
 
 
 @pytest.fixture
@@ -64,10 +56,6 @@ def no_probe_left():
             pass
     assert not left, f"exec probes not reaped: {sorted(left)}"
     assert not extra, f"children left behind: {extra}"
-
-
-def fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 class Results:
@@ -416,50 +404,50 @@ def test_exited_hands_a_probe_back_to_its_owner(reactor, os_api, procs):
 
 
 def test_cancel_tcp_releases_fds_and_reports_nothing(reactor, os_api, listener):
-    before = fds()
+    before = open_fds()
     got = Results()
     h = run_once(parse(f"tcp:127.0.0.1:{listener.getsockname()[1]}"), reactor, os_api, timeout=1, on_result=got)
-    assert fds() != before
+    assert open_fds() != before
     h.cancel()
     h.cancel()
-    assert fds() == before and not h.active
+    assert open_fds() == before and not h.active
     reactor.run_until(lambda: False, 0.2)
     assert not got
 
 
 def test_cancel_stalled_http_releases_fds(reactor, os_api, listener):
-    before = fds()
+    before = open_fds()
     got = Results()
     h = run_once(parse(f"http://127.0.0.1:{listener.getsockname()[1]}/"), reactor, os_api, timeout=5, on_result=got)
     reactor.run_until(lambda: False, 0.2)  # connected, request sent, no answer
     assert not got and h.active
     h.cancel()
-    assert fds() == before
+    assert open_fds() == before
     reactor.run_until(lambda: False, 0.2)
     assert not got
 
 
 def test_cancel_exec_kills_reaps_and_releases_fds(reactor, os_api, procs):
-    before = fds()
+    before = open_fds()
     got = Results()
     h = run_once(parse("exec:sleep 30"), reactor, os_api, timeout=30, on_result=got)
     ident = procs.track(h.pid)
     assert ident is not None and ident.alive()
     h.cancel()
     assert reactor.run_until(lambda: not h.active, 5)
-    assert fds() == before
+    assert open_fds() == before
     assert _gone(ident, h.pid)
     reactor.run_until(lambda: False, 0.1)
     assert not got
 
 
 def test_cancel_after_the_result_is_harmless(reactor, os_api, listener):
-    before = fds()
+    before = open_fds()
     got = Results()
     h = run_once(parse(f"tcp:127.0.0.1:{listener.getsockname()[1]}"), reactor, os_api, timeout=1, on_result=got)
     assert reactor.run_until(lambda: bool(got), 5)
     h.cancel()
-    assert fds() == before and got.calls == [(True, None)]
+    assert open_fds() == before and got.calls == [(True, None)]
 
 
 # -- notify -------------------------------------------------------------------------------
@@ -492,7 +480,7 @@ def _run(argv: list[str], env: dict[str, str], reactor, done) -> subprocess.Pope
 def test_notify_ready_from_a_child_process(reactor):
     got: list[tuple[str, dict[str, str]]] = []
     name = _name()
-    before = fds()
+    before = open_fds()
     ns = NotifySocket(reactor, lambda n, f: got.append((n, f)), name)
     assert ns.env() == {"NOTIFY_SOCKET": "@" + name}
     proc = _run([sys.executable, "-c", _SD_NOTIFY], {**os.environ, **ns.env()}, reactor, lambda: bool(got))
@@ -500,19 +488,19 @@ def test_notify_ready_from_a_child_process(reactor):
     assert got == [(name, {"READY": "1", "STATUS": "warm"})]
     ns.close()
     ns.close()
-    assert fds() == before and ns.closed
+    assert open_fds() == before and ns.closed
 
 
 @pytest.mark.skipif(shutil.which("systemd-notify") is None, reason="no systemd-notify here")
 def test_notify_ready_from_systemd_notify(reactor):
     got: list[dict[str, str]] = []
     ns = NotifySocket(reactor, lambda n, f: got.append(f), _name())
-    before = fds()
+    before = open_fds()
     try:
         proc = _run(["systemd-notify", "--ready"], {**os.environ, **ns.env()}, reactor,
                     lambda: any(f.get("READY") == "1" for f in got))
     finally:
-        after = fds()
+        after = open_fds()
         ns.close()
     # systemd-notify waits on a barrier: an fd it passes, which the receiver must close
     assert proc.returncode == 0
@@ -648,17 +636,17 @@ def test_ready_times_out_with_the_last_reason(reactor, os_api, closed_port):
 def test_ready_deadline_cuts_a_stalled_attempt(reactor, os_api, listener):
     timeouts: list[str] = []
     url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
-    before = fds()
+    before = open_fds()
     retry_until_ready(parse(url), reactor, os_api, attempt_timeout=5, deadline_s=0.3,
                       on_ready=lambda: None, on_timeout=timeouts.append)
     assert reactor.run_until(lambda: bool(timeouts), 3)
     assert timeouts == [f"not ready within 0.3 s (last: {url}: no answer yet)"]
-    assert fds() == before
+    assert open_fds() == before
 
 
 def test_ready_cancel(reactor, os_api, closed_port):
     calls: list[object] = []
-    before = fds()
+    before = open_fds()
     h = retry_until_ready(parse("exec:sleep 30"), reactor, os_api, deadline_s=0.5,
                           on_ready=lambda: calls.append("ready"), on_timeout=calls.append)
     pid = h.pid
@@ -667,7 +655,7 @@ def test_ready_cancel(reactor, os_api, closed_port):
     h.cancel()
     assert reactor.run_until(lambda: not probes.EXEC_PROBES, 5)
     reactor.run_until(lambda: False, 0.7)  # past the deadline: still nothing
-    assert not calls and fds() == before
+    assert not calls and open_fds() == before
     assert ident is None or _gone(ident, pid)
 
 
@@ -790,14 +778,14 @@ def test_an_exec_probes_background_child_does_not_outlive_the_probe_or_the_pool(
     probe = f"exec:sh -c '{_ESCAPE[cgroup]} & echo $! >> {pids}; sleep 0.2; exit 0'"
     left: list[Ident] = []
     try:
-        proc = cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--live", probe, "--live-interval", "0.3",
+        proc = cli(daemon.state_dir, "launch", "--pool", "p", "--ready", probe, "--live", probe, "--live-interval", "0.3",
                     "--wait", "--timeout", "30", "--", "sleep", "1000")
         assert proc.returncode == 0, proc.stderr
         wait_for(lambda: len(pids.read_text().split()) >= 3, 30, "a ready and two liveness attempts")
         first = _children_of_probes(pids)[:2]
         left += first
         wait_for(lambda: not any(i.alive() for i in first), 10, "the probes' children to end with their probe")
-        assert cli_(daemon, "delete", "p").returncode == 0
+        assert cli(daemon.state_dir, "delete", "p").returncode == 0
         left = _children_of_probes(pids)
         wait_for(lambda: not any(i.alive() for i in left), 10, "every probe child to end with the pool")
         if cgroup == "auto":
@@ -815,7 +803,7 @@ def test_a_running_exec_probe_is_killed_after_kill_9_of_daemon_and_watchdog(daem
     probe = f"exec:sh -c 'setsid sleep 300 & echo $! >> {pids}; exec sleep 300'"
     found: list[Ident] = []
     try:
-        cli_(daemon, "launch", "--pool", "p", "--ready", probe, "--probe-timeout", "600", "--ready-timeout", "600",
+        cli(daemon.state_dir, "launch", "--pool", "p", "--ready", probe, "--probe-timeout", "600", "--ready-timeout", "600",
              "--", "sleep", "1000", check=True)
         wait_for(lambda: pids.exists() and pids.read_text().strip(), 30, "the probe to run")
         found = _children_of_probes(pids)
@@ -834,19 +822,13 @@ def test_a_running_exec_probe_is_killed_after_kill_9_of_daemon_and_watchdog(daem
         kill_all(found)
 
 
-def cli_(d, *args: str, check: bool = False):
-    from helpers import cli
-
-    return cli(d.state_dir, *args, check=check)
-
-
 def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon, tmp_path):
     config = tmp_path / "orchestrator.toml"
     config.write_text("[daemon]\nlog_max_bytes = 20000\nlog_backups = 1\n")
     config.chmod(0o600)
     daemon.start("--config", str(config))
     chatty = "exec:sh -c 'i=0; while [ $i -lt 300 ]; do echo probe line $i of a chatty probe; i=$((i+1)); done'"
-    proc = cli_(daemon, "launch", "--pool", "p", "--ready", chatty, "--live", chatty, "--live-interval", "0.1",
+    proc = cli(daemon.state_dir, "launch", "--pool", "p", "--ready", chatty, "--live", chatty, "--live-interval", "0.1",
                 "--wait", "--timeout", "30", "--", "sleep", "1000")
     assert proc.returncode == 0, proc.stderr
     logs = daemon.state_dir / "logs"
@@ -867,17 +849,17 @@ def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     config.chmod(0o600)
     daemon.start("--config", str(config))
     # Each failed liveness check is a warning in daemon.log, and so is each replacement.
-    cli_(daemon, "launch", "--pool", "flaky", "--live", "exec:false", "--live-interval", "0.05", "--live-failures", "1",
+    cli(daemon.state_dir, "launch", "--pool", "flaky", "--live", "exec:false", "--live-interval", "0.05", "--live-failures", "1",
          "--restart", "always", "--backoff", "0.01:0.01", "--max-restarts", "100000/1", "--grace", "0.5",
          "--", "sleep", "1000", check=True)
     logs = daemon.state_dir / "logs"
     wait_for(lambda: (logs / "daemon.log.2").exists(), 60, "daemon.log to rotate twice")
-    cli_(daemon, "delete", "flaky", check=True)
+    cli(daemon.state_dir, "delete", "flaky", check=True)
     sizes = {f.name: f.stat().st_size for f in logs.glob("daemon.log*")}
     assert set(sizes) == {"daemon.log", "daemon.log.1", "daemon.log.2"}, sizes
     assert all(size <= 16384 for size in sizes.values()), sizes
     assert "liveness probe failed" in (logs / "daemon.log.1").read_text()
-    assert cli_(daemon, "health").returncode == 0
+    assert cli(daemon.state_dir, "health").returncode == 0
 
 
 def test_process_group_mode_records_each_exec_attempt_in_the_watchdog_ledger(reactor, os_api):

@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, survivors, wait_for
+from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, no_leftovers, sized, survivors, tagged, wait_for
 import orchestrator.channel as channel
 from orchestrator import ChannelError, Client, DaemonNotRunning, OrchestratorError, ShuttingDown
 from orchestrator.spec import make_spec
@@ -45,22 +45,6 @@ LIFECYCLE = ["PENDING", "STARTING", "RUNNING", "STOPPING", "TERMINATED"]
 
 
 # -- bookkeeping ----------------------------------------------------------------------
-
-
-def tagged(tag: str) -> set[Ident]:
-    """Live (non-zombie) processes whose environment carries ORCH_TEST_TAG=tag."""
-    me = os.getpid()
-    found = set()
-    for p in psutil.process_iter():
-        try:
-            if p.pid == me or p.environ().get("ORCH_TEST_TAG") != tag:
-                continue
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            found.add(Ident((p.pid, p.create_time())))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
 
 
 class TaggedDaemon(DaemonUnderTest):
@@ -91,21 +75,12 @@ class TaggedDaemon(DaemonUnderTest):
         return left + sorted(extra)
 
 
-def sized(pools: list[dict]) -> list[dict]:
-    """A pool's name and size (status shows more of it since the restart policy landed)."""
-    return [{"name": p["name"], "desired": p["desired"]} for p in pools]
-
-
 @pytest.fixture
 def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     tag = f"recovery:{uuid.uuid4().hex}"
     monkeypatch.setenv("ORCH_TEST_TAG", tag)  # cli_env() passes it on to the daemon
-    d = TaggedDaemon(tmp_path / "state", tag)
-    try:
+    with no_leftovers(TaggedDaemon(tmp_path / "state", tag)) as d:
         yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
 
 
 class IdSource:

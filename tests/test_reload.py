@@ -8,17 +8,15 @@ import json
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from helpers import DaemonUnderTest, cli, wait_for
+from helpers import DaemonUnderTest, cli, free_port_range, serves, wait_for
 from fakes import Harness
 from test_supervision import h  # noqa: F401  (the fixture: a Harness over the fake OS)
 from test_supervision import live as fake_live
-from test_supervision_cli import free_port_range
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -236,14 +234,6 @@ ready = "http://127.0.0.1:{{port}}/"
 ready_timeout = 20
 restart = "always"
 """)
-
-
-def serves(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def test_renaming_a_pool_on_fixed_ports_frees_them_first(daemon: DaemonUnderTest, tmp_path: Path) -> None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -16,40 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DaemonUnderTest, cli, wait_for
+from helpers import DaemonUnderTest, cli, free_port_range, serves, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonUnderTest(tmp_path / "state")
-    try:
-        d.start("--grace", "2")
-        yield d
-    finally:
-        left = d.teardown()
-        assert not left, f"processes left behind: {left}"
-
-
-def free_port_range(n: int) -> int:
-    """A base port whose next ``n`` ports are free on 127.0.0.1 right now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
+def daemon(daemon: DaemonUnderTest) -> DaemonUnderTest:
+    """conftest's daemon, started with a grace of 2 s."""
+    daemon.start("--grace", "2")
+    return daemon
 
 
 def status(d: DaemonUnderTest) -> dict:
@@ -63,15 +37,6 @@ def pool(d: DaemonUnderTest, name: str) -> dict:
 
 def running(d: DaemonUnderTest, name: str) -> list[dict]:
     return [r for r in status(d)["replicas"] if r["pool"] == name and r["state"] == "RUNNING"]
-
-
-def serves(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            return s.recv(12).startswith(b"HTTP/1.0 200")
-    except OSError:
-        return False
 
 
 WEB = [sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1"]

@@ -35,7 +35,7 @@ import watchdog  # noqa: E402
 from watchdog.identity import is_alive, open_verified, parse_stat, proc_stat, scan, start_time  # noqa: E402
 from watchdog.ledger import ENCODE_QUIT, Entry, Ledger, encode_add, encode_remove  # noqa: E402
 from watchdog.link import WatchdogLink  # noqa: E402
-from helpers import OwnedProcesses  # noqa: E402
+from helpers import OwnedProcesses, reap_child, wait_for, wait_gone  # noqa: E402
 from watchdog.reaper import sweep  # noqa: E402
 
 HELPER = Path(__file__).resolve().parent / "watchdog_parent.py"
@@ -97,41 +97,6 @@ def read_line(proc: subprocess.Popen, timeout: float = 20.0) -> str:
             raise EOFError(f"pid {proc.pid} closed stdout (got {buf!r}, exit {proc.poll()})")
         buf += chunk
     return buf.decode()
-
-
-def wait_gone(identities, timeout: float) -> list[tuple[int, int]]:
-    """Wait until every ``(pid, start)`` has exited (zombie or reaped); return survivors."""
-    fds = {}
-    for pid, start in identities:
-        fd = open_verified(pid, start)
-        if fd is not None:
-            fds[fd] = (pid, start)
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        left = set(fds)
-        deadline = time.monotonic() + timeout
-        while left:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for fd, _ in poller.poll(remaining * 1000):
-                poller.unregister(fd)
-                left.discard(fd)
-        return [fds[fd] for fd in left]
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.005) -> None:
-    """Poll ``predicate`` until true; bounded. For /proc states that have no event."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def start_helper(procs: OwnedProcesses, tmp_path: Path, *args: str, token: str | None = None, cwd: Path | None = None):
@@ -283,7 +248,7 @@ def test_reaped_child_is_gone_and_zombie_is_not_alive(procs):
     start = start_time(proc.pid)
     assert start is not None
     # Exited but not reaped: a zombie still has its identity, but is not alive.
-    wait_until(lambda: (st := proc_stat(proc.pid)) is not None and st.state == "Z", 10, "zombie")
+    wait_for(lambda: (st := proc_stat(proc.pid)) is not None and st.state == "Z", 10, "zombie")
     assert start_time(proc.pid) == start
     assert not is_alive(proc.pid, start)
     proc.wait(timeout=10)
@@ -377,15 +342,6 @@ def test_encode_add_rejects_unknown_kind():
 # -- the link (with a fake interpreter: no real watchdog) -----------------------------
 
 
-def _reap_child(pid: int, timeout: float) -> int:
-    fd = os.pidfd_open(pid)
-    try:
-        assert select.select([fd], [], [], timeout)[0], f"child {pid} did not exit"
-    finally:
-        os.close(fd)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
 @pytest.mark.timeout(60)
 def test_link_never_blocks_buffers_and_replays_the_ledger(tmp_path):
     # The "python" the link spawns is a shell script: first one that never reads its
@@ -424,7 +380,7 @@ def test_link_never_blocks_buffers_and_replays_the_ledger(tmp_path):
         # The watchdog dies: writes fail with EPIPE, the buffer is dropped, nothing raises.
         os.kill(stuck_pid, signal.SIGKILL)  # our own unreaped child: the pid is safe
         children[stuck_pid] = True
-        assert _reap_child(stuck_pid, 10) == -signal.SIGKILL
+        assert reap_child(stuck_pid, 10) == -signal.SIGKILL
         link.flush()
         assert not link.pending()
 
@@ -441,12 +397,12 @@ def test_link_never_blocks_buffers_and_replays_the_ledger(tmp_path):
             link.flush()
         link.stop()
         children[copier_pid] = True
-        assert _reap_child(copier_pid, 20) == 0
+        assert reap_child(copier_pid, 20) == 0
     finally:
         for pid, reaped in children.items():
             if not reaped:  # our child, not reaped yet: the pid cannot have been reused
                 os.kill(pid, signal.SIGKILL)
-                _reap_child(pid, 10)
+                reap_child(pid, 10)
 
     ledger = Ledger()
     ledger.feed((tmp_path / "feed").read_bytes())
@@ -473,7 +429,7 @@ def test_sweep_terms_kills_and_reports(procs):
     stubborn = start_sleeper(procs, "ignore-term")
     stopped = start_sleeper(procs)
     stopped.send_signal(signal.SIGSTOP)  # our own unreaped child
-    wait_until(lambda: proc_stat(stopped.pid).state == "T", 10, "stopped")
+    wait_for(lambda: proc_stat(stopped.pid).state == "T", 10, "stopped")
     spared = start_sleeper(procs)
     gone = procs.popen([sys.executable, "-c", "pass"])
     gone_start = start_time(gone.pid)
@@ -514,7 +470,7 @@ def test_parent_sigkill_kills_every_worker_and_reports(procs, tmp_path):
     assert {"worker0", "worker1", "worker2", "worker3", "grandchild", "escaped", "orphan", "manager"} <= set(processes)
     assert Path(info["manager_dir"]).is_dir()
     targets = {tuple(v) for v in processes.values()}
-    wait_until(lambda: watchdog_idle(info["watchdog"][0]), 10, "watchdog idle")
+    wait_for(lambda: watchdog_idle(info["watchdog"][0]), 10, "watchdog idle")
 
     kill_helper(proc)
     survivors = wait_gone(targets, 1.0)
@@ -612,8 +568,8 @@ def test_feed_eof_is_only_a_hint_then_parent_death_sweeps(procs, tmp_path):
     os.write(write_fd, encode_add(worker.pid, start_time(worker.pid), worker.pid, "worker", "w"))
     os.close(write_fd)  # EOF without Q while the parent lives: keep watching
     # At EOF the watchdog closes its end of the feed (pass_fds kept the same fd number).
-    wait_until(lambda: not os.path.exists(f"/proc/{wd.pid}/fd/{read_fd}"), 10, "watchdog saw EOF")
-    wait_until(lambda: watchdog_idle(wd.pid), 10, "watchdog idle after EOF")
+    wait_for(lambda: not os.path.exists(f"/proc/{wd.pid}/fd/{read_fd}"), 10, "watchdog saw EOF")
+    wait_for(lambda: watchdog_idle(wd.pid), 10, "watchdog idle after EOF")
     assert wd.poll() is None and worker.poll() is None and not (tmp_path / REPORT).exists()
 
     parent.kill()
@@ -640,7 +596,7 @@ def test_idle_watchdog_never_wakes_up(procs, tmp_path):
     (shadow / "__main__.py").write_text(f"open({str(tmp_path / 'shadowed')!r}, 'w').close()\n")
     proc, info = start_helper(procs, tmp_path, "--workers", "2", cwd=shadow.parent)
     wd, wd_start = info["watchdog"]
-    wait_until(lambda: watchdog_idle(wd), 10, "watchdog idle")
+    wait_for(lambda: watchdog_idle(wd), 10, "watchdog idle")
     assert not (tmp_path / "shadowed").exists()
 
     # How it was spawned: own group, stdin/stdout on /dev/null, SIGINT/SIGHUP ignored,
@@ -673,7 +629,7 @@ def test_restarted_watchdog_knows_the_whole_ledger(procs, tmp_path):
     new_watchdog = answer["watchdog"]
     procs.track(*new_watchdog)
     assert new_watchdog[0] != info["watchdog"][0]
-    wait_until(lambda: watchdog_idle(new_watchdog[0]), 10, "new watchdog idle")
+    wait_for(lambda: watchdog_idle(new_watchdog[0]), 10, "new watchdog idle")
 
     kill_helper(proc)
     assert not wait_gone({tuple(v) for v in info["processes"].values()}, 1.0)

@@ -244,10 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if watch.dead_at_start:
         reason, detected_by = "parent-gone-at-start", "identity"
     else:
-        detected_by = _watch(watch, feed)
-        if detected_by is None:
+        how = _watch(watch, feed)
+        if how is None:
             return 0  # clean shutdown: no sweep, no report
-        reason = "parent-exited"
+        reason, detected_by = "parent-exited", how
     detected_monotonic = time.monotonic()
     detected_at = time.time()
     # Lines the parent wrote just before dying may still sit in the pipe.

@@ -47,11 +47,12 @@ import select
 import signal as _signal
 import time
 from collections.abc import Iterable
+from typing import TypedDict
 
 __all__ = [
     "CgroupUnavailable", "Subtree", "find_mount", "read_mount", "own_path", "require_own_path", "join", "kill",
     "send_signal", "signal_members", "populated", "events_fd", "wait_unpopulated", "remove", "kill_and_remove",
-    "oom_killed", "refusal", "EVENTS_POLL_MASK", "LIMITS",
+    "KillRecord", "KillReport", "oom_killed", "refusal", "EVENTS_POLL_MASK", "LIMITS",
 ]  # fmt: skip
 
 EVENTS_POLL_MASK = select.POLLPRI  # == select.EPOLLPRI: what to register an events_fd for
@@ -369,7 +370,23 @@ def remove(path: str) -> str:
     return "removed"
 
 
-def kill_and_remove(paths: Iterable[str], timeout: float = KILL_WAIT) -> list[dict[str, object]]:
+class KillRecord(TypedDict):
+    """What ``kill_and_remove`` did to one cgroup (see there)."""
+
+    path: str
+    kill: str
+    populated: bool | None
+    removed: str
+
+
+class KillReport(TypedDict):
+    """``Subtree.kill_all``'s result: a record per replica cgroup, and how long it took."""
+
+    cgroups: list[KillRecord]
+    duration_s: float
+
+
+def kill_and_remove(paths: Iterable[str], timeout: float = KILL_WAIT) -> list[KillRecord]:
     """Kill every cgroup, wait (bounded) until none is populated, remove them: one record each.
 
     All kills go out before the one wait, so the cgroups empty in parallel. Never raises
@@ -587,7 +604,7 @@ class Subtree:
             return []
         return [p for p in (os.path.join(self.replicas_dir, n) for n in names) if os.path.isdir(p)]
 
-    def kill_all(self, timeout: float = KILL_WAIT) -> dict[str, object]:
+    def kill_all(self, timeout: float = KILL_WAIT) -> KillReport:
         """Kill every replica cgroup, wait (bounded) until all are empty, remove them."""
         t0 = time.monotonic()
         records = kill_and_remove(self.leftovers(), timeout)

@@ -340,7 +340,7 @@ def _kill(waiting: dict[int, _Target], kill_wait: float) -> None:
     waiting.clear()
 
 
-def sweep_cgroups(paths: Iterable[str], kill_wait: float = DEFAULT_KILL_WAIT) -> list[dict[str, Any]]:
+def sweep_cgroups(paths: Iterable[str], kill_wait: float = DEFAULT_KILL_WAIT) -> list[cgroup.KillRecord]:
     """Kill each registered cgroup whole, wait (bounded) until all are empty, remove them.
 
     One record per path: ``path``, ``kill`` ("cgroup.kill", "signals", "missing" or
@@ -349,7 +349,8 @@ def sweep_cgroups(paths: Iterable[str], kill_wait: float = DEFAULT_KILL_WAIT) ->
     paths = list(paths)
     if not paths:
         return []  # no cgroups in use: not even a mountinfo read on this latency-critical path
-    records, targets = [], []
+    records: list[cgroup.KillRecord] = []
+    targets: list[str] = []
     mount, own = cgroup.find_mount(), cgroup.own_path()
     for path in paths:
         why = cgroup.refusal(path, mount, own)

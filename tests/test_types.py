@@ -1,0 +1,33 @@
+"""mypy, with the project's settings (``[tool.mypy]`` in pyproject.toml), over the whole tree
+it names there (``orchestrator/`` and ``watchdog/``): no error.
+
+CI runs the test suite, so this is how the type check runs in CI too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The modules whose errors are still being fixed; the mark goes when the list is empty.
+NOT_CLEAN_YET = (
+    "channel.py", "cli.py", "containment.py", "daemon.py", "engine.py", "logs.py", "pools.py",
+    "probes.py", "spawner.py", "spec.py", "supervision.py", "worker.py", "zygote.py",
+)
+
+
+@pytest.mark.xfail(strict=False, reason="mypy errors left in orchestrator/ " + ", ".join(NOT_CLEAN_YET))
+def test_mypy_finds_no_error(tmp_path: Path) -> None:
+    # A cache of its own: a run never depends on (or writes) one left in the tree.
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+         "--cache-dir", str(tmp_path / "mypy-cache")],
+        cwd=ROOT, capture_output=True, text=True, timeout=100,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"mypy (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}", pytrace=False)
