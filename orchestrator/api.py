@@ -28,7 +28,7 @@ from .engine import Engine, EngineConfig
 from .errors import ChannelError, ShuttingDown
 from .protocol import command, raise_reply
 from .recovery import recover_leftovers
-from .spawner import OSApi
+from .osapi import OSApi
 from .verbs import Verbs
 
 log = logging.getLogger("orchestrator")

@@ -25,7 +25,7 @@ from watchdog.identity import start_time
 
 from .protocol import FrameReader, encode_frame, error
 from .reactor import BufferedWriter, Reactor
-from .spawner import OSApi, exit_reason
+from .osapi import OSApi, exit_reason
 
 log = logging.getLogger("orchestrator")
 

@@ -50,7 +50,8 @@ from .paths import Paths, default_state_dir, running_pid, take_lock
 from .policy import LIMIT_KEYS
 from .reactor import drain
 from .recovery import recover_leftovers
-from .spawner import OSApi, exit_reason, raise_fd_limit, set_child_subreaper, signal_pidfd
+from .osapi import OSApi, exit_reason, raise_fd_limit, set_child_subreaper
+from .signals import to_pidfd as signal_pidfd
 from .store import Store, StoreError
 from .version import __version__
 from .worker import ready as sd_ready

@@ -39,12 +39,12 @@ from .pools import Pool, check_templates
 from .reactor import Reactor, Timer
 from .metrics import Metrics
 from .oom import was_oom_killed
-from .spawner import OSApi, Spawned, exit_reason
+from .osapi import OSApi, Spawned, exit_reason
 from .spec import Runtime, prepare
 from .states import ReplicaState as S
 from .states import Replica, transition
 from .supervision import Supervision
-from .zygote import HOLD, HOLD_REASON, Spawners, Unavailable
+from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")

@@ -32,7 +32,7 @@ from .channel import SERIALIZER, ChannelManager, read_authkey, set_timeouts, soc
 from .errors import OrchestratorError
 from .paths import Paths, check_state_dir
 from .protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
-from .spawner import set_pdeathsig
+from .childsetup import set_pdeathsig
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
 

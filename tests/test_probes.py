@@ -25,7 +25,7 @@ from orchestrator import probes
 from orchestrator.errors import InvalidSpec
 from orchestrator.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
 from orchestrator.reactor import Reactor
-from orchestrator.spawner import OSApi
+from orchestrator.osapi import OSApi
 
 
 # -- fixtures and helpers -----------------------------------------------------------------
