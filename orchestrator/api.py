@@ -200,7 +200,7 @@ class Orchestrator(Verbs):
 
     @property
     def spawner_pids(self) -> set[int]:
-        """The spawner processes that fork this orchestrator's replicas (zygote.py)."""
+        """The spawner processes that fork this orchestrator's replicas (spawner.py; launcher.py starts them)."""
         engine = self._engine
         return set(engine.system_pids()) if engine is not None and self._thread is not None else set()
 

@@ -15,7 +15,7 @@ there is no lock, and a terminate can never race a reap: both are events, applie
 the other, and whichever comes second finds a state that tells it what is left to do. Every
 state change goes through ``states.transition()``; a process is signalled only while it is
 our unreaped child (its zombie pins the pid and the process group), and forgotten only
-after it is reaped. Process syscalls go through ``OSApi`` (spawner.py), store writes through
+after it is reaped. Process syscalls go through ``OSApi`` (osapi.py), store writes through
 ``Journal`` (journal.py); the system children (watchdog, manager) are not the engine's.
 """
 
@@ -62,7 +62,7 @@ class EngineConfig:
     keep_ended: int = 1000  # terminal replicas kept in memory for `status --all`
     env: dict[str, str] | None = None  # base environment of command workers (default: ours)
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
-    spawners: bool = False  # replicas made by spawner processes (zygote.py), not forked here
+    spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
 
 
 @dataclass(eq=False, slots=True)

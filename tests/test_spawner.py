@@ -1,6 +1,6 @@
-"""The spawner (orchestrator/zygote.py): replicas are forked by a small exec'd process, are
-children of the launcher all the same, and a spawner that dies, stalls or preloads never
-costs a replica its tracking."""
+"""The spawner (orchestrator/spawner.py; launcher.py is its daemon side): replicas are forked
+by a small exec'd process, are children of the launcher all the same, and a spawner that
+dies, stalls or preloads never costs a replica its tracking."""
 
 from __future__ import annotations
 
