@@ -30,10 +30,9 @@ an empty signal mask and default dispositions, stdin on /dev/null. Its exit is s
 through a pidfd in the reactor; then, or on timeout, its whole process group is SIGKILLed
 (and the leader reaped once its pidfd says it is gone). A replica's probes run in its
 ``ProbeBox``: in a cgroup killed whole after each attempt (cgroup containment) or recorded
-in the watchdog's ledger (process groups), their output in ``logs/<id>.probe``. ``EXEC_PROBES`` maps
-the pids of probe processes to their handles, so a SIGCHLD orphan reaper hands such a pid
-to ``Handle.exited()`` instead of reaping it blindly.
-
+in the watchdog's ledger (process groups), their output in ``logs/<id>.probe``.
+``EXEC_PROBES`` maps the pids of probe processes to their handles, so a SIGCHLD orphan
+reaper hands such a pid to ``Handle.exited()`` instead of reaping it blindly.
 """
 
 from __future__ import annotations

@@ -162,3 +162,32 @@ def test_the_signal_checker_sees_each_form():
              "self.containment.kill(path)"]
     for src in quiet:
         assert not _signal_sends(src), src
+
+
+# -- the spawner process and the data it is sent ---------------------------------------------
+
+_DAEMON_SIDE = {"engine", "supervision", "reactor", "pools", "probes", "launcher", "osapi", "containment",
+                "metrics", "httpserver", "journal", "recovery", "children", "daemon", "api", "signals"}
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_spawner_process_loads_none_of_the_daemon():
+    """spawner.py (the spawner process) and childsetup.py (the forked replica) run outside the
+    daemon; spec.py and probespec.py are data any process may import."""
+    graph = _graph("orchestrator")
+    for module in ("spawner", "childsetup", "spec", "probespec"):
+        assert not _reach(graph, module) & _DAEMON_SIDE, f"{module} reaches {_reach(graph, module) & _DAEMON_SIDE}"
+
+
+def test_signals_imports_nothing_of_orchestrator():
+    """The CLI's stop and the spawner send signals too: signals.py must stay light for them."""
+    assert _imports(ROOT / "orchestrator" / "signals.py", "orchestrator") == set()
