@@ -20,8 +20,8 @@ whose own fd the reactor watches (an epoll fd is readable while one of its fds i
 
 http: the tcp connect, then HTTP/1.1 by ``h11`` (sans-IO: it builds the request and parses
 the answer, never touching the socket): ``GET PATH`` with ``Connection: close`` sent and the
-answer read, both as the socket allows, until h11 has the response's head (at most 8 KiB);
-2xx and 3xx succeed, an informational 1xx is passed over, the body is never read. A server
+answer read, both as the socket allows, until h11 has the response's head (one still
+incomplete past 8 KiB is refused); 2xx and 3xx succeed, an informational 1xx is passed over, the body is never read. A server
 that closes right after its status line, without the blank line that ends a head, is still
 judged by that status (the head is ended for it), as before h11.
 
@@ -58,7 +58,7 @@ from .probespec import KINDS, ProbeSpec, parse
 __all__ = ["KINDS", "ProbeSpec", "parse", "NotifySocket", "from_replica", "ProbeBox", "Handle", "EXEC_PROBES",
            "run_once", "Checker", "retry_until_ready"]
 
-_HEAD_CAP = 8192  # bytes of an http answer's head; beyond, it is refused
+_HEAD_CAP = 8192  # bytes of an http answer's head still incomplete; beyond, it is refused
 _USER_AGENT = "orchestrator-probe"
 # Dispositions a daemon may have changed (ignored PIPE/XFSZ in any Python) that an exec
 # probe must not inherit.
@@ -247,14 +247,16 @@ class _SocketHandle(Handle):
         assert conn is not None
         if len(self._first) < 64:
             self._first += chunk[:64]
-        if not chunk and self._first and conn.their_state is h11.SEND_RESPONSE:
+        pending = bool(conn.trailing_data[0])  # the start of a head h11 is waiting to complete
+        if not chunk and pending and conn.their_state is h11.SEND_RESPONSE:
             conn.receive_data(b"\r\n")  # closed after its status line: end the head for it
         conn.receive_data(chunk)
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as err:
-                self._finish(False, f"{self.spec.label}: {self._bad_answer(err)}")
+                why = self._bad_answer(err) if chunk or pending else "connection closed before a status line"
+                self._finish(False, f"{self.spec.label}: {why}")
                 return
             if isinstance(event, h11.Response):
                 code = event.status_code
@@ -268,8 +270,6 @@ class _SocketHandle(Handle):
             # an InformationalResponse (1xx): the final answer follows
 
     def _bad_answer(self, err: h11.RemoteProtocolError) -> str:
-        if not self._first:
-            return "connection closed before a status line"
         if err.error_status_hint == 431:
             return f"no complete response head in the first {_HEAD_CAP} bytes"
         line = self._first.partition(b"\n")[0].strip()

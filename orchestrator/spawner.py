@@ -1,7 +1,8 @@
 """The spawner process: a small process, started by exec, that forks the replicas (a zygote).
 
-Run as ``python -m orchestrator.spawner`` (or ``main()``) by the launcher (launcher.py, the
-daemon's side of it), with its socket on fd 3; titled ``orchestrator: spawner``. Of
+Started by the launcher (launcher.py, the daemon's side of it) as ``python -c "from
+orchestrator.spawner import main; main()"`` (``python -m orchestrator.spawner`` runs the
+same), with its socket on fd 3; titled ``orchestrator: spawner``. Of
 ``orchestrator`` it loads only the frames below, the forked child's set-up (childsetup.py,
 with what that needs: spec, targets, worker, oom's score) and what a preload asks for; no
 part of the daemon's loop.
