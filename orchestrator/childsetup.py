@@ -1,8 +1,10 @@
 """What a forked child does before it runs a replica's command or Python target.
 
-Runs in the new replica, between the fork (``osapi.OSApi`` forking in the daemon, or the
-spawner process's clone, spawner.py) and the exec or the target: nothing here runs in the
-daemon but the module's import (``prctl`` is resolved once, there, not in every child).
+``run_child`` runs in the new replica, between the fork (``osapi.OSApi`` forking in the
+daemon, or the spawner process's clone, spawner.py) and the exec or the target. The
+processes that fork import this module beforehand, so that ``prctl`` is resolved once
+there, not in every child; they use ``prctl`` themselves too (the manager and the spawner
+``set_pdeathsig``, the daemon ``osapi.set_child_subreaper``).
 
 What the child does before it runs anything of the user's, in this order and why:
   * its own process group (a terminate that comes before the child has set it reaches
