@@ -152,7 +152,8 @@ def bench_churn(daemons: dict[str, Daemon], rounds: int, cycles: int) -> dict[st
 
 def bench_spawn(n: int, with_cgroup: bool) -> dict[str, list[float]]:
     """OSApi.spawn of /bin/true until reaped (and its cgroup empty and removed), per spawn."""
-    from orchestrator.spawner import LaunchPlan, OSApi
+    from orchestrator.osapi import OSApi
+    from orchestrator.spec import LaunchPlan
     from watchdog import cgroup
 
     api = OSApi()

@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orchestrator.logcapture import LogCapture  # noqa: E402
 from orchestrator.reactor import Reactor  # noqa: E402
-from orchestrator.spawner import LaunchPlan, OSApi  # noqa: E402
+from orchestrator.osapi import OSApi  # noqa: E402
+from orchestrator.spec import LaunchPlan  # noqa: E402
 
 BATCH = 20
 RATE = 20_000_000  # bytes/s of the paced writer

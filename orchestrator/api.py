@@ -28,7 +28,7 @@ from .engine import Engine, EngineConfig
 from .errors import ChannelError, ShuttingDown
 from .protocol import command, raise_reply
 from .recovery import recover_leftovers
-from .spawner import OSApi
+from .osapi import OSApi
 from .verbs import Verbs
 
 log = logging.getLogger("orchestrator")
@@ -201,7 +201,7 @@ class Orchestrator(Verbs):
 
     @property
     def spawner_pids(self) -> set[int]:
-        """The spawner processes that fork this orchestrator's replicas (zygote.py)."""
+        """The spawner processes that fork this orchestrator's replicas (spawner.py; launcher.py starts them)."""
         engine = self._engine
         return set(engine.system_pids()) if engine is not None and self._thread is not None else set()
 

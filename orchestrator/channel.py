@@ -11,7 +11,7 @@ standard library (see "the client's end" below); the server's end is channelserv
     replies.take(id, timeout)  ◄────────   ReplyBoard ◄── router thread ◄ pipe ─ one reply/id
 
 Why the Manager server is a process of its own, not threads in the daemon: the daemon must
-stay single-threaded so that it can fork workers safely and fast (see spawner.py), and a
+stay single-threaded so that it can fork workers safely and fast (see osapi.py), and a
 Manager queue cannot be selected on, so whoever consumes it needs a blocked thread. Those
 threads live in the Manager server; the daemon sees two pipes in its epoll set. Cost: one
 extra pipe hop each way, ~30 µs against a ~0.5 ms Manager round trip
@@ -52,7 +52,6 @@ import pickle
 import socket
 import stat
 import struct
-import sys
 import threading
 import uuid
 from pathlib import Path

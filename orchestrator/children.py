@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 from watchdog.identity import start_time
 
+from .osapi import OSApi
 from .protocol import FrameReader, encode_frame, error
 from .reactor import BufferedWriter, Reactor
-from .spawner import OSApi, exit_reason
+from .states import exit_reason
 
 log = logging.getLogger("orchestrator")
 

@@ -44,6 +44,7 @@ from typing import Any, Callable, Protocol
 from watchdog import cgroup
 from watchdog.cgroup import CgroupUnavailable, Subtree
 
+from . import signals
 from .errors import InvalidSpec, OrchestratorError
 from .oom import was_oom_killed
 
@@ -285,7 +286,7 @@ class Cgroups:
         error (EMFILE) is logged and sends nothing more: the kill after the grace is
         ``cgroup.kill``, one write, which needs no fd per process."""
         try:
-            return cgroup.signal_members(path, sig, self._mount)
+            return signals.to_cgroup(path, sig, self._mount)
         except OSError as err:
             log.error("cannot signal the processes of cgroup %s: %s", path, err.strerror or err)
             return []
@@ -293,7 +294,7 @@ class Cgroups:
     def kill(self, path: str) -> str:
         """SIGKILL the whole cgroup (``cgroup.kill``); see ``watchdog.cgroup.kill``."""
         try:
-            return cgroup.kill(path)
+            return signals.kill_cgroup(path)
         except (OSError, ValueError) as err:
             log.error("cannot kill cgroup %s: %s", path, getattr(err, "strerror", None) or err)
             return f"error: {err}"
@@ -382,8 +383,8 @@ class Cgroups:
         True if the subtree is gone."""
         while self._watches:  # the loop is over: nobody is told any more
             self._forget(self._watches.popitem()[1])
-        left_over: Any = self.subtree.kill_all()["cgroups"]  # a list of records
-        for rec in left_over:
+        report = signals.kill_subtree(self.subtree)
+        for rec in report["cgroups"]:
             log.warning("cgroup %s was left at the end: %s", rec["path"], rec)
         if self.moved_self:
             try:

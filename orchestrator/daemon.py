@@ -50,7 +50,7 @@ from .paths import Paths, running_pid, take_lock
 from .policy import LIMIT_KEYS
 from .reactor import drain
 from .recovery import recover_leftovers
-from .spawner import OSApi, raise_fd_limit, set_child_subreaper
+from .osapi import OSApi, raise_fd_limit, set_child_subreaper
 from .store import Store, StoreError
 from .version import __version__
 from .worker import sd_notify

@@ -172,7 +172,7 @@ def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list)
     print(f"3. kill -9 of the daemon with {len(before['replicas'])} replicas ({workers} worker processes "
           f"including grandchildren and an escaped setsid one)")
     t_kill = time.monotonic()
-    os.kill(d.pid, signal.SIGKILL)
+    d.proc.kill()  # SIGKILL
     d.proc.wait(timeout=10)
     deadline = t_kill + 10
     while _alive(tree) and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ child (its zombie pins the pid and the process group), and forgotten only after 
 reaped. What differs between a cgroup and a process group is decided in containment.py;
 what a pool should hold (readiness, restarts, rollouts, the commands that shape pools) in
 supervision.py, which acts on the table only through its ``Table`` interface; process
-syscalls go through ``OSApi`` (spawner.py), store writes through ``Journal`` (journal.py).
+syscalls go through ``OSApi`` (osapi.py), store writes through ``Journal`` (journal.py).
 The system children (watchdog, manager) are not the engine's.
 """
 
@@ -40,9 +40,9 @@ from .journal import Journal
 from .metrics import Metrics
 from .pools import Pool
 from .reactor import Reactor, Timer
-from .spawner import OSApi, Spawned, exit_reason
+from .osapi import OSApi, Spawned
 from .spawning import Spawning
-from .states import Replica, transition
+from .states import Replica, exit_reason, transition
 from .states import ReplicaState as S
 from .supervision import Supervisor
 from .waiters import Waiter, Waiters
@@ -62,7 +62,7 @@ class EngineConfig:
     keep_ended: int = 1000  # terminal replicas kept in memory for `status --all`
     env: dict[str, str] | None = None  # base environment of command workers (default: ours)
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
-    spawners: bool = False  # replicas made by spawner processes (zygote.py), not forked here
+    spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
 
 
 @dataclass(eq=False, slots=True)

@@ -33,7 +33,7 @@ from .channelserver import ChannelManager, use_plain_pickling
 from .errors import OrchestratorError
 from .paths import Paths, check_state_dir
 from .protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
-from .spawner import set_pdeathsig
+from .childsetup import set_pdeathsig
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
 

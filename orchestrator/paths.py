@@ -48,7 +48,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-from .errors import InvalidSpec, UnsafeFile, UnsafeStateDir
+from .errors import UnsafeFile, UnsafeStateDir
 
 SOCKET_NAME = "control.sock"
 AUTHKEY_NAME = "authkey"

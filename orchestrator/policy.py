@@ -10,7 +10,7 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     backoff        [MIN, MAX] seconds               exponential with jitter, per slot
     healthy_after  seconds RUNNING                  then the slot's backoff starts over
     max_restarts   [N, S]                           the (N+1)-th replacement within S s: crashloop
-    ready          probe (see probes.py)            RUNNING only once ready
+    ready          probe (see probespec.py)         RUNNING only once ready
     ready_timeout  seconds                          not ready by then: FAILED
     probe_timeout  seconds                          one ready or live attempt is cut after it (1)
     start_secs     seconds                          without a probe: ready once it ran this long
@@ -36,7 +36,7 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import probes
+from . import probespec
 from .errors import InvalidSpec
 
 RESTART_MODES = ("always", "on-failure", "never")
@@ -143,7 +143,7 @@ class Policy:
             if text is not None:
                 if not isinstance(text, str):
                     raise InvalidSpec(f"{key} must be a probe string, got {text!r}")
-                spec = probes.parse(text, has_port=self.port_base is not None)
+                spec = probespec.parse(text, has_port=self.port_base is not None)
                 if key == "live" and spec.passive:
                     raise InvalidSpec("live cannot be notify: a liveness probe asks, notify only listens")
 

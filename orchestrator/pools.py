@@ -28,7 +28,6 @@ from .policy import Policy
 from .spec import MAX_PORT, Runtime
 from .states import Replica
 from .store import POOL_ROW_VERSION as _STORED
-from .store import unpack_pool_row as unpack_row  # noqa: F401  (supervision reads stored rows with it)
 
 OK, BACKOFF, CRASHLOOP = "ok", "backoff", "crashloop"
 PROBE_KEYS = ("ready", "live")

@@ -22,8 +22,9 @@ from watchdog.cgroup import CgroupUnavailable, Subtree
 from watchdog.identity import is_alive
 from watchdog.ledger import Entry
 
+from . import signals
 from .journal import Journal
-from .spawner import OSApi
+from .osapi import OSApi
 from .states import TERMINAL, Replica, ReplicaState, transition
 
 log = logging.getLogger("orchestrator")
@@ -83,7 +84,7 @@ def kill_cgroup_leftovers(subtrees: Iterable[str | None]) -> int:
             tree = Subtree.open(path)
         except CgroupUnavailable:
             continue  # gone already (a clean stop removed it) or never made
-        report = tree.kill_all()
+        report = signals.kill_subtree(tree)
         for rec in report["cgroups"]:
             count += 1
             if rec["populated"] is not False or rec["removed"] != "removed":

@@ -25,12 +25,12 @@ from .errors import InvalidSpec
 from .journal import Journal
 from .pools import Pool
 from .reactor import Reactor
-from .spawner import OSApi, Spawned
+from .osapi import OSApi, Spawned
 from .spec import Runtime
 from .states import Replica
 from .states import ReplicaState as S
 from .supervision import Supervisor
-from .zygote import HOLD, HOLD_REASON, Spawners, Unavailable
+from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
 
 
 class Table(Protocol):

@@ -4,6 +4,12 @@ A spec crosses the command channel as plain data (:meth:`WorkerSpec.to_wire`): a
 is a list of strings, a target is ``"module:function"``, and a callable from the Python
 API travels pickled (multiprocess's dill) as opaque base64 text that only the worker
 unpickles, so neither the Manager server nor the daemon ever runs user code to read it.
+
+In the daemon a spec becomes a ``Runtime`` (``prepare``), and each replica of it a
+``LaunchPlan``: plain data, sent to the spawner process and read by the forked child's
+set-up (childsetup.py); ``SpawnerKey`` names the spawner that makes a pool's replicas.
+Both live here, with no import of the processes that use them, so that every process
+may import this module.
 """
 
 from __future__ import annotations
@@ -16,12 +22,39 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import InvalidSpec
-from .spawner import LaunchPlan
 from .targets import TargetRef
-from .zygote import SpawnerKey
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MAX_PORT = 65535
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnerKey:
+    """What a spawner has imported: its pool's preload modules, found from that pool's
+    PYTHONPATH and cwd. The default spawner has the empty key."""
+
+    preload: tuple[str, ...] = ()
+    pythonpath: tuple[str, ...] = ()
+    cwd: str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LaunchPlan:
+    """Everything one worker process is made from: a command (``argv`` + ``exe``, its whole
+    environment in ``env``) or a Python ``run`` (a callable, a ``TargetRef`` or pickled bytes
+    that only the child loads; ``env`` then holds additions to the forking process's environment)."""
+
+    replica_id: str
+    argv: tuple[str, ...] | None = None
+    exe: str | None = None
+    run: Callable[[], Any] | TargetRef | bytes | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    stdout: int | None = None  # fds put on 1 and 2 in the child; None: inherited
+    stderr: int | None = None
+    cgroup: str | None = None  # the replica's cgroup dir, joined first thing in the child
+    preload: tuple[str, ...] = ()  # imported before the target (at once if the spawner has them)
+    pythonpath: tuple[str, ...] = ()  # the launching caller's, for the preload modules
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,7 +160,7 @@ class WorkerSpec:
         preload = wire.get("preload") or ()
         if not isinstance(preload, (list, tuple)):
             raise InvalidSpec("preload must be a list of module names")
-        return cls(command=command, target=target, pickled=pickled, env=env, cwd=wire.get("cwd"),
+        return cls(command=None if command is None else tuple(command), target=target, pickled=pickled, env=env, cwd=wire.get("cwd"),
                    pythonpath=tuple(pythonpath), preload=tuple(preload))
 
 

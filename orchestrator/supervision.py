@@ -30,10 +30,11 @@ from .errors import InvalidSpec, UnknownReplica
 from .journal import Journal
 from .metrics import Metrics
 from .policy import Policy, signal_number
-from .pools import CRASHLOOP, Pool, check_templates, expand_probe, unpack_row
+from .pools import CRASHLOOP, Pool, check_templates, expand_probe
+from .store import unpack_pool_row as unpack_row
 from .reactor import Reactor
 from .rollout import Rollout
-from .spawner import OSApi
+from .osapi import OSApi
 from .spec import Runtime, prepare
 from .states import Replica
 from .states import ReplicaState as S

@@ -18,7 +18,7 @@ from .errors import InvalidSpec
 
 @dataclass(frozen=True)
 class TargetRef:
-    """A ``module:function`` that the worker imports itself (spawner._child), from
+    """A ``module:function`` that the worker imports itself (childsetup.run_child), from
     ``pythonpath`` and its cwd first: the daemon never imports or runs user code."""
 
     target: str

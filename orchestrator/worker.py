@@ -32,7 +32,7 @@ Readiness
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # no stub; the module signal wraps, lighter to import
 import os
 import sys
 
@@ -127,7 +127,7 @@ def _die_of(signum: int) -> None:
     try:
         _signal.signal(signum, _signal.SIG_DFL)
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, (signum,))
-        os.kill(os.getpid(), signum)
+        _signal.raise_signal(signum)  # to this thread, where it is unblocked: delivered before this returns
     finally:
         os._exit(128 + signum)
 

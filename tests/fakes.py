@@ -16,7 +16,8 @@ import os
 import signal
 
 from orchestrator.engine import Engine, EngineConfig
-from orchestrator.spawner import LaunchPlan, Spawned
+from orchestrator.osapi import Spawned
+from orchestrator.spec import LaunchPlan
 from orchestrator.states import TRANSITIONS, ReplicaState
 
 S = ReplicaState

@@ -39,7 +39,7 @@ from orchestrator import Orchestrator
 from orchestrator.containment import Cgroups, detect, subtree_name
 from orchestrator.engine import Engine, EngineConfig
 from orchestrator.reactor import Reactor
-from orchestrator.spawner import OSApi
+from orchestrator.osapi import OSApi
 from fakes import SPEC, FakeOS, Harness
 from watchdog import cgroup
 

@@ -23,7 +23,7 @@ from fakes import NO_RESTART, SPEC, S, FakeOS, Harness
 from helpers import Ident, wait_for
 from orchestrator import InvalidSpec, ShuttingDown
 from orchestrator.engine import Engine, EngineConfig
-from orchestrator.spawner import OSApi
+from orchestrator.osapi import OSApi
 
 
 @pytest.fixture
@@ -860,7 +860,8 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
 def test_spawned_start_time_is_the_kernels(tmp_path):
     """The spawner derives a worker's start time from the clock around fork; it must be
     exactly what /proc says, or identity checks would spare or hit the wrong process."""
-    from orchestrator.spawner import LaunchPlan, OSApi
+    from orchestrator.osapi import OSApi
+    from orchestrator.spec import LaunchPlan
     from watchdog.identity import start_time
 
     api = OSApi(pdeathsig=None)

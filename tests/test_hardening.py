@@ -116,7 +116,7 @@ def test_a_system_child_that_cannot_start_is_retried_with_backoff() -> None:
 
     from orchestrator.children import SystemChild
     from orchestrator.reactor import Reactor
-    from orchestrator.spawner import OSApi
+    from orchestrator.osapi import OSApi
 
     reactor = Reactor()
     attempts: list[float] = []

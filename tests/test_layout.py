@@ -187,3 +187,98 @@ def test_the_engine_and_its_collaborators_meet_only_through_their_interfaces():
         assert "engine" not in graph[module], f"{module}.py imports engine.py"
     assert not {"supervision", "spawning"} & graph["containment"]
     assert "spawning" not in graph["supervision"]
+
+
+# -- one module sends every signal ---------------------------------------------------------
+
+SIGNAL_MODULE = "signals.py"
+_OS_SENDERS = {"kill", "killpg"}
+_CGROUP_SENDERS = {"kill", "signal_members", "send_signal", "kill_and_remove"}  # watchdog.cgroup's
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _signal_sends(source: str, name: str = "<src>") -> list[str]:
+    """Where ``source`` sends a signal itself: ``os.kill``, ``os.killpg``,
+    ``pidfd_send_signal``, ``watchdog.cgroup``'s killers and signallers, ``Subtree.kill_all``,
+    or a ``cgroup.kill`` path in code (a docstring or comment may name it)."""
+    tree = ast.parse(source, name)
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if ((base == "os" and node.attr in _OS_SENDERS) or node.attr in ("pidfd_send_signal", "kill_all")
+                    or (base == "cgroup" and node.attr in _CGROUP_SENDERS)):
+                found.append(f"{name}:{line}: {base}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = {a.name for a in node.names}
+            wanted = {"os": _OS_SENDERS, "signal": {"pidfd_send_signal"}, "watchdog.cgroup": _CGROUP_SENDERS}
+            if names & wanted.get(node.module or "", set()):
+                found.append(f"{name}:{line}: from {node.module} import {', '.join(sorted(names))}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and "cgroup.kill" in node.value
+              and id(node) not in docs):
+            found.append(f"{name}:{line}: {node.value!r}")
+    return found
+
+
+def test_every_signal_is_sent_by_the_signals_module():
+    found = []
+    for path in sorted((ROOT / "orchestrator").glob("*.py")):
+        if path.name != SIGNAL_MODULE:
+            found += _signal_sends(path.read_text(), path.name)
+    assert found == [], "signals sent outside orchestrator/signals.py:\n" + "\n".join(found)
+    assert _signal_sends((ROOT / "orchestrator" / SIGNAL_MODULE).read_text()), "the checker sees nothing there"
+
+
+def test_the_signal_checker_sees_each_form():
+    sends = [
+        "os.kill(pid, 9)", "os.killpg(pgid, 15)", "signal.pidfd_send_signal(fd, 15)",
+        "from os import kill", "from signal import pidfd_send_signal", "cgroup.kill(path)",
+        "cgroup.signal_members(path, 15)", "subtree.kill_all()", "open(path + '/cgroup.kill', 'w')",
+        "from watchdog.cgroup import kill",
+    ]
+    for src in sends:
+        assert _signal_sends(src), src
+    quiet = ['"""Killed by ``cgroup.kill``."""', "# os.kill(pid)", "signals.to_child(pid, 9)", "proc.kill()",
+             "self.containment.kill(path)"]
+    for src in quiet:
+        assert not _signal_sends(src), src
+
+
+# -- the spawner process and the data it is sent ---------------------------------------------
+
+_DAEMON_SIDE = {"engine", "supervision", "reactor", "pools", "probes", "launcher", "osapi", "containment",
+                "metrics", "httpserver", "journal", "recovery", "children", "daemon", "api", "signals"}
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_spawner_process_loads_none_of_the_daemon():
+    """spawner.py (the spawner process) and childsetup.py (the forked replica) run outside the
+    daemon; spec.py and probespec.py are data any process may import."""
+    graph = _graph("orchestrator")
+    for module in ("spawner", "childsetup", "spec", "probespec"):
+        assert not _reach(graph, module) & _DAEMON_SIDE, f"{module} reaches {_reach(graph, module) & _DAEMON_SIDE}"
+
+
+def test_signals_imports_nothing_of_orchestrator():
+    """The CLI's stop and the spawner send signals too: signals.py must stay light for them."""
+    assert _imports(ROOT / "orchestrator" / "signals.py", "orchestrator") == set()

@@ -24,7 +24,7 @@ from helpers import Ident, cli, open_fds, wait_for
 from orchestrator import probes
 from orchestrator.errors import InvalidSpec
 from orchestrator.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
-from orchestrator.spawner import OSApi
+from orchestrator.osapi import OSApi
 
 
 # -- fixtures and helpers -----------------------------------------------------------------
@@ -311,6 +311,55 @@ def test_http_odd_answers(reactor, os_api, payload, says):
     assert ok is (says is None)
     if says:
         assert reason.startswith(f"{url}: ") and says in reason
+
+
+@pytest.mark.parametrize("payload, says", [
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n", None),  # a 1xx is passed over
+    (b"HTTP/1.1 103 Early Hints\r\n\r\n", "connection closed before"),  # and is no answer itself
+    (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"x" * 20000 + b"\r\n\r\n", "no complete response head in the first"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad response"),
+])
+def test_http_answers_as_h11_reads_them(reactor, os_api, payload, says):
+    with responder(reactor, payload) as s:
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/"
+        ok, reason = attempt(reactor, os_api, url)
+        reactor.remove_reader(s.fileno())
+    assert ok is (says is None), reason
+    if says:
+        assert reason.startswith(f"{url}: ") and says in reason
+
+
+def test_http_request_is_http_1_1_with_host_and_close(reactor, os_api):
+    """What the server sees: one HTTP/1.1 GET of the path, Host, our User-Agent, and
+    Connection: close (the answer's end is the connection's)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            seen.append(data)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        port = server.getsockname()[1]
+        assert attempt(reactor, os_api, f"http://127.0.0.1:{port}/health?x=1") == (True, None)
+    finally:
+        thread.join(5)
+        server.close()
+    head = seen[0].decode("ascii").split("\r\n")
+    assert head[0] == "GET /health?x=1 HTTP/1.1"
+    assert {"host: 127.0.0.1:%d" % port, "user-agent: orchestrator-probe", "connection: close"} <= {
+        h.lower() for h in head[1:] if h}
 
 
 def test_http_refused(reactor, os_api, closed_port):

@@ -1,6 +1,6 @@
-"""The spawner (orchestrator/zygote.py): replicas are forked by a small exec'd process, are
-children of the launcher all the same, and a spawner that dies, stalls or preloads never
-costs a replica its tracking."""
+"""The spawner (orchestrator/spawner.py; launcher.py is its daemon side): replicas are forked
+by a small exec'd process, are children of the launcher all the same, and a spawner that
+dies, stalls or preloads never costs a replica its tracking."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_a_stalled_spawner_is_replaced_and_the_launch_still_happens(make_orchest
 def test_a_child_of_a_lost_spawner_is_reaped(tmp_path):
     """A child the spawner made but never let go reports ``lost PID`` and exits; the
     launcher reaps it (reap_lost), whoever its parent is told to be."""
-    from orchestrator.zygote import Spawner
+    from orchestrator.launcher import Spawner
 
     r, w = os.pipe()
     pid = os.fork()

@@ -20,8 +20,9 @@ import pytest
 
 import orchestrator
 from helpers import ROOT, wait_for
-from orchestrator import oom, spawner
-from orchestrator.spawner import LaunchPlan, OSApi
+from orchestrator import childsetup, oom
+from orchestrator.osapi import OSApi
+from orchestrator.spec import LaunchPlan
 from orchestrator.worker import Terminated, ready
 
 GRACE = 30.0  # long: a test that waited for it would fail its own bound below
@@ -362,7 +363,7 @@ def test_replicas_run_with_a_raised_oom_score_adj(make_orchestrator, procs, kind
         (rid,) = orch.launch("py", target=lambda: time.sleep(1000), wait=True, timeout=30)
     pid = _row(orch, rid)["pid"]
     procs.track(pid)
-    want = int(spawner._OOM_SCORE_ADJ)
+    want = int(childsetup._OOM_SCORE_ADJ)
     assert want == max(oom.WORKER_OOM_SCORE_ADJ, _oom_score_adj(os.getpid()))
     # Written before exec or the target: from RUNNING on, it is there.
     assert _oom_score_adj(pid) == want

@@ -1,122 +1,41 @@
-"""The spawner: a small process, started by exec, that forks the replicas (a zygote).
+"""The daemon's side of the spawner processes: ``Spawners`` starts, supervises and asks them.
 
-Why: ``fork()`` copies the page tables of whatever forks, so a launcher holding 1 GiB forks
-~25x slower than a small one, and forking a process that runs threads (an embedding
-program) is the classic fork hazard. The daemon and the embedded API therefore fork
-nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh interpreter of
-~15 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
-forks the worker. A pool with ``preload`` modules gets a spawner of its own that imported
-them once, so its replicas start warm (gunicorn's ``preload_app``, CPython's
-``set_forkserver_preload``); the daemon itself never imports them.
-
-The replica is made with ``clone(CLONE_PARENT)``: its parent is the launcher, not the
-spawner. So the launcher reaps it, gets its exact exit status and holds its pidfd exactly
-as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spawner that
-dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
-raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
-
-The launcher sends each plan with its fds (ready pipe, captured stdout and stderr) over a
-socketpair, a turn's batch at once (pipelined: the spawner forks while the next plan is
-sent), then reads the answers in order; the spawner clones, answers with the pid, and only
-then lets the child go on, through a one-byte pipe. A spawner killed before it answered
-never let its child run: the child says ``lost PID`` on its ready pipe and exits 127, and
-the launcher reaps it. Nothing a user wrote ever runs untracked. While a spawner is down
-(restarting with the shared backoff, or when clone is refused, e.g. by a seccomp filter)
-the launcher forks the plan itself, as it did before spawners existed.
+Run by the daemon (and the embedded ``Orchestrator``'s loop), the launcher: the process
+whose children the replicas are. What a spawner is and why: spawner.py, the spawner
+process's own side. Here: one ``Spawner`` per process (a system child of the launcher,
+restarted with the shared backoff), its requests (``begin``/``end``, pipelined: a turn's
+batch is sent, then its answers read), a lost or stalled one killed and its unanswered
+children reaped (``reap_lost``), and ``Spawners``, the default spawner and one per
+distinct preload. While a spawner is down (restarting, or when clone is refused, e.g. by a
+seccomp filter) the launcher forks the plan itself (``OSApi``), as it did before spawners
+existed.
 """
 
 from __future__ import annotations
 
-import array
 import collections
-import ctypes
 import dataclasses
 import logging
 import os
 import pickle
-import platform
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 from typing import Any, Callable
 
-from .spawner import SpawnerLost
+from . import signals
+from .errors import SpawnerLost
+from .spawner import SYS_CLONE, recv_frame, send_frame
+from .spec import LaunchPlan, SpawnerKey
 
 log = logging.getLogger("orchestrator")
 
-_HEADER = struct.Struct("!I")
-_FD = array.array("i")
-_MAX_FRAME = 256 << 20  # a pickled closure may be large; a corrupt length must not be
 _REPLY_TIMEOUT = 5.0  # a spawner that takes longer to fork is treated as lost
 _LOST_WAIT = 2.0  # bound on hearing from (and reaping) the child of a lost request
 _MAX_PRELOAD_SPAWNERS = 8  # beyond: those pools' replicas import their preload themselves
 PRELOAD_TIMEOUT = 60.0  # a preload spawner's imports, when the pool does not say (its ready_timeout)
-_CLONE_PARENT = 0x00008000
-_SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
-_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-
-
-# -- frames: a 4-byte length, then a pickle; fds ride on the first byte ---------------------
-
-def send_frame(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    frame = _HEADER.pack(len(data)) + data
-    sent = socket.send_fds(sock, [frame], list(fds)) if fds else sock.send(frame)
-    if sent < len(frame):
-        sock.sendall(frame[sent:])
-
-
-def recv_frame(sock: socket.socket, maxfds: int = 0) -> tuple[Any, list[int]] | None:
-    """One frame and the fds that came with it; None at EOF."""
-    if maxfds:
-        # Close-on-exec, as every fd of ours: a ready pipe left open would outlive the exec.
-        # (socket.recv_fds drops its flags argument in 3.11, hence recvmsg.)
-        head, anc, flags, _ = sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(maxfds * _FD.itemsize),
-                                           socket.MSG_CMSG_CLOEXEC)
-        fds = array.array("i")
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-        fds = list(fds)
-        if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
-            raise OSError("fds lost in transit (MSG_CTRUNC)")
-    else:
-        head, fds = sock.recv(_HEADER.size), []
-    if not head:
-        return None
-    head = _read_exactly(sock, head, _HEADER.size)
-    (size,) = _HEADER.unpack(head)
-    if size > _MAX_FRAME:
-        raise OSError(f"frame of {size} bytes")
-    return pickle.loads(_read_exactly(sock, b"", size)), fds
-
-
-def _read_exactly(sock: socket.socket, have: bytes, size: int) -> bytes:
-    chunks, n = [have], len(have)
-    while n < size:
-        chunk = sock.recv(min(size - n, 1 << 20))
-        if not chunk:
-            raise EOFError("the peer closed mid-frame")
-        chunks.append(chunk)
-        n += len(chunk)
-    return b"".join(chunks)
-
-
-# -- the launcher's side ----------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SpawnerKey:
-    """What a spawner has imported: its pool's preload modules, found from that pool's
-    PYTHONPATH and cwd. The default spawner has the empty key."""
-
-    preload: tuple[str, ...] = ()
-    pythonpath: tuple[str, ...] = ()
-    cwd: str | None = None
 
 
 class Spawner:
@@ -154,7 +73,7 @@ class Spawner:
 
     def _start(self) -> int:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [sys.executable, "-c", "from orchestrator.zygote import main; main()"]
+        argv = [sys.executable, "-c", "from orchestrator.spawner import main; main()"]
         try:
             # posix_spawn: vfork-like, so the launcher's size costs nothing and no thread of
             # an embedding program runs in between; the socket lands on fd 3 (dup2 clears
@@ -243,7 +162,7 @@ class Spawner:
         if self.on_change is not None:
             self.on_change()
 
-    def begin(self, plan: Any, ready_w: int, pdeathsig: int | None, nofile: tuple[int, int] | None) -> int:
+    def begin(self, plan: LaunchPlan, ready_w: int, pdeathsig: int | None, nofile: tuple[int, int] | None) -> int:
         """Send one request; its answer is ``end(seq)``'s. Requests are pipelined: a batch is
         sent, then its answers read, so the spawner forks while the launcher prepares the
         next plan (one at a time, each launch waited ~1 ms on two CPUs). SpawnerLost if the
@@ -332,7 +251,7 @@ class Spawner:
                 pid = int(data.split()[1].rstrip(b":"))
                 # Our unreaped child (CLONE_PARENT): its pid is pinned. It is exiting by
                 # itself; SIGKILL makes the wait for it bounded whatever it was doing.
-                os.kill(pid, signal.SIGKILL)
+                signals.to_child(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             except (ValueError, IndexError, ProcessLookupError, ChildProcessError):
                 pass
@@ -388,7 +307,7 @@ class Spawners:
         self.output = output  # a stream for the spawners' stdout and stderr (made once, shared)
         self._stream: Any = None
         self._by_key: dict[SpawnerKey, Spawner] = {}
-        self.enabled = _SYS_CLONE is not None
+        self.enabled = SYS_CLONE is not None
 
     def start(self) -> None:
         """Start the default spawner now (in the loop's thread: PDEATHSIG follows it)."""
@@ -458,129 +377,3 @@ class Spawners:
         if self._stream is not None:
             self._stream.finish()
             self._stream = None
-
-
-# -- the spawner's side -----------------------------------------------------------------------
-
-def _clone_parent() -> Callable[[], int]:
-    """clone(CLONE_PARENT | SIGCHLD) with Python's fork bookkeeping around it, holding the
-    GIL throughout (PyDLL), as os.fork() does. Returns 0 in the child."""
-    libc = ctypes.PyDLL(None, use_errno=True)
-    syscall = libc.syscall
-    syscall.restype = ctypes.c_long
-    syscall.argtypes = (ctypes.c_long,) + (ctypes.c_ulong,) * 5
-    api = ctypes.pythonapi
-    flags = _CLONE_PARENT | int(signal.SIGCHLD)
-
-    def clone() -> int:
-        api.PyOS_BeforeFork()
-        pid = syscall(_SYS_CLONE, flags, 0, 0, 0, 0)
-        if pid == 0:
-            api.PyOS_AfterFork_Child()
-            return 0
-        err = ctypes.get_errno()
-        api.PyOS_AfterFork_Parent()
-        if pid < 0:
-            raise OSError(err, os.strerror(err))
-        return pid
-
-    return clone
-
-
-def _serve(sock: socket.socket, parent: int) -> None:
-    from . import spawner as sp
-    import _signal
-
-    clone = _clone_parent()
-    maxfd = os.sysconf("SC_OPEN_MAX")
-    while True:
-        got = recv_frame(sock, maxfds=3)
-        if got is None:
-            return  # the launcher closed our socket: it is stopping, or gone
-        req, fds = got
-        ready_w, rest = fds[0], fds[1:]
-        plan = req["plan"]
-        if req["stdout"]:
-            plan = dataclasses.replace(plan, stdout=rest.pop(0))
-        if req["stderr"]:
-            plan = dataclasses.replace(plan, stderr=rest.pop(0))
-        go_r, go_w = os.pipe()
-        old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, sp._ALL_SIGNALS)
-        before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-        try:
-            pid = clone()
-        except OSError as err:
-            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-            refused = err.errno in (1, 22, 38)  # EPERM, EINVAL, ENOSYS: a filter, not a shortage
-            reply = {"errno": err.errno, "error": err.strerror or str(err), "refused": refused}
-        else:
-            if pid == 0:  # pragma: no cover - the child: never returns
-                os.close(go_w)
-                sp._child(plan, ready_w, parent, req["pdeathsig"], maxfd, req["nofile"], go_fd=go_r)
-            after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-            tick = before // _TICK_NS
-            reply = {"pid": pid, "start": tick if after // _TICK_NS == tick else None}
-        os.close(go_r)
-        for fd in fds:
-            os.close(fd)
-        try:
-            send_frame(sock, reply)
-        except OSError:
-            os.close(go_w)  # the launcher is gone: the child never runs
-            return
-        if "pid" in reply:
-            os.write(go_w, b"g")  # the launcher has its pid: now it may run
-        os.close(go_w)
-
-
-def main() -> None:
-    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # whatever else the launcher let us inherit
-    sock = socket.socket(fileno=3)
-    try:
-        got = recv_frame(sock)
-    except (OSError, EOFError):
-        got = None
-    if got is None:
-        os._exit(0)
-    hello = got[0]
-    from setproctitle import getproctitle, setproctitle
-
-    from .spawner import set_pdeathsig
-
-    set_pdeathsig(signal.SIGKILL)  # never outlive the launcher...
-    if os.getppid() != hello["parent"]:
-        os._exit(0)  # ...which may have died before that was armed
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    getproctitle()  # set up once here, not in every forked worker
-    preload = tuple(hello["preload"])
-    setproctitle("orchestrator: spawner" + (f" [preload {','.join(preload)}]" if preload else ""))
-    sys.path[:] = hello["sys_path"]
-    try:
-        import dill  # noqa: F401  (every worker of a pickled callable needs it: loaded once here)
-
-        if preload:
-            from .targets import load_preload
-
-            load_preload(preload, tuple(hello["pythonpath"]), hello["cwd"])
-    except BaseException as err:  # a user's import: whatever it raises is its error
-        _say(sock, {"error": f"cannot preload: {type(err).__name__}: {err}".replace("\n", " ")[:1000]})
-        os._exit(1)
-    if _say(sock, {"ready": True}):
-        try:
-            _serve(sock, hello["parent"])
-        except (OSError, EOFError):
-            pass  # the launcher went away mid-frame
-    os._exit(0)
-
-
-def _say(sock: socket.socket, msg: dict) -> bool:
-    try:
-        send_frame(sock, msg)
-        return True
-    except OSError:  # the launcher is gone already: nothing to say it to
-        return False
-
-
-if __name__ == "__main__":
-    main()
