@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from . import signals
 from .errors import OrchestratorError
 from .paths import Paths, check_state_dir, open_log, running_pid
 from .states import exit_reason
@@ -134,9 +135,7 @@ def stop(paths: Paths, timeout: float = 30.0) -> int:
     try:
         if running_pid(paths) != pid:  # it died and the pid may be someone else's now
             return 0
-        try:  # through the pidfd: a pid reused meanwhile cannot redirect it
-            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-        except ProcessLookupError:
+        if not signals.to_pidfd(pidfd, signal.SIGTERM):  # a pid reused meanwhile cannot redirect it
             return 0
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)

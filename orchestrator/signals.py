@@ -3,8 +3,9 @@ a process group or a cgroup.
 
 Run by whichever process sends one: the daemon (and the embedded ``Orchestrator``'s loop)
 above all, the spawner process (a stalled or lost request's child), the CLI's ``stop``.
-So it imports nothing of ``orchestrator`` and only the stdlib and ``watchdog`` (stdlib
-only itself), which any of them may load.
+So it imports nothing of ``orchestrator``, and ``watchdog`` (stdlib only itself) only inside
+the functions that need it: the CLI, which loads no ``watchdog`` module for its other
+commands, pays for none of it.
 
 Which function fits which target, and why it cannot hit a stranger:
 
@@ -36,14 +37,10 @@ import signal
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from watchdog import cgroup
-from watchdog.identity import open_verified
-from watchdog.reaper import Report
-from watchdog.reaper import sweep as _ladder
-
 if TYPE_CHECKING:
     from watchdog.cgroup import KillReport, Subtree
     from watchdog.ledger import Entry
+    from watchdog.reaper import Report
 
 __all__ = ["to_child", "to_group", "to_pidfd", "to_verified", "to_cgroup", "kill_cgroup", "kill_subtree",
            "sweep"]
@@ -79,6 +76,8 @@ def to_pidfd(pidfd: int, sig: int) -> bool:
 
 def to_verified(ident: tuple[int, int], sig: int) -> bool:
     """Signal the process ``(pid, start time)`` if it is still that process."""
+    from watchdog.identity import open_verified
+
     fd = open_verified(*ident)
     if fd is None:
         return False
@@ -91,6 +90,8 @@ def to_verified(ident: tuple[int, int], sig: int) -> bool:
 def to_cgroup(path: str, sig: int, mount: tuple[str, str] | None = None) -> list[int]:
     """Send ``sig`` to every process of the cgroup ``path`` (each identity-checked); their
     pids. OSError (EMFILE: one fd per member) is the caller's to report."""
+    from watchdog import cgroup
+
     return cgroup.signal_members(path, sig, mount)
 
 
@@ -98,6 +99,8 @@ def kill_cgroup(path: str) -> str:
     """SIGKILL the cgroup's whole tree, forks in flight included; how ("cgroup.kill",
     "signals", "missing": see ``watchdog.cgroup.kill``). OSError, or ValueError for the
     root cgroup."""
+    from watchdog import cgroup
+
     return cgroup.kill(path)
 
 
@@ -111,4 +114,6 @@ def sweep(entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()
     """TERM, ``grace``, KILL for processes that are not our children, and for their groups
     and descendants, every signal through a pidfd verified against the recorded start time
     (the watchdog's ladder): a reused pid is never hit. We (``os.getpid()``) are excluded."""
+    from watchdog.reaper import sweep as _ladder
+
     return _ladder(list(entries), None, exclude={os.getpid(), *exclude}, grace=grace)

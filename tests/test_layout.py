@@ -108,7 +108,7 @@ def test_an_import_of_orchestrator_from_watchdog_is_seen(tmp_path):
 # CLI and Client are themselves. Anything else of orchestrator/ (the engine, the reactor,
 # pools, probes, the spawner, metrics, the config's daemon side...) is the daemon's.
 SHARED = {"errors", "states", "version", "protocol", "spec", "paths", "store", "policy", "argtypes", "targets",
-          "worker", "retention", "logfiles"}
+          "worker", "retention", "logfiles", "signals"}
 CLIENT = {"cli", "channel", "verbs", "control", "display", "logread", "logcli", "demo"}
 
 

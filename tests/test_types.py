@@ -14,14 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The modules whose errors are still being fixed; the mark goes when the list is empty.
-NOT_CLEAN_YET = (
-    "channel.py", "cli.py", "containment.py", "daemon.py", "engine.py", "logs.py", "pools.py",
-    "probes.py", "spawner.py", "spec.py", "supervision.py", "worker.py", "zygote.py",
-)
 
-
-@pytest.mark.xfail(strict=False, reason="mypy errors left in orchestrator/ " + ", ".join(NOT_CLEAN_YET))
 def test_mypy_finds_no_error(tmp_path: Path) -> None:
     # A cache of its own: a run never depends on (or writes) one left in the tree.
     proc = subprocess.run(
