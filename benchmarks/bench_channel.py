@@ -113,7 +113,7 @@ def loadavg() -> str:
 
 
 def client_proc(state_dir: str, seconds: float) -> int:
-    from orchestrator.channel import Client
+    from orchestrator.client.channel import Client
 
     client = Client(state_dir)
     for _ in range(100):
@@ -232,7 +232,7 @@ def bench_round_trip(client: Any, calls: int, blocks: int = 5) -> dict[str, dict
 
 
 def bench_threads(state_dir: str, nthreads: int, seconds: float, servers: list[Any]) -> dict:
-    from orchestrator.channel import Client
+    from orchestrator.client.channel import Client
 
     barrier = threading.Barrier(nthreads + 1)
     results: list[tuple[int, float, list[float]]] = []
@@ -407,7 +407,7 @@ def bench_hops(client: Any, calls: int, blocks: int = 4) -> dict[str, dict]:
     import multiprocess
     import multiprocess.managers
 
-    from orchestrator import channel
+    from orchestrator.client import channel
 
     msg = {"id": uuid.uuid4().hex, "op": "ping", "args": {}}
     setups = []
@@ -482,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
 
     from orchestrator import Orchestrator
-    from orchestrator.channel import Client
-    from orchestrator.control import start_detached, stop
+    from orchestrator.client.channel import Client
+    from orchestrator.client.control import start_detached, stop
     from orchestrator.paths import Paths, running_pid
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below still runs

@@ -71,8 +71,8 @@ class Daemon:
         self.seen: dict[int, float] = {}  # pid -> create time, every process we saw
 
     def start(self) -> None:
-        from orchestrator.channel import Client
-        from orchestrator.control import start_detached
+        from orchestrator.client.channel import Client
+        from orchestrator.client.control import start_detached
 
         self.pid = start_detached(self.paths, ["--cgroup", self.cgroup, "--grace", "2"])
         self.client = Client(str(self.paths.state_dir))
@@ -107,7 +107,7 @@ class Daemon:
             self.client = None
 
     def stop(self) -> None:
-        from orchestrator.control import stop
+        from orchestrator.client.control import stop
         from orchestrator.paths import running_pid
 
         self.close_client()
@@ -152,7 +152,7 @@ def bench_churn(daemons: dict[str, Daemon], rounds: int, cycles: int) -> dict[st
 
 def bench_spawn(n: int, with_cgroup: bool) -> dict[str, list[float]]:
     """OSApi.spawn of /bin/true until reaped (and its cgroup empty and removed), per spawn."""
-    from orchestrator.osapi import OSApi
+    from orchestrator.daemon.osapi import OSApi
     from orchestrator.spec import LaunchPlan
     from watchdog import cgroup
 
@@ -271,7 +271,7 @@ def main() -> int:
     args = ap.parse_args()
     import psutil
 
-    from orchestrator.containment import subtree_name
+    from orchestrator.daemon.containment import subtree_name
     from watchdog import cgroup
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -45,9 +45,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from orchestrator.logcapture import LogCapture  # noqa: E402
-from orchestrator.reactor import Reactor  # noqa: E402
-from orchestrator.osapi import OSApi  # noqa: E402
+from orchestrator.daemon.logcapture import LogCapture  # noqa: E402
+from orchestrator.daemon.reactor import Reactor  # noqa: E402
+from orchestrator.daemon.osapi import OSApi  # noqa: E402
 from orchestrator.spec import LaunchPlan  # noqa: E402
 
 BATCH = 20

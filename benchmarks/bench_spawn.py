@@ -128,7 +128,7 @@ def daemon_preload(batches: int, mib: int = 200, slow_count: int = BATCH) -> dic
     """Churn through the daemon's channel for a target whose module takes ``mib`` at
     import: with ``--preload`` (imported once, in the pool's spawner) and without (every
     replica imports it)."""
-    from orchestrator.channel import Client
+    from orchestrator.client.channel import Client
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-spawn-"))
     (tmp / "code").mkdir()

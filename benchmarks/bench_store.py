@@ -242,7 +242,7 @@ def daemon_bench() -> None:
     from pathlib import Path
 
     from orchestrator import Client
-    from orchestrator.control import start_detached, stop
+    from orchestrator.client.control import start_detached, stop
     from orchestrator.paths import Paths, running_pid
 
     with tempfile.TemporaryDirectory() as d:

@@ -49,7 +49,7 @@ if REPO_ROOT not in sys.path:
 
 import psutil  # noqa: E402
 
-from orchestrator.channel import Client  # noqa: E402
+from orchestrator.client.channel import Client  # noqa: E402
 
 REPLICAS = 2000
 BATCH = 100

@@ -96,8 +96,8 @@ class DaemonUnderTest:
     """A detached daemon in a temp state dir; ``close`` stops it by its own pid, always."""
 
     def __init__(self, root: Path) -> None:
-        from orchestrator.channel import Client
-        from orchestrator.control import start_detached
+        from orchestrator.client.channel import Client
+        from orchestrator.client.control import start_detached
         from orchestrator.paths import Paths
 
         self.paths = Paths(root / "daemon")
@@ -138,7 +138,7 @@ class DaemonUnderTest:
         return up, down
 
     def close(self) -> None:
-        from orchestrator.control import stop
+        from orchestrator.client.control import stop
         from orchestrator.paths import running_pid
 
         if self.client is not None:
@@ -159,7 +159,7 @@ class DaemonUnderTest:
 
 def _leftover_cgroups(state_dirs: list[Path]) -> list[str]:
     """Cgroup subtrees of these state dirs still there (a clean stop removes its own)."""
-    from orchestrator.containment import subtree_name
+    from orchestrator.daemon.containment import subtree_name
     from watchdog import cgroup
 
     own = cgroup.own_path()

@@ -50,7 +50,7 @@ def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = N
     import psutil
 
     from benchmarks.bench_containment import Daemon, kill_round
-    from orchestrator.containment import subtree_name
+    from orchestrator.daemon.containment import subtree_name
     from watchdog import cgroup
 
     del install  # nothing to install here

@@ -57,8 +57,8 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from benchmarks.scale import Daemon, host_zombies, proc_figures  # noqa: E402
-from orchestrator.channel import Client  # noqa: E402
-from orchestrator.engine import EngineConfig  # noqa: E402
+from orchestrator.client.channel import Client  # noqa: E402
+from orchestrator.daemon.engine import EngineConfig  # noqa: E402
 from orchestrator.store import KEEP_REPLICAS  # noqa: E402
 
 SECONDS, QUICK_SECONDS = 600.0, 30.0

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 _HOMES = {
     "__version__": "version",
-    "Orchestrator": "api",
-    "Client": "channel",
+    "Orchestrator": "daemon.embedded",
+    "Client": "client.channel",
     "WorkerSpec": "spec",
     "ReplicaState": "states",
     "Replica": "states",
@@ -55,8 +55,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .api import Orchestrator
-    from .channel import Client
+    from .daemon.embedded import Orchestrator
+    from .client.channel import Client
     from .errors import (ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError,
                          ShutdownRequested, ShuttingDown, SpawnerLost, StoreError, UnknownReplica, UnsafeFile,
                          UnsafeStateDir)

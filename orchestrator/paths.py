@@ -384,6 +384,22 @@ def read_operator_file(path: str | os.PathLike, what: str, limit: int, *, truste
 # -- the lock --------------------------------------------------------------------------
 
 
+TOKEN_ENV = "ORCHESTRATOR_DAEMON_TOKEN"  # marks every process of one daemon, for the watchdog's sweep
+
+
+def is_watchdog(pid: int | None) -> bool:
+    """Is ``pid`` a watchdog (``python -m watchdog``), not a daemon? (The watchdog holds a
+    dead daemon's pid-file lock while it sweeps.)"""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"-m" in argv and b"watchdog" in argv
+
+
 def running_pid(paths: Paths) -> int | None:
     """The daemon's pid if one holds the lock, else None. Never takes the lock. Raises
     UnsafeStateDir for a pid file (or state dir) that cannot be trusted or read."""

@@ -22,7 +22,7 @@ import pytest
 from helpers import DaemonUnderTest, Ident, kill_all, no_leftovers, tagged
 
 if TYPE_CHECKING:
-    from orchestrator.reactor import Reactor
+    from orchestrator.daemon.reactor import Reactor
 
 TAG_VAR = "ORCH_TEST_TAG"
 
@@ -121,7 +121,7 @@ def daemon(state_dir: Path) -> Iterator[DaemonUnderTest]:
 @pytest.fixture
 def reactor() -> Iterator[Reactor]:
     """A real control loop, closed at teardown."""
-    from orchestrator.reactor import Reactor
+    from orchestrator.daemon.reactor import Reactor
 
     r = Reactor()
     try:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import signal
 
-from orchestrator.engine import Engine, EngineConfig
-from orchestrator.osapi import Spawned
+from orchestrator.daemon.engine import Engine, EngineConfig
+from orchestrator.daemon.osapi import Spawned
 from orchestrator.spec import LaunchPlan
 from orchestrator.states import TRANSITIONS, ReplicaState
 

@@ -178,7 +178,7 @@ def test_a_poisoned_journal_does_not_kill_start_and_the_pool_can_be_deleted(
 
 def test_an_exception_in_any_kind_of_callback_is_logged_and_the_loop_goes_on(
         caplog: pytest.LogCaptureFixture) -> None:
-    from orchestrator.reactor import Reactor
+    from orchestrator.daemon.reactor import Reactor
 
     reactor = Reactor()
     ran: list[str] = []
@@ -220,7 +220,7 @@ def test_an_exception_in_any_kind_of_callback_is_logged_and_the_loop_goes_on(
 def test_a_reader_that_keeps_failing_is_dropped_instead_of_spinning(caplog: pytest.LogCaptureFixture) -> None:
     """A level-triggered fd whose callback raises before it consumes the event would make
     every turn fail the same way: after a few in a row, the fd is no longer watched."""
-    from orchestrator.reactor import Reactor
+    from orchestrator.daemon.reactor import Reactor
 
     reactor = Reactor()
     r, w = os.pipe()

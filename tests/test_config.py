@@ -1,4 +1,4 @@
-"""orchestrator.config: the TOML config file of `start --config` and `reload`."""
+"""orchestrator.daemon.config: the TOML config file of `start --config` and `reload`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from orchestrator import config
-from orchestrator.config import Config, ConfigError, DaemonSettings, PoolDecl, diff, load, parse
+from orchestrator.daemon import config
+from orchestrator.daemon.config import Config, ConfigError, DaemonSettings, PoolDecl, diff, load, parse
 from orchestrator.errors import OrchestratorError
 from orchestrator.policy import Policy
 from orchestrator.spec import WorkerSpec

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
-from orchestrator import config
+from orchestrator.daemon import config
 from orchestrator.paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, read_operator_file
 
 pytestmark = pytest.mark.timeout(120)

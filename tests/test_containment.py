@@ -36,10 +36,10 @@ import pytest
 from containment_tree import DISGUISED, ROLES
 from helpers import DaemonUnderTest, Ident, cli, cli_json, kill_all, survivors, wait_for
 from orchestrator import Orchestrator
-from orchestrator.containment import Cgroups, detect, subtree_name
-from orchestrator.engine import Engine, EngineConfig
-from orchestrator.reactor import Reactor
-from orchestrator.osapi import OSApi
+from orchestrator.daemon.containment import Cgroups, detect, subtree_name
+from orchestrator.daemon.engine import Engine, EngineConfig
+from orchestrator.daemon.reactor import Reactor
+from orchestrator.daemon.osapi import OSApi
 from fakes import SPEC, FakeOS, Harness
 from watchdog import cgroup
 

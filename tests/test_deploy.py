@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import config
+from orchestrator.daemon import config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "deploy" / "orchestrator.service"

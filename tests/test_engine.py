@@ -1,4 +1,4 @@
-"""The control loop (orchestrator.engine), first through a fake OS seam, then for real.
+"""The control loop (orchestrator.daemon.engine), first through a fake OS seam, then for real.
 
 Part 1 drives ``Engine.handle`` / ``Engine.run_once(0)`` in the test thread over
 ``FakeOS`` (tests/fakes.py), which has OSApi's methods; its clock only moves when the test
@@ -22,8 +22,8 @@ import pytest
 from fakes import NO_RESTART, SPEC, S, FakeOS, Harness
 from helpers import Ident, wait_for
 from orchestrator import InvalidSpec, ShuttingDown
-from orchestrator.engine import Engine, EngineConfig
-from orchestrator.osapi import OSApi
+from orchestrator.daemon.engine import Engine, EngineConfig
+from orchestrator.daemon.osapi import OSApi
 
 
 @pytest.fixture
@@ -860,7 +860,7 @@ def test_an_id_is_durable_before_its_process_exists(h, fake):
 def test_spawned_start_time_is_the_kernels(tmp_path):
     """The spawner derives a worker's start time from the clock around fork; it must be
     exactly what /proc says, or identity checks would spare or hit the wrong process."""
-    from orchestrator.osapi import OSApi
+    from orchestrator.daemon.osapi import OSApi
     from orchestrator.spec import LaunchPlan
     from watchdog.identity import start_time
 

@@ -114,9 +114,9 @@ def test_fuzzed_commands_get_an_answer_and_the_daemon_lives(daemon: DaemonUnderT
 def test_a_system_child_that_cannot_start_is_retried_with_backoff() -> None:
     import errno
 
-    from orchestrator.children import SystemChild
-    from orchestrator.reactor import Reactor
-    from orchestrator.osapi import OSApi
+    from orchestrator.daemon.children import SystemChild
+    from orchestrator.daemon.reactor import Reactor
+    from orchestrator.daemon.osapi import OSApi
 
     reactor = Reactor()
     attempts: list[float] = []

@@ -1,5 +1,7 @@
 """The house's arrows point one way: no import cycle among ``orchestrator/`` modules
-(function-level imports count), and ``watchdog/`` imports nothing of ``orchestrator``."""
+(function-level imports count), each module imports only what the process that runs it may
+(its path says which: ``client/``, ``daemon/``, ``spawn/``, ``manager/``, or shared at the top),
+and ``watchdog/`` imports nothing of ``orchestrator``."""
 
 from __future__ import annotations
 
@@ -13,37 +15,73 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+PACKAGES = ("client", "daemon", "spawn", "manager")  # orchestrator's subpackages: one per kind of process
+
+
 def _module_names(package: str) -> set[str]:
-    return {p.stem for p in (ROOT / package).glob("*.py")}
+    """Every module of ``package`` by its dotted name under it: ``errors``,
+    ``daemon.engine``; a subpackage's ``__init__`` by the subpackage's name (``daemon``)."""
+    names = set()
+    for path in (ROOT / package).rglob("*.py"):
+        parts = list(path.relative_to(ROOT / package).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1] or ["__init__"]
+        names.add(".".join(parts))
+    return names
 
 
 def _imports(path: Path, package: str) -> set[str]:
-    """Modules of ``package`` that ``path`` imports anywhere in its body ("__init__" for the
-    package itself)."""
-    names = _module_names(package)
-    relative_is_ours = path.parent.name == package  # a relative import stays in its own package
+    """Modules of ``package`` that ``path`` imports anywhere in its body, by their dotted
+    names under it ("__init__" for the package itself)."""
+    known = _module_names(package)
+    parts = list(path.parts)
+    inside = package in parts[:-1]
+    here = parts[len(parts) - 1 - parts[::-1].index(package):-1] if inside else []  # e.g. [package, "daemon"]
     found: set[str] = set()
+
+    def add(dotted: list[str], names: list[str]) -> None:
+        if dotted and dotted[0] == package:
+            rest = ".".join(dotted[1:])
+            for name in names:  # from X import name: a submodule if there is one
+                sub = f"{rest}.{name}" if rest else name
+                if sub in known:
+                    found.add(sub)
+                    continue
+                found.add(rest or "__init__")
+
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            if (node.level == 1 and relative_is_ours) or (node.level == 0 and node.module and node.module.split(".")[0] == package):
-                parts = (node.module or "").split(".")
-                if node.level == 0:
-                    parts = parts[1:]
-                if parts and parts[0]:
-                    found.add(parts[0])
-                else:  # from . import x: a module if there is one, else a name of __init__
-                    for alias in node.names:
-                        found.add(alias.name if alias.name in names else "__init__")
+            if node.level:
+                if not inside:
+                    continue
+                base = here[:len(here) - (node.level - 1)]
+                add(base + (node.module.split(".") if node.module else []), [a.name for a in node.names])
+            elif node.module:
+                add(node.module.split("."), [a.name for a in node.names])
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == package:
-                    found.add(parts[1] if len(parts) > 1 else "__init__")
+                dotted = alias.name.split(".")
+                if dotted[0] == package:
+                    found.add(".".join(dotted[1:]) or "__init__")
     return found
 
 
 def _graph(package: str) -> dict[str, set[str]]:
-    return {p.stem: _imports(p, package) - {p.stem} for p in (ROOT / package).glob("*.py")}
+    graph = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = list(path.relative_to(ROOT / package).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1] or ["__init__"]
+        name = ".".join(parts)
+        graph[name] = _imports(path, package) - {name}
+    return graph
+
+
+def _side(module: str) -> str:
+    """Which process runs ``module``: its subpackage, or "shared" for a top-level module
+    (``__main__`` is the CLI's entry)."""
+    head = module.split(".")[0]
+    return head if head in PACKAGES else "client" if module == "__main__" else "shared"
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -83,11 +121,11 @@ def test_the_checker_finds_a_cycle():
 
 
 def test_function_level_imports_are_seen(tmp_path):
-    src = "def f():\n    from .daemon import Paths\n    from . import engine\n"
-    (tmp_path / "orchestrator").mkdir()
-    path = tmp_path / "orchestrator" / "m.py"
+    src = "def f():\n    from ..daemon import engine\n    from .. import errors\n    from . import cli\n"
+    (tmp_path / "orchestrator" / "client").mkdir(parents=True)
+    path = tmp_path / "orchestrator" / "client" / "m.py"
     path.write_text(src)
-    assert {"daemon", "engine"} <= _imports(path, "orchestrator")
+    assert _imports(path, "orchestrator") == {"daemon.engine", "errors", "client.cli"}
 
 
 def test_watchdog_imports_nothing_of_orchestrator():
@@ -98,43 +136,53 @@ def test_watchdog_imports_nothing_of_orchestrator():
 def test_an_import_of_orchestrator_from_watchdog_is_seen(tmp_path):
     (tmp_path / "watchdog").mkdir()
     path = tmp_path / "watchdog" / "m.py"
-    path.write_text("def f():\n    import orchestrator.engine\n")
-    assert _imports(path, "orchestrator") == {"engine"}
+    path.write_text("def f():\n    import orchestrator.daemon.engine\n")
+    assert _imports(path, "orchestrator") == {"daemon.engine"}
 
 
-# -- the client side loads none of the daemon ------------------------------------------
+# -- a module's path says which process runs it, and what it may import -------------------
 
-# What a process of any kind may load (errors, paths, the wire protocol...); and what the
-# CLI and Client are themselves. Anything else of orchestrator/ (the engine, the reactor,
-# pools, probes, the spawner, metrics, the config's daemon side...) is the daemon's.
-SHARED = {"errors", "states", "version", "protocol", "spec", "paths", "store", "policy", "argtypes", "targets",
-          "worker", "retention", "logfiles", "signals"}
-CLIENT = {"cli", "channel", "verbs", "control", "display", "logread", "logcli", "demo"}
+# Each side may import these sides (function-level imports count). The daemon forks a
+# replica itself while no spawner is ready, so it runs the child's set-up (spawn/).
+ALLOWED = {"shared": {"shared"}, "client": {"shared", "client"}, "daemon": {"shared", "daemon", "spawn"},
+           "spawn": {"shared", "spawn"}, "manager": {"shared", "manager"}}
+EXCEPTIONS = {
+    ("client.cli", "daemon.main"),  # start --foreground: this process becomes the daemon
+    ("client.cli", "daemon.config"),  # start --config is checked before the daemon starts; --env-file
+    ("manager.channelserver", "client.channel"),  # the server end of the client's wire code:
+    ("manager.server", "client.channel"),  # the frames, the auth key and the socket's address
+    ("manager.server", "spawn.childsetup"),  # PR_SET_PDEATHSIG, as a replica sets it
+}
+
+
+def test_every_module_imports_only_what_its_side_may():
+    graph = _graph("orchestrator")
+    wrong = sorted((m, d) for m, deps in graph.items() if m != "__init__" for d in deps
+                   if _side(d) not in ALLOWED[_side(m)] and (m, d) not in EXCEPTIONS)
+    assert not wrong, f"imports across the processes' lines: {wrong}"
+
+
+def test_the_side_checker_sees_a_wrong_arrow(tmp_path):
+    (tmp_path / "orchestrator" / "client").mkdir(parents=True)
+    path = tmp_path / "orchestrator" / "client" / "m.py"
+    path.write_text("from ..daemon import engine\n")
+    (dep,) = _imports(path, "orchestrator")
+    assert _side(dep) not in ALLOWED[_side("client.m")]
 
 
 def test_the_cli_and_client_load_no_daemon_module():
-    code = ("import sys, orchestrator.cli, orchestrator.channel\n"
+    code = ("import sys, orchestrator.client.cli, orchestrator.client.channel\n"
             "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in ('orchestrator', 'watchdog'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
-    loaded = {m.split(".", 1)[1] if "." in m else "__init__" for m in out if m.startswith("orchestrator")}
-    assert loaded <= SHARED | CLIENT | {"__init__"}, f"daemon modules loaded: {sorted(loaded - SHARED - CLIENT)}"
+    loaded = {m.split(".", 1)[1] for m in out if m.startswith("orchestrator.")}
+    assert {_side(m) for m in loaded} <= {"shared", "client"}, f"loaded: {sorted(loaded)}"
     assert not [m for m in out if m.startswith("watchdog")], out
     # The Client speaks the Manager protocol itself: multiprocess (and dill) cost ~50 ms a command.
-    code = "import sys, orchestrator.cli, orchestrator.channel\nprint(sorted(sys.modules))"
+    code = "import sys, orchestrator.client.cli, orchestrator.client.channel\nprint(sorted(sys.modules))"
     mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert "'multiprocess" not in mods and "'dill" not in mods
-
-
-def test_client_modules_import_only_shared_and_client_modules():
-    """Function-level imports count: what one command imports is still the client's."""
-    graph = _graph("orchestrator")
-    allowed = SHARED | CLIENT
-    # start --foreground turns this process into the daemon: the one arrow into it.
-    exceptions = {("cli", "daemon"), ("cli", "config")}  # config: start --config is checked before the start
-    wrong = sorted((m, d) for m in CLIENT for d in graph.get(m, set()) - allowed if (m, d) not in exceptions)
-    assert not wrong, f"client modules importing daemon modules: {wrong}"
 
 
 # -- the public names ----------------------------------------------------------------------
@@ -184,9 +232,9 @@ def test_the_engine_and_its_collaborators_meet_only_through_their_interfaces():
     they never import engine.py; containment.py decides for both and imports neither."""
     graph = _graph("orchestrator")
     for module in ("supervision", "spawning", "containment", "rollout", "waiters"):
-        assert "engine" not in graph[module], f"{module}.py imports engine.py"
-    assert not {"supervision", "spawning"} & graph["containment"]
-    assert "spawning" not in graph["supervision"]
+        assert "daemon.engine" not in graph[f"daemon.{module}"], f"{module}.py imports engine.py"
+    assert not {"daemon.supervision", "daemon.spawning"} & graph["daemon.containment"]
+    assert "daemon.spawning" not in graph["daemon.supervision"]
 
 
 # -- one module sends every signal ---------------------------------------------------------
@@ -233,9 +281,9 @@ def _signal_sends(source: str, name: str = "<src>") -> list[str]:
 
 def test_every_signal_is_sent_by_the_signals_module():
     found = []
-    for path in sorted((ROOT / "orchestrator").glob("*.py")):
-        if path.name != SIGNAL_MODULE:
-            found += _signal_sends(path.read_text(), path.name)
+    for path in sorted((ROOT / "orchestrator").rglob("*.py")):
+        if path != ROOT / "orchestrator" / SIGNAL_MODULE:
+            found += _signal_sends(path.read_text(), str(path.relative_to(ROOT / "orchestrator")))
     assert found == [], "signals sent outside orchestrator/signals.py:\n" + "\n".join(found)
     assert _signal_sends((ROOT / "orchestrator" / SIGNAL_MODULE).read_text()), "the checker sees nothing there"
 
@@ -257,10 +305,6 @@ def test_the_signal_checker_sees_each_form():
 
 # -- the spawner process and the data it is sent ---------------------------------------------
 
-_DAEMON_SIDE = {"engine", "supervision", "reactor", "pools", "probes", "launcher", "osapi", "containment",
-                "metrics", "httpserver", "journal", "recovery", "children", "daemon", "api", "signals"}
-
-
 def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -275,8 +319,9 @@ def test_the_spawner_process_loads_none_of_the_daemon():
     """spawner.py (the spawner process) and childsetup.py (the forked replica) run outside the
     daemon; spec.py and probespec.py are data any process may import."""
     graph = _graph("orchestrator")
-    for module in ("spawner", "childsetup", "spec", "probespec"):
-        assert not _reach(graph, module) & _DAEMON_SIDE, f"{module} reaches {_reach(graph, module) & _DAEMON_SIDE}"
+    for module in ("spawn.spawner", "spawn.childsetup", "spec", "probespec"):
+        daemon = {m for m in _reach(graph, module) if _side(m) == "daemon"}
+        assert not daemon, f"{module} reaches {daemon}"
 
 
 def test_signals_imports_nothing_of_orchestrator():

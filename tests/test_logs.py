@@ -28,13 +28,14 @@ from typing import Iterator
 import pytest
 
 from helpers import cli, cli_env, fd_count, wait_for
-from orchestrator import logcapture, logcli
+from orchestrator.daemon import logcapture
+from orchestrator.client import logcli
 from orchestrator.errors import OrchestratorError, UnknownReplica
-from orchestrator.logcapture import LogCapture
+from orchestrator.daemon.logcapture import LogCapture
 from orchestrator.logfiles import log_paths, remove
-from orchestrator.logread import follow, pool_replicas, tail
+from orchestrator.client.logread import follow, pool_replicas, tail
 from orchestrator.paths import Paths
-from orchestrator.reactor import Reactor
+from orchestrator.daemon.reactor import Reactor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -464,8 +465,8 @@ def test_a_symlink_planted_in_place_of_a_backup_is_replaced_not_followed(
 
 FULL_DISK_SCRIPT = """
 import json, os, subprocess, sys
-from orchestrator.logcapture import LogCapture
-from orchestrator.reactor import Reactor
+from orchestrator.daemon.logcapture import LogCapture
+from orchestrator.daemon.reactor import Reactor
 
 mnt = sys.argv[1]
 ballast = os.path.join(mnt, "ballast")
@@ -743,7 +744,7 @@ def test_every_option_states_its_default() -> None:
 CLI_SCRIPT = """
 import argparse, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from orchestrator import logcli
+from orchestrator.client import logcli
 from orchestrator.paths import Paths
 common = argparse.ArgumentParser(add_help=False)
 common.add_argument("--state-dir")

@@ -1,4 +1,4 @@
-"""orchestrator.metrics: the text format (parsed back with prometheus_client), churn, loop lag,
+"""orchestrator.daemon.metrics: the text format (parsed back with prometheus_client), churn, loop lag,
 health, and the loopback HTTP endpoint served from a real Reactor.
 
 The reactor runs in the test thread; HTTP clients run in threads of the test process (the
@@ -22,10 +22,10 @@ from typing import Any, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.httpserver import MetricsServer
-from orchestrator.display import format_health
-from orchestrator.metrics import EXIT_KINDS, LagMonitor, Metrics, health
-from orchestrator.reactor import Reactor
+from orchestrator.daemon.httpserver import MetricsServer
+from orchestrator.client.display import format_health
+from orchestrator.daemon.metrics import EXIT_KINDS, LagMonitor, Metrics, health
+from orchestrator.daemon.reactor import Reactor
 
 
 # -- helpers ----------------------------------------------------------------------------

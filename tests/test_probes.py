@@ -21,10 +21,10 @@ import psutil
 import pytest
 
 from helpers import Ident, cli, open_fds, wait_for
-from orchestrator import probes
+from orchestrator.daemon import probes
 from orchestrator.errors import InvalidSpec
-from orchestrator.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
-from orchestrator.osapi import OSApi
+from orchestrator.daemon.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
+from orchestrator.daemon.osapi import OSApi
 
 
 # -- fixtures and helpers -----------------------------------------------------------------
@@ -912,7 +912,7 @@ def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
 
 
 def test_process_group_mode_records_each_exec_attempt_in_the_watchdog_ledger(reactor, os_api):
-    from orchestrator.containment import ProcessGroups
+    from orchestrator.daemon.containment import ProcessGroups
 
     class Ledger:
         def __init__(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator.reactor import Reactor
+from orchestrator.daemon.reactor import Reactor
 
 
 def test_an_fd_removed_by_an_earlier_callback_of_the_turn_is_not_called():

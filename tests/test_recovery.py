@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from helpers import DaemonUnderTest, Ident, cli, cli_env, kill_all, no_leftovers, sized, survivors, tagged, wait_for
-import orchestrator.channel as channel
+import orchestrator.client.channel as channel
 from orchestrator import ChannelError, Client, DaemonNotRunning, OrchestratorError, ShuttingDown
 from orchestrator.spec import make_spec
 from orchestrator.store import TERMINAL_STATES, Store
@@ -84,7 +84,7 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 class IdSource:
-    """Stands in for ``orchestrator.channel.uuid``.
+    """Stands in for ``orchestrator.client.channel.uuid``.
 
     ``Client.call`` makes each command's id with ``uuid.uuid4().hex`` and the public API
     never returns it (the reply's id is dropped by ``raise_reply``). To check "every

@@ -449,7 +449,7 @@ def test_user_without_access_gets_one_line(tmp_path: Path) -> None:
     traceback (from the pid file, the store or the key)."""
     site = [p for p in sys.path if p.endswith("site-packages")]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(ROOT), *site]), "HOME": "/"}
-    exe = _interpreter_for(NOBODY, "import orchestrator.cli", env)
+    exe = _interpreter_for(NOBODY, "import orchestrator.client.cli", env)
     if exe is None:
         pytest.skip("no Python interpreter with which 'nobody' may import orchestrator")
     top = Path(tempfile.mkdtemp(prefix="orch-sec-"))  # not under tmp_path: its parents are 0700
@@ -487,8 +487,8 @@ def test_channel_unpickles_plain_data_only(tmp_path: Path) -> None:
     """Even from a trusted peer, a message that would import or call anything is a
     ChannelError, never run: the client takes plain data and builtin exceptions (the
     Manager's #ERROR replies), the server plain data only."""
-    from orchestrator.channel import _ClientConnection
-    from orchestrator.channelserver import _ServerConnection
+    from orchestrator.client.channel import _ClientConnection
+    from orchestrator.manager.channelserver import _ServerConnection
 
     marker = tmp_path / "pwned"
     a, b = socket.socketpair()

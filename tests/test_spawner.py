@@ -134,7 +134,7 @@ def test_a_stalled_spawner_is_replaced_and_the_launch_still_happens(make_orchest
 def test_a_child_of_a_lost_spawner_is_reaped(tmp_path):
     """A child the spawner made but never let go reports ``lost PID`` and exits; the
     launcher reaps it (reap_lost), whoever its parent is told to be."""
-    from orchestrator.launcher import Spawner
+    from orchestrator.daemon.launcher import Spawner
 
     r, w = os.pipe()
     pid = os.fork()

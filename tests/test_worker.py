@@ -1,5 +1,5 @@
 """What a worker sees: Terminated on SIGTERM, ready(), a raised oom_score_adj; and the OOM
-helpers (orchestrator.oom).
+helpers (orchestrator.daemon.oom).
 
 Real workers through the embedded ``Orchestrator`` (the ``make_orchestrator`` fixture), and,
 for the spawner's own setup window, through ``OSApi.spawn`` directly. Every wait is bounded.
@@ -20,8 +20,9 @@ import pytest
 
 import orchestrator
 from helpers import ROOT, wait_for
-from orchestrator import childsetup, oom
-from orchestrator.osapi import OSApi
+from orchestrator.spawn import childsetup
+from orchestrator.daemon import oom
+from orchestrator.daemon.osapi import OSApi
 from orchestrator.spec import LaunchPlan
 from orchestrator.worker import Terminated, ready
 
@@ -364,7 +365,7 @@ def test_replicas_run_with_a_raised_oom_score_adj(make_orchestrator, procs, kind
     pid = _row(orch, rid)["pid"]
     procs.track(pid)
     want = int(childsetup._OOM_SCORE_ADJ)
-    assert want == max(oom.WORKER_OOM_SCORE_ADJ, _oom_score_adj(os.getpid()))
+    assert want == max(childsetup.WORKER_OOM_SCORE_ADJ, _oom_score_adj(os.getpid()))
     # Written before exec or the target: from RUNNING on, it is there.
     assert _oom_score_adj(pid) == want
     assert _oom_score_adj(pid) > _oom_score_adj(os.getpid()) or want == 1000

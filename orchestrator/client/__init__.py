@@ -1,0 +1,6 @@
+"""The CLI and ``Client``: what runs in an operator's shell or an application that talks to a daemon.
+
+These modules import the shared modules (``orchestrator/*.py``) and each other, never the
+daemon's: a command starts in a bare interpreter's time (``tests/test_layout.py`` holds them
+to it). ``start`` is the one exception: it becomes or spawns the daemon.
+"""

@@ -1,0 +1,581 @@
+"""``orchestrator [--state-dir DIR] COMMAND [ARGS]``: argument parsing and output only.
+
+Client side: it runs in a user's shell, and imports only what every process shares (errors,
+paths, argtypes, version) at module level. What one command needs is imported in that
+command: ``start`` the daemon (control.py spawns it, or daemon.py runs it in the
+foreground), ``status`` the channel and the table (display.py), ``logs`` its readers, so
+that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
+
+Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 3 the daemon is not
+running (for commands that need it, and for ``status``/``stop``). ``--json`` output goes
+to stdout only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+from .argtypes import natural as _natural
+from .argtypes import port as _port
+from .argtypes import positive_seconds as _positive_seconds
+from .argtypes import seconds as _seconds
+from ..errors import DaemonNotRunning, OrchestratorError
+from .logcli import add_parser as _add_logs_parser
+from .logcli import cmd_logs
+from ..paths import Paths
+from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
+from ..version import __version__
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit 2 (``--help`` has the rest)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)  # the parent of every command (its class: what add_parser expects)
+    common.add_argument("--state-dir", default=argparse.SUPPRESS, help="the daemon's directory")
+    ap = _Parser(prog="orchestrator", description="Keep pools of worker processes alive.")
+    ap.add_argument("--state-dir", default=None, help="default: $ORCHESTRATOR_STATE_DIR, "
+                    "$XDG_STATE_HOME/orchestrator or ~/.local/state/orchestrator")
+    ap.add_argument("--version", action="version", version=f"orchestrator {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("start", parents=[common], help="start the daemon")
+    p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
+    p.add_argument("--config", metavar="FILE", help="pools and [daemon] settings from this TOML file")
+    p.add_argument("--grace", type=_seconds, help="seconds from a replica's stop signal to SIGKILL (default 5)")
+    p.add_argument("--stop-budget", type=_positive_seconds, metavar="S",
+                   help="a stop (SIGTERM) finishes within this many seconds, graces cut to fit (default 30)")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve /metrics on 127.0.0.1:PORT (default: off)")
+    p.add_argument("--cgroup", metavar="auto|off|PATH", help="a cgroup per replica: auto (where this host allows it, "
+                   "else process groups), off, or under the cgroup2 dir PATH (default auto)")
+    p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--keep-replicas", type=_natural, help=f"ended replicas kept in state.db (default {KEEP_REPLICAS})")
+    p.add_argument("--keep-events", type=_natural, help=f"journal events kept in state.db (default {KEEP_EVENTS})")
+    p.add_argument("--keep-days", type=_positive_seconds,
+                   help=f"history older than this many days is pruned (default {KEEP_SECONDS / 86400:g})")
+
+    p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
+    p.add_argument("--timeout", type=_seconds, default=60.0, help="give up waiting after this many seconds (default 60)")
+
+    p = sub.add_parser("reload", parents=[common], help="re-read the config file and apply the difference")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("health", parents=[common], help="exit 0 only if the daemon, its watchdog and manager "
+                       "live and the loop answers within 1 s")
+    p.add_argument("--json", action="store_true")
+
+    sub.add_parser("metrics", parents=[common], help="the daemon's metrics, Prometheus text format")
+    _add_logs_parser(sub, common)
+
+    p = sub.add_parser("status", parents=[common], help="the daemon and its replicas")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--all", action="store_true", help="include ended replicas")
+    p.add_argument("--watch", action="store_true", help="a live table, redrawn in place, until Ctrl-C")
+    p.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between redraws (default 1)")
+
+    p = sub.add_parser("launch", parents=[common], help="add replicas to a pool (its spec and policy)")
+    p.add_argument("--pool", required=True, help="the pool's name")
+    p.add_argument("--count", type=int, default=None, help="replicas to add (default 1; with --replace: the size)")
+    p.add_argument("--target", help="MODULE:FUNCTION to run instead of a command")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment addition")
+    p.add_argument("--env-file", metavar="FILE", help="KEY=VALUE lines ('#' comments) added to the environment")
+    p.add_argument("--cwd", metavar="DIR", help="where the replicas run (default: this directory)")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="import MODULE once in the pool's spawner, so each replica of a --target starts warm")
+    p.add_argument("--wait", action="store_true", help="return once every new replica is ready; exit 1 if any failed")
+    p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds (default 3600)")
+    p.add_argument("--replace", action="store_true", help="roll an existing pool onto this spec and policy")
+    _policy_options(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARG...")
+
+    p = sub.add_parser("restart", parents=[common], help="replace replicas with new ones (rolling for a pool)")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--pool", help="every replica of this pool, a few slots at a time")
+    p.add_argument("--max-unavailable", type=int, default=1, help="slots replaced at a time (default 1)")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="give up after this many seconds (default 600)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("delete", parents=[common], help="terminate a pool's replicas and forget the pool")
+    p.add_argument("pool")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("signal", parents=[common], help="send a signal to replicas' process trees")
+    p.add_argument("sig", metavar="SIG", help="a signal name or number: HUP, USR1, TERM, 9")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--pool", help="every replica of this pool")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("terminate", parents=[common], help="stop replicas")
+    p.add_argument("ids", nargs="+", metavar="ID")
+    p.add_argument("--wait", action="store_true", help="return once they are reaped")
+    p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("scale", parents=[common], help="set a pool's size")
+    p.add_argument("pool")
+    p.add_argument("n", type=int)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("events", parents=[common], help="the event journal")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--follow", action="store_true")
+    p.add_argument("--replica")
+    p.add_argument("--since", type=_seconds, help="only events at or after this unix time")
+    p.add_argument("--limit", type=_natural, default=None, help="at most this many (the newest)")
+
+    p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
+    p.add_argument("--replicas", type=_natural, default=20)
+    p.add_argument("--seconds", type=_seconds, default=4.0)
+    return ap
+
+
+def _policy_options(p: argparse.ArgumentParser) -> None:
+    """The pool policy flags of launch (policy.Policy has the meaning of each)."""
+    g = p.add_argument_group("pool policy (docs/design.md, \"Pool policy\")")
+    g.add_argument("--restart", choices=("always", "on-failure", "never"), help="replace a replica that "
+                   "ended on its own: always, after a failure, or never (default on-failure)")
+    g.add_argument("--backoff", metavar="MIN:MAX", help="delay before a replacement, seconds (default 0.1:30)")
+    g.add_argument("--healthy-after", type=_seconds, metavar="S", help="RUNNING this long resets the backoff (default 10)")
+    g.add_argument("--max-restarts", metavar="N/S", help="more than N replacements within S s: crashloop (default 5/60)")
+    g.add_argument("--ready", metavar="PROBE", help="tcp:HOST:PORT, http://127.0.0.1:PORT/PATH, exec:CMD or notify")
+    g.add_argument("--ready-timeout", type=_seconds, metavar="S", help="not ready by then: FAILED (default 60)")
+    g.add_argument("--probe-timeout", type=_seconds, metavar="S",
+                   help="one attempt of --ready or --live is cut after S s (default 1)")
+    g.add_argument("--start-secs", type=_seconds, metavar="S", help="without --ready: ready once it ran S s (default 0)")
+    g.add_argument("--live", metavar="PROBE", help="liveness probe, same forms as --ready")
+    g.add_argument("--live-interval", type=_seconds, metavar="S", help="between liveness checks (default 10)")
+    g.add_argument("--live-failures", type=int, metavar="N", help="misses in a row that replace it (default 3)")
+    g.add_argument("--stop-signal", metavar="SIG", help="how a replica is asked to stop (default TERM)")
+    g.add_argument("--grace", type=_seconds, metavar="S", help="stop signal to SIGKILL (default: the daemon's)")
+    g.add_argument("--port-base", type=int, metavar="N", help="slot s gets port N+s: {port}, $PORT")
+    g.add_argument("--memory-max", metavar="BYTES", help="cgroup memory.max of each replica: bytes or 512M, 2G")
+    g.add_argument("--pids-max", type=int, metavar="N", help="cgroup pids.max of each replica")
+    g.add_argument("--cpu-weight", type=int, metavar="W", help="cgroup cpu.weight of each replica, 1..10000")
+    # Strings, checked by Policy: a bad value is one line and exit 1, as from a config file.
+    g.add_argument("--log-max-bytes", metavar="N", help="rotate each replica's .out/.err at this size: bytes or "
+                   "20K, 10M; at least 16K (default: the daemon's, 10M)")
+    g.add_argument("--log-backups", metavar="K", help="rotated files kept per stream, 0..100 "
+                   "(default: the daemon's, 3)")
+
+
+_POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
+                 "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight",
+                 "probe_timeout")
+
+
+def _policy(args: argparse.Namespace) -> dict:
+    from ..policy import Policy, parse_pair
+
+    wire: dict[str, Any] = {k: getattr(args, k) for k in _POLICY_FLAGS if getattr(args, k) is not None}
+    if args.backoff is not None:
+        wire["backoff"] = list(parse_pair(args.backoff, ":", "--backoff"))
+    if args.max_restarts is not None:
+        n, window = parse_pair(args.max_restarts, "/", "--max-restarts")
+        if n != int(n):
+            raise OrchestratorError(f"--max-restarts takes N/S with a whole N, got {args.max_restarts!r}")
+        wire["max_restarts"] = [int(n), window]
+    if args.log_max_bytes is not None:
+        wire["log_max_bytes"] = args.log_max_bytes  # "20000" or "20K": Policy reads either
+    if args.log_backups is not None:
+        try:
+            wire["log_backups"] = int(args.log_backups)
+        except ValueError:
+            wire["log_backups"] = args.log_backups  # refused by Policy, in its words
+    return Policy.from_wire(wire).to_wire()  # refused here, with the same words as the daemon's
+
+
+def _env_file(path: str) -> dict[str, str]:
+    from ..daemon.config import read_env_file  # the config file's env_file reads the same format
+
+    try:
+        return read_env_file(path, trusted=False)  # read with the caller's own rights
+    except OrchestratorError as err:
+        raise OrchestratorError(f"--env-file {err}") from None
+
+
+class _ClosedStdout(io.TextIOBase):
+    """stdout when fd 1 was closed (``>&-``): a write fails as it would on the fd, so a
+    command that has something to say ends with one line, and a ``--watch`` ends at all."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "cannot write to standard output: it is closed")
+
+
+def _standard_fds() -> None:
+    """Give a closed fd 0, 1 or 2 /dev/null, so that no file or socket opened later lands
+    there (a child would inherit it as its stdout); a closed stdout is remembered as one."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+
+
+def _silence_stdout() -> None:
+    """What stdout still buffers cannot be written (its reader is gone, the disk is full):
+    point fd 1 at /dev/null, so the flush at exit neither fails nor prints a traceback."""
+    try:
+        sys.stdout.flush()
+        return
+    except OSError:
+        pass
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(null, 1)
+    os.close(null)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Whatever it raises on purpose, and every failure to write its
+    output (a closed stdout, a reader that exited, a full disk), ends as an exit code and at
+    most one line on stderr, never a traceback."""
+    _standard_fds()
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
+        return EXIT_OK
+    except OSError as err:  # stdout closed or full, a state dir file we may not read: one line
+        where = f": {err.filename}" if err.filename else ""
+        print(f"orchestrator: {err.strerror or err}{where}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _silence_stdout()
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    args.own_argv = argv is None  # sys.argv is ours: a re-exec of this command line is possible
+    from ..paths import Paths, check_state_dir, default_state_dir
+
+    paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
+    try:
+        if args.command != "demo":  # the demo makes a state dir of its own
+            # Another user's dir, or one others can write, is refused before anything in it
+            # is read; a missing one is fine here (status of a never-used dir: not running).
+            check_state_dir(paths, create=False)
+        code = _COMMANDS[args.command](args, paths)
+        sys.stdout.flush()  # here, where a failure is caught, not in the interpreter's exit
+        return code
+    except DaemonNotRunning as err:
+        print(f"orchestrator: {err}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except OrchestratorError as err:
+        print(f"orchestrator: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _emit(args: argparse.Namespace, data: Any, lines: Sequence[str] = ()) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(data))
+    else:
+        for line in lines:
+            print(line)
+
+
+def _client(paths: Any, timeout: float | None = None) -> Any:
+    from .channel import Client
+
+    return Client(paths.state_dir) if timeout is None else Client(paths.state_dir, timeout=timeout)
+
+
+# start's settings: flag -> Daemon keyword (only the ones given are passed on, so that a
+# config file's [daemon] table fills in the rest)
+_START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
+                   "--config": "config_path", "--cgroup": "cgroup"}
+_RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
+
+
+def cmd_start(args: argparse.Namespace, paths: Paths) -> int:
+    from . import control
+
+    if args.config is not None:
+        from ..daemon import config as config_file
+
+        args.config = os.path.abspath(args.config)
+        config_file.load(args.config)  # an invalid file: one line here, before anything starts
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in (*_START_SETTINGS, *_RETENTION)}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if args.foreground:
+        if args.own_argv:
+            control.reexec_with_token()  # returns only if the token is there already
+        from ..daemon import main as daemon  # this process becomes the daemon: only now is it loaded
+
+        settings = {_START_SETTINGS[f]: v for f, v in given.items() if f in _START_SETTINGS}
+        kept = {_RETENTION[f]: v for f, v in given.items() if f in _RETENTION}
+        if kept:
+            settings["retention"] = {"keep_replicas": kept.get("keep_replicas", KEEP_REPLICAS),
+                                     "keep_events": kept.get("keep_events", KEEP_EVENTS),
+                                     "keep_seconds": kept.get("keep_days", KEEP_SECONDS / 86400) * 86400}
+        return daemon.run_foreground(paths, ready_fd=args.ready_fd, **settings)
+    pid = control.start_detached(paths, [item for flag, value in given.items() for item in (flag, str(value))])
+    print(pid)
+    return EXIT_OK
+
+
+def cmd_reload(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        done = client.call("reload")
+    _emit(args, done, [f"{what}: {', '.join(names)}" for what, names in done.items() if names])
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace, paths: Any) -> int:
+    from .channel import manager_down
+    from .display import format_health
+    from ..errors import ChannelError
+
+    try:
+        with _client(paths, timeout=1.0) as client:
+            info = client.call("health", timeout=1.0)
+    except ChannelError as err:
+        reason = manager_down(paths)
+        if reason is not None:  # nobody answers because the manager is down: say why
+            info = {"healthy": False, "parts": {"daemon": True, "manager": False}, "failed": ["manager"],
+                    "lag": None, "reason": reason, "error": str(err)}
+        else:  # the loop did not answer within 1 s: that is the failure
+            info = {"healthy": False, "parts": {"loop": False}, "failed": ["loop"], "lag": None, "error": str(err)}
+    ok = bool(info.get("healthy"))
+    if args.json:
+        print(json.dumps(info))
+    elif "reason" in info:
+        print(f"unhealthy: manager down ({info['reason']})")
+    else:
+        print(format_health(ok, info) if "error" not in info else f"unhealthy: {info['error']}")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+def cmd_metrics(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        sys.stdout.write(client.call("metrics"))
+    return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace, paths: Paths) -> int:
+    from . import control
+
+    code = control.stop(paths, timeout=args.timeout)
+    if code == EXIT_NOT_RUNNING:
+        print(f"orchestrator: no daemon is running for {paths.state_dir}", file=sys.stderr)
+    elif code == EXIT_ERROR:
+        print(f"orchestrator: the daemon did not stop within {args.timeout:g} s", file=sys.stderr)
+    return code
+
+
+def cmd_status(args: argparse.Namespace, paths: Any) -> int:
+    if args.watch:
+        return _watch(args, paths)
+    code, data = _status(args, paths)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        from .display import format_status
+
+        print(format_status(data))
+    return code
+
+
+def _watch(args: argparse.Namespace, paths: Any) -> int:
+    """Redraw the table in place (cursor home, clear to the end) until Ctrl-C."""
+    from .display import format_status
+
+    samples: dict[int, tuple[float, float]] = {}
+    try:
+        while True:
+            _, data = _status(args, paths)
+            table = format_status(data, samples=samples, health=_health_line(paths, data))
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + table + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)  # a terminal's redraw rate, not a wait on the daemon
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _health_line(paths: Any, data: dict) -> str:
+    if not data["daemon"]["running"]:
+        return "health: daemon not running"
+    from .display import format_health
+
+    try:
+        with _client(paths, timeout=1.0) as client:
+            info = client.call("health", timeout=1.0)
+    except OrchestratorError as err:
+        return f"health: {err}"
+    return "health: " + format_health(bool(info.get("healthy")), info)
+
+
+def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
+    from ..paths import running_pid
+
+    from .display import stored_status
+
+    code = EXIT_OK
+    data = None
+    if running_pid(paths) is not None:
+        try:
+            with _client(paths) as client:
+                data = client.status(all=args.all)
+        except DaemonNotRunning:
+            data = None
+    if data is None:
+        code = EXIT_NOT_RUNNING
+        data = {"daemon": {"running": False, "pid": None, "watchdog_pid": None, "manager_pid": None,
+                           "started_at": None}, **stored_status(paths, args.all)}
+        for rep in data["replicas"]:
+            rep["last_known"] = True  # what the store last heard, not what runs now
+    return code, {"state_dir": str(paths.state_dir), **data}
+
+
+def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if args.target and cmd:
+        raise OrchestratorError("give either --target MODULE:FUNCTION or -- CMD ARG..., not both")
+    if not args.target and not cmd:
+        raise OrchestratorError("nothing to run: give -- CMD ARG... or --target MODULE:FUNCTION")
+    env = _env_file(args.env_file) if args.env_file else {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OrchestratorError(f"--env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    policy = _policy(args)
+    with _client(paths) as client:
+        try:
+            ids = client.launch(args.pool, cmd or None, target=args.target, count=args.count, env=env,
+                                wait=args.wait, timeout=args.timeout, cwd=args.cwd, policy=policy,
+                                replace=args.replace, preload=[m for arg in args.preload for m in arg.split(",") if m])
+        except OrchestratorError as err:  # a wait that timed out still made replicas: say which
+            made = err.data.get("ids") if isinstance(err.data, dict) else None
+            if made:
+                _emit(args, {"ids": made, "error": str(err)}, made)
+            raise
+        failed = []
+        if args.wait:
+            states = {r["id"]: r for r in client.status(all=True)["replicas"] if r["id"] in set(ids)}
+            failed = [states[i] for i in ids if i in states and states[i]["state"] != "RUNNING"]
+    _emit(args, {"ids": ids, "failed": [r["id"] for r in failed]}, ids)
+    for r in failed:
+        print(f"orchestrator: {r['id']} {r['state']}: {r['reason'] or 'not ready'}", file=sys.stderr)
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_restart(args: argparse.Namespace, paths: Any) -> int:
+    if bool(args.ids) == bool(args.pool):
+        raise OrchestratorError("give either replica ids or --pool POOL")
+    with _client(paths) as client:
+        result = client.restart(*args.ids, pool=args.pool, max_unavailable=args.max_unavailable,
+                                timeout=args.timeout)
+    _emit(args, result, [f"{old} -> {new}" for old, new in result["replaced"].items()])
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        result = client.delete(args.pool)
+    _emit(args, result, [f"deleted pool {result['pool']}"] + [f"terminating {i}" for i in result["terminated"]])
+    return EXIT_OK
+
+
+def cmd_signal(args: argparse.Namespace, paths: Any) -> int:
+    if bool(args.ids) == bool(args.pool):
+        raise OrchestratorError("give either replica ids or --pool POOL")
+    with _client(paths) as client:
+        result = client.signal(args.sig, *args.ids, pool=args.pool)
+    _emit(args, result, [f"{result['signal']} -> {i}" for i in result["sent"]])
+    return EXIT_OK
+
+
+def cmd_terminate(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        stopped = client.terminate(*args.ids, wait=args.wait, timeout=args.timeout)
+    _emit(args, {"terminated": stopped}, stopped)
+    return EXIT_OK
+
+
+def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        result = client.scale(args.pool, args.n)
+    _emit(args, result, [f"{result['pool']}: desired {result['desired']}"]
+          + [f"launched {i}" for i in result["launched"]] + [f"terminating {i}" for i in result["terminated"]])
+    return EXIT_OK
+
+
+def cmd_events(args: argparse.Namespace, paths: Any) -> int:
+    from .display import open_store_readonly
+    from .logcli import stdout_gone
+
+    if not paths.db.exists() and not args.follow:
+        return EXIT_OK
+    store = open_store_readonly(paths)  # with --follow, it picks the file up once it appears
+    try:
+        seq = 0
+        rows = store.events(replica=args.replica, since=args.since, limit=args.limit)
+        while True:
+            for ev in rows:
+                seq = ev["seq"]
+                if args.json:
+                    print(json.dumps(ev), flush=args.follow)
+                else:
+                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev["ts"]))
+                    who = ev["replica"] or "-"
+                    print(f"{ev['seq']:>8} {when} {ev['kind']:<10} {who:<16} {json.dumps(ev['data'])}",
+                          flush=args.follow)
+            if not args.follow or stdout_gone():
+                return EXIT_OK
+            time.sleep(0.2)  # a reader of another process's file: there is no event to wait on
+            rows = store.events(replica=args.replica, since=args.since, after_seq=seq)
+    finally:
+        store.close()
+
+
+def cmd_demo(args: argparse.Namespace, paths: Any) -> int:
+    from .demo import run_demo
+
+    return run_demo(replicas=args.replicas, seconds=args.seconds)
+
+
+_COMMANDS = {
+    "start": cmd_start,
+    "stop": cmd_stop,
+    "status": cmd_status,
+    "launch": cmd_launch,
+    "terminate": cmd_terminate,
+    "scale": cmd_scale,
+    "events": cmd_events,
+    "demo": cmd_demo,
+    "restart": cmd_restart,
+    "delete": cmd_delete,
+    "signal": cmd_signal,
+    "reload": cmd_reload,
+    "health": cmd_health,
+    "metrics": cmd_metrics,
+    "logs": cmd_logs,
+}

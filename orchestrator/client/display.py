@@ -1,0 +1,146 @@
+"""What the CLI prints about a daemon: the status table and the health line, and the
+status read from the journal when the daemon is down. Client side: it formats what the
+daemon answered (or what state.db last recorded) and imports nothing of the daemon.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from ..errors import OrchestratorError
+from ..paths import Paths
+
+
+def format_health(ok: bool, info: Mapping[str, Any]) -> str:
+    """One line for ``orchestrator health``, from the daemon's ``health`` answer."""
+    lag = info.get("lag")
+    lag_text = f"loop lag {lag * 1000:.1f} ms" if isinstance(lag, (int, float)) else "loop lag unknown"
+    if ok:
+        return f"healthy: daemon, watchdog and manager alive; {lag_text}"
+    failed = list(info.get("failed") or ())
+    words = []
+    for part in failed:
+        if part == "loop":
+            limit = info.get("lag_limit")
+            words.append(f"control loop slow ({lag_text}, limit {limit:g} s)" if isinstance(limit, (int, float))
+                         else f"control loop slow ({lag_text})")
+        else:
+            words.append(f"{part} down")
+    if "loop" not in failed:
+        words.append(lag_text)
+    return "unhealthy: " + "; ".join(words or ["unknown"])
+
+
+def open_store_readonly(paths: Paths) -> Any:
+    """The journal for a reader (the daemon may be down); a bad file is a one-line error."""
+    from ..store import Store, StoreError
+
+    try:
+        return Store(paths.db, readonly=True)
+    except StoreError as err:
+        raise OrchestratorError(str(err)) from None
+
+
+def stored_status(paths: Paths, include_terminal: bool) -> dict:
+    """Pools and replicas as state.db last recorded them (for ``status`` with the daemon down)."""
+    if not paths.db.exists():
+        return {"pools": [], "replicas": []}
+    from ..store import unpack_pool_row
+
+    store = open_store_readonly(paths)
+    try:
+        pools = []
+        for p in store.pools():
+            spec, policy, extra = unpack_pool_row(p["spec"])
+            if not extra.get("deleted"):
+                pools.append({"name": p["name"], "desired": p["desired"], "spec": spec, "policy": policy or {},
+                              "state": "crashloop" if extra.get("crashloop") else None,
+                              "reason": extra.get("crashloop")})
+        return {"pools": pools, "replicas": store.replicas(include_terminal=include_terminal)}
+    finally:
+        store.close()
+
+
+def format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
+    """The table: daemon, pools, then one line per replica with its uptime, restarts, CPU%
+    and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
+    command it runs. With the daemon down, replicas are what the store last knew."""
+    d = data["daemon"]
+    now = time.time()
+    if d["running"]:
+        up = _duration(now - d["started_at"]) if d.get("started_at") else "?"
+        head = (f"daemon: running (pid {d['pid']}, watchdog {d['watchdog_pid']}, manager {d['manager_pid']}, "
+                f"up {up}, containment {d.get('containment', 'process-group')})")
+    else:
+        head = "daemon: not running; replicas below are as last known, not live"
+    out = [f"{head}  state dir: {data['state_dir']}"]
+    if (d.get("logs") or {}).get("dropped"):
+        out.append(f"logs: {d['logs']['dropped']} bytes of replica output dropped (disk full or too fast)")
+    if health:
+        out.append(health)
+    for p in data["pools"]:
+        state = p.get("state") or ("stopped" if not d["running"] else "ok")
+        extra = f" ({p['reason']})" if p.get("reason") else ""
+        out.append(f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}")
+    commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
+    if not data["replicas"]:
+        out.append("no replicas")
+        return "\n".join(out)
+    out.append(f"{'ID':<18} {'STATE':<12} {'PID':>7} {'UPTIME':>8} {'RESTARTS':>8} {'CPU%':>6} {'RSS':>8}  COMMAND / REASON")
+    for r in data["replicas"]:
+        state = r["state"] if not r.get("last_known") else f"({r['state']})"
+        cpu, rss = _usage(r["pid"], samples) if d["running"] and r["pid"] else ("", "")
+        started = r.get("started_at") or (r.get("created_at") if r["state"] == "RUNNING" else None)
+        uptime = _duration(now - started) if started and r["ended_at"] is None and d["running"] else ""
+        tail = r["reason"] if r["reason"] and r["state"] not in ("RUNNING", "STARTING") else commands.get(r["pool"], "")
+        out.append(f"{r['id']:<18} {state:<12} {r['pid'] or '':>7} {uptime:>8} {r.get('restarts', 0):>8} "
+                   f"{cpu:>6} {rss:>8}  {tail}")
+    return "\n".join(out)
+
+
+def _command_text(spec: dict | None) -> str:
+    if not spec:
+        return ""
+    if spec.get("command"):
+        return " ".join(spec["command"])
+    return spec.get("target") or "<python callable>"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _usage(pid: int, samples: dict | None) -> tuple[str, str]:
+    """CPU% (since the process started, or since the last sample) and RSS of ``pid``."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            t = p.cpu_times()
+            busy = t.user + t.system
+            rss = p.memory_info().rss
+            born = p.create_time()
+    except psutil.Error:
+        return "", ""
+    now = time.time()
+    last = samples.get(pid) if samples is not None else None
+    if samples is not None:
+        samples[pid] = (now, busy)
+    since, before = last if last is not None else (born, 0.0)
+    cpu = 100.0 * (busy - before) / max(now - since, 1e-3)
+    return f"{cpu:.1f}", _size(rss)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}G"

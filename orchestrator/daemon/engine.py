@@ -1,0 +1,593 @@
+"""The replica table: commands in, transitions out. The one owner of every Replica and Pool.
+
+    commands (any thread: submit)     worker processes            timers
+        │                               │ pidfd readable: exited    │ grace over: SIGKILL
+        │                               │ ready pipe: EOF = it runs │ a wait timed out
+        ▼                               ▼                           ▼
+    ┌──────────────────────── reactor turn (reactor.py) ─────────────────────────┐
+    │ readers: exits (end tree remnants, reap, transition), ready pipes           │
+    │ commands applied in order    forks of pending replicas (spawning.py)        │
+    │ timers                       settle: waiters, ONE store commit, then replies│
+    └─────────────────────────────────────────────────────────────────────────────┘
+
+Run by the daemon's loop thread (and the embedded ``Orchestrator``'s). Nothing but that
+thread reads or writes a Replica, a Pool or the process table, so there is no lock, and a
+terminate can never race a reap: both are events, applied one after the other, and
+whichever comes second finds a state that tells it what is left to do. Every state change
+goes through ``states.transition()``; a process is signalled only while it is our unreaped
+child (its zombie pins the pid and the process group), and forgotten only after it is
+reaped. What differs between a cgroup and a process group is decided in containment.py;
+what a pool should hold (readiness, restarts, rollouts, the commands that shape pools) in
+supervision.py, which acts on the table only through its ``Table`` interface; process
+syscalls go through ``OSApi`` (osapi.py), store writes through ``Journal`` (journal.py).
+The system children (watchdog, manager) are not the engine's.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .. import protocol
+from .containment import Cgroups, ProcessGroups
+from ..errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
+from .journal import Journal
+from .metrics import Metrics
+from .pools import Pool
+from .reactor import Reactor, Timer
+from .osapi import OSApi, Spawned
+from .spawning import Spawning
+from ..states import Replica, exit_reason, transition
+from ..states import ReplicaState as S
+from .supervision import Supervisor
+from .waiters import Waiter, Waiters
+
+log = logging.getLogger("orchestrator")
+
+Reply = Callable[[dict], None]
+Handler = Callable[[dict, Reply, Any], Any]
+MAX_COUNT = protocol.MAX_COUNT
+SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
+
+
+@dataclass
+class EngineConfig:
+    grace: float = 5.0  # SIGTERM -> SIGKILL, per replica
+    spawn_batch: int = 64  # forks per loop turn, so commands and exits interleave with a burst
+    keep_ended: int = 1000  # terminal replicas kept in memory for `status --all`
+    env: dict[str, str] | None = None  # base environment of command workers (default: ours)
+    token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
+    spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
+
+
+@dataclass(eq=False, slots=True)
+class Proc:
+    """A replica's process, from its spawn until it is reaped (and its cgroup drained)."""
+
+    pid: int
+    exit_fd: int
+    ready_fd: int
+    replica: Replica
+    killed: bool = False  # SIGKILL sent by us
+    reaped: bool = False
+    kill_timer: Timer | None = None
+    escaped: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) outside its group
+    cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
+    cgroup: str | None = None  # its own cgroup (cgroup containment), else None: its process group
+    probes: Any = None  # probes.ProbeBox of its exec probes, made by the first one
+
+
+class Engine:
+    """Single-threaded: only submit() may be called from other threads."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        os_api: OSApi | None = None,
+        store: Any = None,
+        watchdog: Any = None,
+        reactor: Reactor | None = None,
+        containment: Cgroups | ProcessGroups | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        protocol.seconds(self.config.grace, "grace")  # a NaN grace would never SIGKILL
+        self.os = os_api or OSApi()
+        self.reactor = reactor or Reactor(self.os.monotonic)
+        self.journal = Journal(store, self.os.time)
+        self.journal.rebuild = self._save_everything
+        self.watchdog = watchdog  # the watchdog's ledger feed (WatchdogLink), if any
+        # A cgroup per replica, or process groups (containment.py); the default keeps the
+        # engine off the cgroupfs (the fake-OS tests, the embedded API unless asked).
+        self.containment = containment or ProcessGroups("not asked for (the default)")
+        self.containment.attach(self.reactor, self.os, watchdog)
+        base_env = dict(self.config.env if self.config.env is not None else os.environ)
+        self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
+        self.log_capture: Any = None  # logs.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
+        self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
+                                 token=self.config.token, spawners=self.config.spawners)
+        self.spawners = self.spawning.spawners
+        self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
+        self._submit_lock = threading.Lock()
+        self._pools: dict[str, Pool] = {}
+        self._replicas: dict[str, Replica] = {}
+        self._ended: collections.deque[str] = collections.deque()
+        self._procs: dict[int, Proc] = {}
+        self._draining: dict[str, Proc] = {}  # replica id -> reaped, its cgroup not empty yet
+        self._waiters = Waiters(self._replicas)
+        # (reply, message, durable): a durable reply says "applied"; if this turn's commit
+        # fails it says "not saved" instead. Read-only commands never depend on the disk.
+        self._outbox: list[tuple[Reply, dict, bool]] = []
+        self.extra_status: Callable[[], dict] | None = None
+        # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
+        self.extra_commands: dict[str, Callable[[dict], Any]] = {}
+        self._commands: dict[str, Handler] = {
+            "terminate": self._cmd_terminate, "status": self._cmd_status, "wait": self._cmd_wait,
+            "ping": self._cmd_ping, **self.supervisor.commands()}
+        self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
+        self._dirty = False
+        self._store_warned = -1e9
+        self.closing = False
+        self.closed = False
+        self.reactor.at_turn_end(self.settle)
+
+    # -- the public face ------------------------------------------------------------
+
+    def submit(self, cmd: dict, reply: Reply) -> None:
+        """Queue a command from any thread; ``reply`` is called once, from the loop."""
+        with self._submit_lock:  # against close(): a command is either run or refused
+            if self.closed:
+                raise ShuttingDown("the orchestrator is not running")
+            self._inbox.append((cmd, reply))
+        self.reactor.call_soon_threadsafe(self._drain_inbox)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            cmd, reply = self._inbox.popleft()
+            self.handle(cmd, reply)
+
+    def handle(self, cmd: Any, reply: Reply) -> None:
+        """Apply one command now (loop thread only). Replies go out after the store commit.
+        Whatever a command raises becomes its error reply: no input ends the loop."""
+        cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
+        op = cmd.get("op") if isinstance(cmd, dict) else None
+        try:
+            if not isinstance(cmd, dict) or not isinstance(op, str):
+                raise InvalidSpec("malformed command: expected an object with an 'op'")
+            handler = self._commands.get(op)
+            extra = self.extra_commands.get(op) if handler is None else None
+            if handler is None and extra is None:
+                raise InvalidSpec(f"unknown command {op!r}")
+            if self.closing:
+                raise ShuttingDown("the orchestrator is shutting down")
+            args = cmd.get("args") or {}
+            if not isinstance(args, dict):
+                raise InvalidSpec("malformed command: 'args' must be an object")
+            started = self.os.monotonic()
+            if handler is not None:
+                result = handler(args, reply, cmd_id)
+            elif extra is not None:
+                result = extra(args)
+        except OrchestratorError as err:
+            self._journal_command(op, cmd_id, str(err))
+            self._outbox.append((reply, protocol.error(cmd_id, err), False))
+            self.metrics.command(op if isinstance(op, str) else "", 0.0, False)  # "": labelled "other"
+            return
+        except Exception as err:  # the client boundary: a bug in a handler is that command's error
+            log.exception("command %r failed", op)
+            self._journal_command(op, cmd_id, f"internal error: {err}")
+            self._outbox.append((reply, protocol.error(cmd_id, f"internal error: {type(err).__name__}: {err}", "internal"), False))
+            return
+        self.metrics.command(op, self.os.monotonic() - started, True)
+        self._journal_command(op, cmd_id, None)  # applied now, even if its reply waits
+        if result is not protocol.DEFERRED:
+            self._outbox.append((reply, protocol.ok(cmd_id, result), op not in protocol.READ_ONLY))
+
+    def run_once(self, timeout: float | None = None) -> None:
+        """One turn of the loop; ``timeout`` bounds the wait (None: until an event)."""
+        self.reactor.run_once(timeout)
+
+    def shutdown(self, budget: float | None = None) -> None:
+        """Stop every replica, all at once (stop signal, grace, KILL), and wait until all are
+        reaped; from now on every command is refused. With a ``budget`` (seconds) every
+        grace is cut so that all is over inside it (systemd's TimeoutStopSec, Kubernetes'
+        terminationGracePeriodSeconds). Desired sizes are kept: the next start brings the
+        pools back."""
+        if self.closed:
+            return
+        self.closing = True
+        wait = self.config.grace + 1.0
+        if budget is not None:
+            self._stop_deadline = self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
+            wait = max(0.0, budget - SHUTDOWN_MARGIN)
+        for rep in [r for pool in self._pools.values() for r in pool.live.values()]:
+            self.stop(rep, reason="shutdown", lower_desired=False)
+        done = lambda: not self._procs and not self._draining  # noqa: E731
+        if not self.reactor.run_until(done, wait):
+            for proc in list(self._procs.values()):
+                self.containment.kill_tree(proc)
+            self.reactor.run_until(done, 5.0)
+        self._outbox.extend(self._waiters.fail_all(ShuttingDown("the orchestrator is shutting down")))
+        self.settle()
+        self.spawning.stop()
+
+    def close(self) -> None:
+        """Release the loop's fds. Call after shutdown()."""
+        with self._submit_lock:
+            if self.closed:
+                return
+            self.closed = True
+        while self._inbox:  # submitted after the last turn: answer, never leave a caller hanging
+            cmd, reply = self._inbox.popleft()
+            cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
+            reply(protocol.error(cmd_id, ShuttingDown("the orchestrator is shutting down")))
+        self.reactor.close()
+
+    @property
+    def store(self) -> Any:
+        return self.journal.store
+
+    def _save_everything(self) -> None:
+        """Every pool and every replica in memory, into a journal that starts empty."""
+        for pool in self._pools.values():
+            self.save_pool(pool)
+        for rep in self._replicas.values():
+            self.journal.replica(rep)
+
+    def child_exited(self, pid: int) -> bool:
+        """A SIGCHLD scan found ``pid`` exited: handle it if it is a replica's (True)."""
+        proc = self._procs.get(pid)
+        if proc is None:
+            return self.spawning.exited(pid)
+        self._on_exit(proc)
+        return True
+
+    def start_spawners(self, wait: float = 0.0) -> None:
+        """Start the default spawner; ``wait``: run the loop until it is ready (bounded)."""
+        self.spawning.start(wait)
+
+    def system_pids(self) -> set[int]:
+        """Our children that are not replicas (the spawners)."""
+        return self.spawning.pids()
+
+    def status(self, include_terminal: bool = False) -> dict:
+        return self._cmd_status({"all": include_terminal}, None, None)
+
+    # -- the table, as the supervisor and the spawning see it (supervision.Table) ------
+
+    def pool(self, name: Any) -> Pool | None:
+        return self._pools.get(name) if isinstance(name, str) else None
+
+    def pools(self) -> Iterable[Pool]:
+        return list(self._pools.values())
+
+    def add_pool(self, pool: Pool) -> None:
+        self._pools[pool.name] = pool
+
+    def replica(self, rid: str) -> Replica | None:
+        return self._replicas.get(rid)
+
+    def lookup(self, rid: str) -> Replica | None:
+        """The replica, None if it ended long ago (a no-op for terminate), else UnknownReplica."""
+        rep = self._replicas.get(rid)
+        if rep is not None:
+            return rep
+        parsed = protocol.parse_replica_id(rid)
+        if parsed is not None:
+            pool = self._pools.get(parsed[0])
+            if pool is not None and 0 < parsed[1] < pool.next_n:
+                return None
+        raise UnknownReplica(f"unknown replica {rid!r}")
+
+    def proc_of(self, rep: Replica) -> Proc | None:
+        """The live process of ``rep``, if any. A replica whose cgroup is being drained keeps
+        its (reaped) pid until it has ended, and that number may belong to a new replica
+        already: hence the identity check."""
+        proc = self._procs.get(rep.pid) if rep.pid is not None else None
+        return proc if proc is not None and proc.replica is rep else None
+
+    def reply(self, reply: Reply, msg: dict, durable: bool) -> None:
+        """Send ``msg`` after this turn's commit (``durable``: "not saved" if it fails)."""
+        self._outbox.append((reply, msg, durable))
+
+    def changed(self) -> None:
+        """Something changed this turn: waiters and rollouts are looked at when it ends."""
+        self._dirty = True
+
+    # -- commands -------------------------------------------------------------------
+
+    def _cmd_terminate(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        ids = protocol.replica_ids(args.get("ids"), "terminate", one_is_enough=True)
+        timeout = protocol.wait_timeout(args) if args.get("wait") else None
+        reps = [self.lookup(i) for i in ids]  # all or nothing: an unknown id changes nothing
+        stopped = [r.id for r in reps if r is not None and self.stop(r, reason="terminated")]
+        if timeout is not None:
+            return self.wait_for(tuple(ids), "ended", reply, cmd_id, timeout)
+        return stopped
+
+    def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
+        if args.get("all"):
+            rows = {r.id: r.to_dict() for r in self._replicas.values()}
+            if self.store is not None:  # older history, and replicas of earlier daemons
+                stored = {row["id"]: row for row in self.store.replicas(include_terminal=True)}
+                rows = {**stored, **rows}
+            replicas = sorted(rows.values(), key=lambda r: (r["created_at"], r["id"]))
+        else:
+            replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
+        result = {
+            "pools": [p.to_dict() for p in self._pools.values() if not p.deleted],
+            "replicas": replicas,
+        }
+        if self.extra_status is not None:
+            result.update(self.extra_status())
+        return result
+
+    def _cmd_wait(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        ids = protocol.replica_ids(args.get("ids"), "wait")
+        until = args.get("until", "running")
+        if until not in ("running", "ended"):
+            raise InvalidSpec("until must be 'running' or 'ended'")
+        timeout = protocol.wait_timeout(args)
+        for i in ids:
+            self.lookup(i)
+        return self.wait_for(tuple(ids), until, reply, cmd_id, timeout, durable=False)
+
+    def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        return "pong"
+
+    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]:
+        """``count`` new replicas in the lowest free slots (or in ``slots``: replacements),
+        PENDING until spawning.py starts them; ``grow``: they add to the pool's desired size
+        (a replacement takes a place it has)."""
+        ids = []
+        now = self.os.time()
+        assert pool.runtime is not None, "launch from a pool with a usable spec"
+        for slot in slots if slots is not None else pool.free_slots(count):
+            n = pool.next_n
+            pool.next_n += 1
+            rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
+                          restarts=pool.slot_restarts.get(slot, 0), made_from=(pool.runtime, pool.policy))
+            self._replicas[rep.id] = rep
+            pool.live[rep.id] = rep
+            self.spawning.add(rep, pool.runtime)
+            self.journal.transition(rep, None)
+            ids.append(rep.id)
+        if grow:
+            pool.desired += len(ids)
+        if ids:
+            self.metrics.launched(pool.name, len(ids))
+        self.spawning.schedule()
+        return ids
+
+    # -- a replica's process ------------------------------------------------------------
+
+    def spawned(self, rep: Replica, sp: Spawned, cgroup: str | None, cleanup: list[Callable[[], None]]) -> None:
+        """Its process exists (spawning.py): watched from now on, STARTING."""
+        rep.pid, rep.start_time = sp.pid, sp.start_time
+        proc = Proc(sp.pid, sp.exit_fd, sp.ready_fd, rep, cgroup=cgroup, cleanup=cleanup)
+        self._procs[sp.pid] = proc
+        self.reactor.add_reader(sp.exit_fd, lambda: self._on_exit(proc))
+        self.reactor.add_reader(sp.ready_fd, lambda: self._on_ready(proc))
+        if self.watchdog is not None and sp.start_time is not None:
+            self.watchdog.add(sp.pid, sp.start_time, sp.pid, "worker", rep.id)
+        self.transition(rep, S.STARTING)
+
+    def failed(self, rep: Replica, reason: str) -> None:
+        """It ended before it ran (could not start, not ready): FAILED, then the restart policy."""
+        self.transition(rep, S.FAILED, reason)
+        self.supervisor.ended_on_its_own(rep, failed=True)
+
+    def _on_ready(self, proc: Proc) -> None:
+        if proc.ready_fd < 0:
+            return
+        data = self.os.read_ready(proc.ready_fd)
+        self.reactor.remove_reader(proc.ready_fd)
+        self.os.close(proc.ready_fd)
+        proc.ready_fd = -1
+        if proc.replica.state is not S.STARTING:
+            return  # interrupted while starting: its end is already recorded
+        if data:
+            self.failed(proc.replica, "could not start: " + data.decode("utf-8", "replace"))
+        else:
+            self.supervisor.started(proc)
+
+    def _on_exit(self, proc: Proc) -> None:
+        if proc.reaped:
+            return  # a stale event: a SIGCHLD scan got to it first in this turn
+        if proc.ready_fd >= 0:
+            self._on_ready(proc)  # the pipe is at EOF or holds the reason: settle it first
+        self.containment.end_remnants(proc)  # before the reap, while the pid is still ours
+        code = self.os.reap(proc.pid)
+        proc.reaped = True
+        if proc.kill_timer is not None and not proc.escaped:
+            proc.kill_timer.cancel()
+        self.reactor.remove_reader(proc.exit_fd)
+        self.os.close(proc.exit_fd)
+        del self._procs[proc.pid]
+        if self.watchdog is not None:
+            self.watchdog.remove(proc.pid)
+        for release in proc.cleanup:
+            release()
+        rid = proc.replica.id
+        self._draining[rid] = proc  # until its tree is gone (at once without a cgroup)
+
+        def ended(oom: bool) -> None:
+            self._draining.pop(rid, None)
+            self._record_end(proc, code, oom)
+
+        self.containment.watch_end(proc, code, proc.replica.created_at, ended)
+
+    def _record_end(self, proc: Proc, code: int | None, oom: bool) -> None:
+        """The replica's processes are all gone: record how it ended."""
+        rep = proc.replica
+        rep.pid = None
+        self._dirty = True
+        if oom:
+            reason = "OOM-killed"
+        else:
+            reason = exit_reason(code) if code is not None else "exit status unknown (reaped elsewhere)"
+        if rep.state is S.RUNNING:
+            new = S.EXITED if code == 0 else S.FAILED
+            self.transition(rep, new, reason, exit_code=code)
+            self.supervisor.ended_on_its_own(rep, failed=new is S.FAILED)
+        elif rep.state is S.STARTING:  # ran, but ended before it was ready
+            self.transition(rep, S.FAILED, f"exited during start ({reason})", exit_code=code)
+            self.supervisor.ended_on_its_own(rep, failed=True)
+        elif rep.state is S.STOPPING:
+            if proc.killed:
+                reason = f"{reason} after {self._grace(rep):g}s grace"
+            self.transition(rep, S.TERMINATED, reason, exit_code=code)
+            self.supervisor.stopped(rep)
+        else:
+            self.journal.replica(rep)  # terminal already: only the pid is gone
+
+    def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool:
+        """Terminate one replica; a no-op (False) when it is ending or ended already."""
+        state = rep.state
+        if state is S.PENDING:
+            self.transition(rep, S.INTERRUPTED, reason)
+        elif state is S.STARTING:
+            self.transition(rep, S.INTERRUPTED, reason)
+            self.signal_and_arm(rep)
+        elif state is S.RUNNING:
+            self.transition(rep, S.STOPPING, reason)
+            self.signal_and_arm(rep)
+        else:
+            return False
+        if lower_desired:
+            pool = self._pools[rep.pool]
+            pool.desired -= 1
+            self.save_pool(pool)
+        return True
+
+    def _grace(self, rep: Replica) -> float:
+        pool = self._pools.get(rep.pool)
+        grace = pool.policy.grace if pool is not None else None
+        grace = self.config.grace if grace is None else grace
+        if self._stop_deadline is not None:  # a shutdown against a budget
+            grace = max(0.0, min(grace, self._stop_deadline - self.os.monotonic()))
+        return grace
+
+    def signal_and_arm(self, rep: Replica) -> None:
+        """Its pool's stop signal to its tree, and SIGKILL once the grace is over."""
+        proc = self.proc_of(rep)
+        if proc is None or proc.kill_timer is not None:
+            return
+        pool = self._pools.get(rep.pool)
+        sig = pool.policy.signum if pool is not None else signal.SIGTERM
+        proc.escaped = self.containment.signal_tree(proc, sig)
+        proc.kill_timer = self.reactor.call_later(self._grace(rep), lambda: self.containment.kill_after_grace(proc))
+
+    def signal(self, rep: Replica, sig: int) -> bool:
+        """``sig`` to every process of ``rep``, if it has a live one (True)."""
+        proc = self.proc_of(rep)
+        if proc is None or proc.reaped:
+            return False
+        self.containment.signal_tree(proc, sig)
+        return True
+
+    def transition(self, rep: Replica, new: S, reason: str | None = None, *, exit_code: int | None = None) -> None:
+        old = transition(rep, new, reason, exit_code=exit_code, clock=self.os.time)
+        self._dirty = True
+        if new.terminal:
+            self.metrics.exited(rep.pool, _exit_kind(rep))
+            pool = self._pools.get(rep.pool)
+            if pool is not None:
+                pool.live.pop(rep.id, None)
+            self._ended.append(rep.id)
+        self.journal.transition(rep, old)
+
+    def _forget_ended(self) -> None:
+        """Ended replicas beyond ``keep_ended`` leave memory (the journal keeps them), the
+        oldest first, except those an open waiter or rollout still reads: a terminate of
+        2,000 replicas must still name all 2,000 in its reply."""
+        excess = len(self._ended) - self.config.keep_ended
+        if excess <= 0:
+            return
+        held = {rid for w in self._waiters for rid in w.ids} | self.supervisor.held()
+        kept: list[str] = []
+        while excess > 0 and self._ended:
+            rid = self._ended.popleft()
+            if rid in held:
+                kept.append(rid)
+            else:
+                self._replicas.pop(rid, None)
+                excess -= 1
+        self._ended.extendleft(reversed(kept))
+
+    def save_pool(self, pool: Pool) -> None:
+        if (pool.runtime is not None or pool.unresolved is not None) and self.journal.store is not None:
+            self.journal.pool(pool.name, pool.stored(), pool.desired, pool.next_n)
+
+    def _journal_command(self, op: Any, cmd_id: Any, error: str | None) -> None:
+        if op not in protocol.READ_ONLY:
+            self.journal.command(op, cmd_id, error)
+
+    # -- waiting ------------------------------------------------------------------
+
+    def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
+                 *, durable: bool = True) -> Any:
+        """Reply once every one of ``ids`` is ``until`` ("running", "ended"), or at ``timeout``."""
+        waiter = Waiter(tuple(ids), until, reply, cmd_id, durable=durable)
+        self._waiters.add(waiter)
+        self.reactor.call_later(timeout, lambda: self._outbox.extend(self._waiters.timed_out(waiter)))
+        self._dirty = True
+        return protocol.DEFERRED
+
+    # -- settling a turn ------------------------------------------------------------
+
+    def settle(self) -> None:
+        """The end of a turn: rollouts and waiters checked, one commit, then the replies."""
+        if self._dirty:
+            self._dirty = False
+            self.supervisor.settle()
+            if self._waiters:
+                self._outbox.extend(self._waiters.check())
+            self._forget_ended()
+        if self.store is not None:
+            self.commit()  # before any reply: an acknowledged command is durable
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for reply, msg, _ in out:
+                reply(msg)
+
+    def commit(self) -> bool:
+        """Commit this turn's changes. A failing disk must not kill the loop (the replicas
+        still need supervising): the batch stays buffered for the next commit, and every
+        success this turn would have reported is reported as not saved instead."""
+        err = self.journal.commit()
+        if err is None:
+            return True
+        self.metrics.store_failure()
+        now = self.os.monotonic()
+        if now - self._store_warned > 10.0:  # one line per 10 s, not one per turn
+            self._store_warned = now
+            log.error("state not saved (will retry): %s", err)
+        self._outbox = [
+            (reply, protocol.error(msg.get("id"), f"applied, but the state could not be saved: {err}", "store"), False)
+            if durable and msg.get("ok") else (reply, msg, durable)
+            for reply, msg, durable in self._outbox
+        ]
+        return False
+
+
+def _exit_kind(rep: Replica) -> str:
+    """How a replica ended, for the metrics (a small closed set, never free text)."""
+    reason = rep.reason or ""
+    if rep.state is S.TERMINATED or rep.state is S.INTERRUPTED:
+        return "terminated"
+    if rep.state is S.LOST:
+        return "lost"
+    if reason.startswith("could not start"):
+        return "could_not_start"
+    if reason.startswith("not ready"):
+        return "not_ready"
+    if rep.exit_code is not None and rep.exit_code < 0:
+        return "signal"
+    return "exit_zero" if rep.exit_code == 0 else "exit_nonzero"

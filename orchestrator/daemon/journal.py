@@ -1,0 +1,119 @@
+"""What the control loop writes to the store, in the store's shapes, in one place.
+
+The engine says what happened (a replica changed state, a pool changed, a command was
+applied) and this module says how that is recorded: the replica's row, the ``transition``
+event, the pool's row, the ``command`` event. ``commit()`` makes one turn durable and turns
+a failing disk into a message instead of an exception: the replicas still need supervising.
+Recovery writes its LOST records through the same functions, so a recovered transition
+has the same shape as any other. What the store's retention forgets (ended replicas' ids) is
+passed on to ``forgotten``: the daemon removes their log files.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from ..states import Replica, ReplicaState
+from ..store import StoreError
+
+log = logging.getLogger("orchestrator")
+
+
+class Journal:
+    """The engine's writes to ``store`` (a Store, or anything with its write methods);
+    with no store every call is a no-op."""
+
+    def __init__(self, store: Any, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.clock = clock
+        # Set by the daemon: how to open a fresh store at the same path, and how to write
+        # the whole table into it, for when state.db is deleted under a running daemon.
+        self.reopen: Callable[[], Any] | None = None
+        self.rebuild: Callable[[], None] | None = None
+        # Set by the daemon: called (in the loop's turn) with the ids of ended replicas whose
+        # records retention deleted; their log files go with them.
+        self.forgotten: Callable[[list[str]], None] | None = None
+        self._file_id = self._current_file_id()
+        self._watch(store)
+
+    def _watch(self, store: Any) -> None:
+        if store is not None and hasattr(store, "on_pruned"):  # a Store; a test's stand-in may not prune
+            store.on_pruned = self._pruned
+
+    def _pruned(self, ids: list[str]) -> None:
+        if self.forgotten is not None:
+            self.forgotten(ids)
+
+    def _current_file_id(self) -> Any:
+        file_id = getattr(self.store, "file_id", None)
+        return file_id() if file_id is not None else None
+
+    def transition(self, rep: Replica, old: ReplicaState | None) -> None:
+        """The replica's row and a ``transition`` event (``old`` None: it was just made)."""
+        if self.store is None:
+            return
+        self.store.save_replica(rep.to_record())
+        self.store.append_event(
+            "transition", replica=rep.id, ts=self.clock(),
+            data={"from": old.value if old else None, "to": rep.state.value, "reason": rep.reason},
+        )
+
+    def replica(self, rep: Replica) -> None:
+        """The replica's row only (its state did not change: e.g. its pid is gone)."""
+        if self.store is not None:
+            self.store.save_replica(rep.to_record())
+
+    def pool(self, name: str, spec: dict, desired: int, next_n: int) -> None:
+        if self.store is not None:
+            self.store.save_pool(name, spec, desired, next_n)
+
+    def command(self, op: Any, cmd_id: Any, error: str | None) -> None:
+        if self.store is None:
+            return
+        data = {"op": op, "cmd_id": cmd_id, "ok": error is None}
+        if error is not None:
+            data["error"] = error
+        self.store.append_event("command", data=data, ts=self.clock())
+
+    def event(self, kind: str, data: dict) -> None:
+        if self.store is not None:
+            self.store.append_event(kind, data=data, ts=self.clock())
+
+    @property
+    def pending(self) -> bool:
+        return self.store is not None and bool(self.store.pending)
+
+    def commit(self) -> str | None:
+        """Commit what this turn buffered; None on success, else why it failed (the batch
+        stays buffered and the next commit retries it)."""
+        if self.store is None:
+            return None
+        if self.reopen is not None and self.store.pending and self._current_file_id() != self._file_id:
+            self._recreate(self.reopen)
+        try:
+            self.store.commit()
+        except StoreError as err:
+            return str(err)
+        return None
+
+    def _recreate(self, reopen: Callable[[], Any]) -> None:
+        """state.db was deleted or replaced: writing on into the unlinked file would lose
+        everything at the next start. Open a new one with ``reopen`` and write the table
+        from memory."""
+        try:
+            fresh = reopen()
+        except StoreError as err:
+            log.error("state.db vanished and cannot be recreated (will retry): %s", err)
+            return
+        log.error("%s was deleted or replaced while the daemon ran: recreated from memory", fresh.path)
+        old, self.store = self.store, fresh
+        self._watch(fresh)
+        self._file_id = self._current_file_id()
+        try:
+            old.hand_over(fresh)
+        except StoreError:
+            pass  # the old file is gone; what it buffered is in the new one already
+        if self.rebuild is not None:
+            self.rebuild()
+        self.event("journal", {"recreated": True, "reason": "state.db vanished while running"})

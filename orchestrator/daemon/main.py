@@ -1,0 +1,535 @@
+"""The host daemon process: one per state dir. How the CLI starts and stops it (the
+client side) is control.py.
+
+    orchestrator start ──spawns──► daemon (own session, stdio -> logs/daemon.log)
+                                          │ holds a POSIX write lock on daemon.pid
+                                          │ recovers leftovers of an unclean end (LOST)
+                                          ├─► watchdog process   (python -m watchdog)
+                                          ├─► manager process    (python -m orchestrator.manager.server)
+                                          └─► replicas           (forked by the control loop)
+    ◄──── "READY <pid>" on a pipe once the channel accepts commands
+
+Liveness is the lock, never a pid check: the kernel drops the lock the moment the daemon
+exits (a zombie daemon already counts as gone), F_GETLK names the holder's pid without
+taking the lock, and a stale pid file or socket left by a SIGKILL is simply replaced.
+
+Signals only record themselves (and wake the loop through the wakeup fd); a reader in the
+loop then reaps orphans for SIGCHLD and sets a flag for SIGTERM/SIGINT, which the daemon
+checks between turns and turns into ShutdownRequested, so no turn is left half done. Shutdown: refuse
+commands, terminate every replica (TERM to its group, grace, KILL), stop the manager, tell
+the watchdog to exit quietly, remove the runtime files, exit 0. A second SIGTERM or SIGINT
+during shutdown is logged and ignored: the cleanup always runs to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from typing import Any
+
+from watchdog import WatchdogLink
+from watchdog.identity import scan
+from watchdog.ledger import Entry
+
+from . import config as config_file
+from . import containment, logsink, probes
+from .children import ManagerBridge, WatchdogChild
+from .engine import Engine, EngineConfig
+from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
+from .httpserver import MetricsServer
+from .logcapture import LogCapture
+from ..logfiles import remove as remove_logs
+from .metrics import LagMonitor, health
+from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
+from ..policy import LIMIT_KEYS
+from .reactor import drain
+from .recovery import recover_leftovers
+from .osapi import OSApi, raise_fd_limit, set_child_subreaper
+from ..store import Store, StoreError
+from ..version import __version__
+from ..worker import sd_notify
+
+log = logging.getLogger("orchestrator")
+REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5
+WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is the bound
+
+
+def _policy_of(decl: config_file.PoolDecl) -> dict:
+    """A config pool's policy, its cgroup limits included (they are policy keys on launch)."""
+    return {**decl.policy, **{k: v for k in LIMIT_KEYS if (v := getattr(decl, k)) is not None}}
+
+
+class Daemon:
+    """Runs in the foreground of its process until SIGTERM/SIGINT; see the module doc."""
+
+    def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
+                 retention: dict | None = None, config_path: str | None = None,
+                 stop_budget: float | None = None, metrics_port: int | None = None,
+                 cgroup: str | None = None) -> None:
+        self.paths = paths
+        self.cgroup = cgroup  # auto | off | PATH (containment.detect); None: the config's, else auto
+        self.containment: Any = None
+        # Settings given on the command line win over the config file's [daemon] table,
+        # which wins over the built-in defaults.
+        self.config_path = config_path
+        self.config: config_file.Config | None = None
+        self._given_grace, self._given_stop_budget, self._given_metrics_port = grace, stop_budget, metrics_port
+        self.grace = 5.0 if grace is None else grace
+        self.stop_budget = 30.0 if stop_budget is None else stop_budget
+        self.metrics_port = metrics_port
+        self.retention = retention or {}
+        self.metrics_server: MetricsServer | None = None
+        self.log_capture: Any = None
+        self.lag: LagMonitor | None = None
+        self.ready_fd = ready_fd
+        self.started_at = time.time()
+        self._signals: list[int] = []
+        self._stop_signal: int | None = None
+        self._lock_fd: int | None = None
+        self.os = OSApi()
+        self.engine: Engine | None = None
+        self.store: Any = None
+        self.watchdog: WatchdogChild | None = None
+        self.manager: ManagerBridge | None = None
+        self.log_sink: logsink.LogSink | None = None
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine, for what runs from _serve on (signals, commands, shutdown)."""
+        if self.engine is None:
+            raise RuntimeError("the daemon's engine is not made yet")  # a bug in the caller
+        return self.engine
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        from ..paths import check_state_dir
+
+        paths = self.paths
+        # Every file the daemon and its children create is 0600 (dirs 0700) unless they say
+        # otherwise: the journal, its WAL (which holds launch environments), logs, the key.
+        os.umask(0o077)
+        try:
+            check_state_dir(paths, create=True)  # refuses another user's or a writable dir
+            self._lock_fd = take_lock(paths)
+            if self._lock_fd is None and is_watchdog(running_pid(paths)):
+                # A dead daemon's watchdog still sweeps (it holds the lock so that nobody
+                # starts on half-killed leftovers, and so that the files it removes are
+                # its dead daemon's, never ours): wait for it, bounded.
+                log.info("waiting for the previous daemon's watchdog to finish its sweep")
+                self._lock_fd = take_lock(paths, wait=WATCHDOG_SWEEP_WAIT)
+        except OrchestratorError as err:
+            return self._fail(str(err))
+        except OSError as err:
+            return self._fail(f"cannot use state dir {paths.state_dir}: {err.strerror or err}")
+        if self._lock_fd is None:
+            return self._fail(f"a daemon is already running for {paths.state_dir} (pid {running_pid(paths)})")
+        os.environ.setdefault("SPT_NOENV", "1")
+        from setproctitle import setproctitle
+
+        setproctitle("orchestrator: daemon")
+        self._install_signals()
+        try:
+            return self._serve()
+        except OrchestratorError as err:
+            return self._fail(str(err))
+        finally:
+            self._remove_runtime_files()
+
+    def _fail(self, message: str) -> int:
+        print(f"orchestrator: {message}", file=sys.stderr, flush=True)
+        self._notify(f"ERROR {message}")
+        return 1
+
+    def _notify(self, line: str) -> None:
+        if self.ready_fd is None:
+            return
+        try:
+            os.write(self.ready_fd, (line + "\n").encode())
+        except OSError:
+            pass  # `start` gave up waiting; the log has it
+        os.close(self.ready_fd)
+        self.ready_fd = None
+
+    def _install_signals(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._sig_r = r
+        self._sig_w = w
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, self._record_signal)
+
+    def _record_signal(self, signum: int, frame: Any) -> None:
+        self._signals.append(signum)  # only record: the loop acts on it
+
+    def _load_config(self, path: str) -> None:
+        """The config file's [daemon] settings, under what the command line gave."""
+        self.config = config_file.load(path)
+        d = self.config.daemon
+        self.grace = d.grace if self._given_grace is None else self._given_grace
+        self.stop_budget = d.stop_budget if self._given_stop_budget is None else self._given_stop_budget
+        self.metrics_port = d.metrics_port if self._given_metrics_port is None else self._given_metrics_port
+        if not self.retention:
+            self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
+                              "keep_seconds": d.keep_days * 86400}
+
+    def _serve(self) -> int:
+        paths = self.paths
+        if self.config_path is not None:
+            self._load_config(self.config_path)  # an invalid file: one line, and nothing started
+        # systemd's notify socket is ours (Type=notify), not the replicas'.
+        self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None)
+        set_child_subreaper()
+        self.os = OSApi(nofile=raise_fd_limit())
+        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
+        paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
+        self._write_authkey()
+        self.store = self._open_store()
+        self._keep_watchdog_report()
+        link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
+                            remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
+        config = EngineConfig(grace=self.grace, token=token, spawners=True)
+        # Before the watchdog and the manager start: they are born in the subtree's daemon/.
+        previous_cgroup = containment.previous(paths)
+        self.containment = containment.detect(
+            self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
+        log.info("containment: %s (%s)", self.containment.mode, self.containment.reason)
+        link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
+        engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link,
+                                      containment=self.containment)
+        engine.journal.reopen = lambda: self._new_store()
+        engine.extra_status = self._daemon_status
+        engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
+        reactor = engine.reactor
+        reactor.add_reader(self._sig_r, self._on_signal_wakeup)
+        if self.log_sink is not None:
+            reactor.add_writer(self.log_sink)
+        settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
+        if self.log_sink is not None:  # daemon.log (when it is our stderr) is bounded like a replica's logs
+            self.log_sink.rotate_file(paths.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        self.log_capture = engine.log_capture = LogCapture(
+            paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
+        self.watchdog = WatchdogChild(link, reactor, self.os)
+        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
+                                     journal=engine.journal)
+        try:
+            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
+                              cgroups=[previous_cgroup, self.containment.path])
+            containment.drop_previous(previous_cgroup, self.containment)
+            containment.record(paths, self.containment)
+            self._prune_logs()
+            self.watchdog.start()
+            engine.start_spawners()  # until one is ready, replicas are forked here
+            # Pools first, then the channel: no command may see a half-restored table.
+            engine.supervisor.restore(self.store.load()[0])
+            if self.config is not None:
+                self._apply(self.config)
+            engine.settle()
+            self.lag = LagMonitor(reactor, interval=1.0)
+            engine.metrics.lag = self.lag
+            if self.metrics_port is not None:
+                try:
+                    self.metrics_server = MetricsServer(
+                        reactor, self.metrics_port, self._render_metrics, self._healthz,
+                        on_outcome=engine.metrics.http_request)
+                except OSError as err:
+                    raise OrchestratorError(str(err)) from None
+            self.manager.start()
+            deadline = time.monotonic() + 30
+            while not self.manager.ready:
+                if time.monotonic() > deadline:
+                    raise OrchestratorError("the manager server did not start within 30 s")
+                self._turn(1.0)
+            log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
+            self._notify(f"READY {os.getpid()}")
+            if self._systemd_notify:
+                sd_notify(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
+            if self.ready_fd is None and sys.stdout.isatty():
+                print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
+            while True:
+                self._turn(None)
+        except ShutdownRequested as req:
+            log.info("%s: shutting down", signal.Signals(req.signum).name)
+        finally:
+            self._shutdown(engine)
+        return 0
+
+    def _turn(self, timeout: float | None) -> None:
+        """One turn of the loop; a shutdown signal is acted on between turns, never inside."""
+        self._engine.run_once(timeout)
+        if self._stop_signal is not None:
+            raise ShutdownRequested(self._stop_signal)
+
+    def _write_authkey(self) -> None:
+        from ..paths import AUTHKEY_NAME, write_private
+
+        write_private(self.paths, AUTHKEY_NAME, secrets.token_bytes(32))  # a new 0600 file, in the checked dir
+
+    def _new_store(self) -> Any:
+        store = Store(self.paths.db, **self.retention)
+        for note in store.notes:
+            log.warning("%s", note)
+        return store
+
+    def _open_store(self) -> Any:
+        try:
+            return self._new_store()
+        except StoreError as err:
+            raise OrchestratorError(str(err)) from None
+
+    def _keep_watchdog_report(self) -> None:
+        """A watchdog report is what happened the last time this daemon died: keep it (the
+        last few, rotated) and say in the journal what the watchdog did, for `events`."""
+        report = self.paths.report
+        try:
+            data = json.loads(report.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as err:
+            data = {"unreadable": str(err)}
+        summary = {k: data.get(k) for k in ("reason", "detected_by", "detected_at", "ledger_entries") if k in data}
+        if isinstance(data.get("processes"), list):
+            summary["processes"] = len(data["processes"])
+        if isinstance(data.get("cgroups"), list):
+            summary["cgroups"] = len(data["cgroups"])
+        summary["report"] = f"{report.name}.1"
+        self.store.append_event("watchdog", ts=time.time(), data=summary)
+        for n in range(REPORTS_KEPT - 1, 0, -1):
+            older = report.with_name(f"{report.name}.{n}")
+            if older.exists():
+                older.replace(report.with_name(f"{report.name}.{n + 1}"))
+        report.replace(report.with_name(f"{report.name}.1"))
+
+    def _daemon_status(self) -> dict:
+        return {"daemon": {
+            "running": True, "pid": os.getpid(),
+            "watchdog_pid": self.watchdog.pid if self.watchdog is not None else None,
+            "manager_pid": self.manager.pid if self.manager is not None else None,
+            "spawner_pids": sorted(self.engine.system_pids()) if self.engine is not None else [],
+            "started_at": self.started_at,
+            **(self.containment.describe() if self.containment is not None else {}),
+            "logs": self.log_capture.totals() if self.log_capture is not None else None,
+            "config": self.config_path,
+        }}
+
+    # -- signals and orphans ----------------------------------------------------------
+
+    def _on_signal_wakeup(self) -> None:
+        drain(self._sig_r)
+        signals, self._signals = self._signals, []
+        if signal.SIGCHLD in signals:
+            self.reap_orphans()
+        for sig in signals:
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                if self._engine.closing:
+                    log.info("%s during shutdown: the cleanup goes on", signal.Signals(sig).name)
+                elif self._stop_signal is None:
+                    self._stop_signal = sig
+            elif sig == signal.SIGHUP:
+                if self.config_path is None:
+                    log.info("SIGHUP: no config file to reload (start --config FILE)")
+                    continue
+                if self._engine.closing:
+                    log.info("SIGHUP during shutdown: not reloading")
+                    continue
+                try:
+                    log.info("SIGHUP: reloaded %s: %s", self.config_path, self._cmd_reload({}))
+                except OrchestratorError as err:
+                    log.error("SIGHUP: %s (the running config stays)", err)
+
+    def reap_orphans(self) -> None:
+        """Reap every exited child, including orphans re-parented to this subreaper. Each
+        exit goes to its owner first (a replica's to the engine, which ends its group's
+        remnants while the zombie still pins the group; a system child's to its supervisor)."""
+        while (pid := self.os.exited_child()) is not None:
+            if self._engine.child_exited(pid):
+                continue
+            probe = probes.EXEC_PROBES.get(pid)
+            if probe is not None:
+                probe.exited()  # reaps it and reports its exit code to the probe's owner
+                continue
+            for child in (self.manager.child if self.manager else None, self.watchdog):
+                if child is not None and child.owns(pid):
+                    child.exited()
+                    break
+            else:
+                self.os.reap(pid)
+                log.debug("reaped orphan %d", pid)
+
+    # -- shutdown -------------------------------------------------------------------
+
+    # -- operations: config, health, metrics --------------------------------------------
+
+    def _apply(self, new: config_file.Config, prepared: dict[str, Any] | None = None) -> dict:
+        """Make the table what the file declares: pools an earlier file declared and this
+        one does not deleted, changed ones rolled, resized ones scaled, new pools started.
+
+        Removed pools go first, and while the replicas of deleted pools are still ending,
+        new pools wait for them to be reaped (a pool of servers on fixed ports, renamed,
+        would otherwise start while the old one still holds the ports); that wait is bounded
+        by the grace plus 10 s, after which they are started anyway. ``prepared``:
+        engine.supervisor.prepare_declared() of each pool, when the caller checked them all already."""
+        prepared = prepared or {}
+        done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
+        engine = self._engine
+        removed = engine.supervisor.undeclare_missing(set(new.pools))
+        ending = engine.supervisor.deleted_not_ended()  # these, and those of an earlier delete
+        later: list[str] = []
+        for decl in new.pools.values():
+            if ending and not engine.supervisor.has_pool(decl.name):
+                later.append(decl.name)
+                done["added"].append(decl.name)
+                continue
+            what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            done[what].append(decl.name)
+        done["removed"] = removed
+        if later:
+            engine.supervisor.when_ended(ending, lambda ended: self._add_later(later, ended), self.grace + 10.0)
+        return done
+
+    def _add_later(self, names: list[str], ended: bool) -> None:
+        """Start the pools _apply held back, as the config file declares them now (a later
+        reload may have changed or removed them meanwhile)."""
+        if self._engine.closing:  # the wait ended because the daemon stops: nothing to start
+            return
+        if not ended:
+            log.warning("config: the removed pools' replicas have not all ended; starting %s anyway",
+                        ", ".join(names))
+        for name in names:
+            decl = self.config.pools.get(name) if self.config is not None else None
+            if decl is None:
+                continue
+            try:
+                self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+            except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
+                log.error("config: pool %s: %s", name, err)
+
+    def _prune_logs(self) -> None:
+        """Logs live as long as their replica's record: drop those the journal forgot."""
+        known = {r["id"] for r in self.store.replicas(include_terminal=True)}
+        ids = {name.split(".", 1)[0] for name in os.listdir(self.paths.logs)
+               if name.endswith((".out", ".err")) or ".out." in name or ".err." in name}
+        stale = ids - known - {"daemon"}
+        if stale:
+            remove_logs(self.paths.logs, stale)
+
+    def _cmd_reload(self, args: dict) -> dict:
+        if self.config_path is None:
+            raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
+        new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
+        # the whole file is checked before anything changes
+        prepared: dict[str, Any] = {}
+        for decl in new.pools.values():
+            try:
+                prepared[decl.name] = self._engine.supervisor.prepare_declared(decl.spec, _policy_of(decl), decl.size)
+            except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
+                raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
+        done = self._apply(new, prepared)
+        later = config_file.diff(self.config, new).daemon_changed
+        self.config = new
+        self._engine.config.grace = self.grace = new.daemon.grace if self._given_grace is None else self.grace
+        if self._given_stop_budget is None:
+            self.stop_budget = new.daemon.stop_budget
+        if later:
+            done["restart_needed"] = [k for k in later if k not in ("grace", "stop_budget")]
+        return done
+
+    def _daemon_parts(self) -> dict:
+        return {"started_at": self.started_at, "daemon_alive": True,
+                "watchdog_alive": self.watchdog is not None and self.watchdog.pid is not None,
+                "manager_alive": self.manager is not None and self.manager.pid is not None,
+                "version": __version__}
+
+    def _healthz(self) -> tuple[bool, dict]:
+        return health(self._daemon_parts(), self.lag.current() if self.lag else 0.0)
+
+    def _cmd_health(self, args: dict) -> dict:
+        return self._healthz()[1]
+
+    def _render_metrics(self) -> str:
+        engine = self._engine
+        if self.log_capture is not None:
+            totals = self.log_capture.totals()
+            engine.metrics.set_log_totals(totals["bytes"], totals["dropped"])
+        return engine.metrics.render(engine.status(), self._daemon_parts())
+
+    def _cmd_metrics(self, args: dict) -> str:
+        return self._render_metrics()
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def _shutdown(self, engine: Engine) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.lag is not None:
+            self.lag.stop()
+        engine.shutdown(self.stop_budget)
+        if self.log_capture is not None:
+            self.log_capture.close()  # what the replicas wrote last is drained into the files
+        self._end_adopted()
+        if self.manager is not None:
+            self.manager.stop(5.0)  # EOF on its reply pipe: the manager exits by itself
+        if self.watchdog is not None:
+            self.watchdog.stop_quietly()
+        journal = engine.journal
+        if journal.store is not None:
+            journal.event("stop", {"pid": os.getpid()})
+            err = journal.commit()
+            if err is not None:
+                log.error("the stop could not be journaled: %s", err)
+            try:
+                journal.store.close()
+            except StoreError as err:
+                log.error("closing the journal: %s", err)
+        engine.close()
+        if self.containment is not None and self.containment.close():
+            containment.forget(self.paths)  # the subtree is gone: nothing for a next start to kill
+        log.info("daemon %d stopped", os.getpid())
+
+    def _end_adopted(self) -> None:
+        """Orphans re-parented to us (a worker's descendants that left its group, e.g. with
+        setsid) outlive their replica; a clean stop ends them too, and their descendants."""
+        me = os.getpid()
+        children = (self.manager.pid if self.manager else None, self.watchdog.pid if self.watchdog else None)
+        system = {pid for pid in children if pid is not None} | set(self._engine.system_pids())
+        adopted = [Entry(st.pid, st.start_time, None, "process", "adopted")
+                   for st in scan().values() if st.ppid == me and st.pid not in system and st.state != "Z"]
+        if adopted:
+            report = self.os.sweep(adopted, grace=min(self.grace, 1.0), exclude=system)
+            log.info("ended %d adopted orphan(s) and their descendants", len(report.get("processes", adopted)))
+        self.reap_orphans()
+
+    def _remove_runtime_files(self) -> None:
+        for path in (self.paths.socket, self.paths.authkey):
+            path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            self.paths.pidfile.unlink(missing_ok=True)  # unlinked while still locked
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any) -> int:
+    """Run a daemon in this process until it is stopped; ``settings`` are Daemon's."""
+    sys.stderr.flush()
+    daemon = Daemon(paths, ready_fd=ready_fd, **settings)
+    daemon.log_sink = logsink.install(fd=sys.stderr.fileno())
+    try:
+        return daemon.run()
+    finally:
+        # Done, and about to exit: Python's finalization puts SIG_DFL back under handlers
+        # it set, so a stop signal in those last milliseconds would turn a clean exit into
+        # "killed by SIGTERM" for systemd or a shell. Ignored ones stay ignored.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+__all__ = ["Daemon", "run_foreground"]
+

@@ -1,0 +1,688 @@
+"""Keeping pools alive: what each pool should hold and keeping it so. Readiness and
+liveness, the restart policy, crash loops, rolling restarts, pools declared by the config
+file, and the commands that shape pools (launch, scale, restart, delete, signal).
+
+The daemon's loop thread runs it, beside the engine (engine.py) and apart from it: the
+engine owns the replica table and the processes (forks, exits, signals, transitions, one
+commit per turn); the ``Supervisor`` decides, and acts on the table only through ``Table``
+below. The engine tells it what happened through its hooks: ``started`` (a replica's exec
+succeeded), ``ended_on_its_own``, ``stopped`` (ended after a stop was asked), ``settle``;
+spawning.py asks it for a replica's ``notify_socket`` and reports a ``bad_template``.
+
+    exec succeeded ─► ready probe? ──yes─► retry until ready ─► RUNNING ─► liveness checks
+          │                │                     └ ready_timeout ─► FAILED (then stopped)
+          │                └ start_secs ─► RUNNING once it ran that long
+          ▼
+    ended on its own ─► restart policy ─► slot backoff ─► replacement (new id, same slot)
+                               └ (N+1)-th within S s ─► pool crashloop, size follows it out
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any, Callable, Iterable, Protocol
+
+from . import probes
+from .. import protocol
+from .containment import Cgroups, ProcessGroups
+from ..errors import InvalidSpec, UnknownReplica
+from .journal import Journal
+from .metrics import Metrics
+from ..policy import Policy, signal_number
+from .pools import CRASHLOOP, Pool, check_templates, expand_probe
+from ..store import unpack_pool_row as unpack_row
+from .reactor import Reactor
+from .rollout import Rollout
+from .osapi import OSApi
+from ..spec import Runtime, prepare
+from ..states import Replica
+from ..states import ReplicaState as S
+
+log = logging.getLogger("orchestrator")
+Reply = Callable[[dict], None]
+_LIVE = (S.PENDING, S.STARTING, S.RUNNING)
+_NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
+
+
+class Proc(Protocol):
+    """A replica's process as the table holds it (engine.Proc): what supervision reads."""
+
+    pid: int
+    replica: Replica
+    reaped: bool  # its exit was handled: it is over, whatever a timer still expects
+    cgroup: str | None
+    cleanup: list[Callable[[], None]]  # called once it is reaped: its probes, timers, socket
+    probes: Any  # probes.ProbeBox of its exec probes, made by the first one
+
+
+class Table(Protocol):
+    """What the supervisor asks of the replica table (engine.Engine), and all it asks."""
+
+    reactor: Reactor
+    os: OSApi
+    journal: Journal
+    metrics: Metrics
+    containment: Cgroups | ProcessGroups
+    watchdog: Any  # the watchdog's ledger feed, for exec probes' cgroups
+    log_capture: Any  # logs.LogCapture, for exec probes' output
+    closing: bool
+
+    def pool(self, name: Any) -> Pool | None: ...  # deleted ones too
+    def pools(self) -> Iterable[Pool]: ...
+    def add_pool(self, pool: Pool) -> None: ...
+    def save_pool(self, pool: Pool) -> None: ...
+    def replica(self, rid: str) -> Replica | None: ...
+    def lookup(self, rid: str) -> Replica | None: ...  # UnknownReplica; None: ended long ago
+    def proc_of(self, rep: Replica) -> Proc | None: ...
+    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]: ...
+    def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool: ...
+    def signal(self, rep: Replica, sig: int) -> bool: ...
+    def signal_and_arm(self, rep: Replica) -> None: ...
+    def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
+    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
+    def changed(self) -> None: ...
+    def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
+                 *, durable: bool = True) -> Any: ...
+
+
+class Supervisor:
+    """See the module docstring. Loop thread only, like the table it acts on."""
+
+    def __init__(self, table: Table, *, base_env: dict[str, str], token: str | None) -> None:
+        self.table = table
+        self._base_env = base_env
+        self._token = token
+        self._rollouts: list[Rollout] = []
+        self._replacing: set[str] = set()  # ids asked to stop in order to be replaced (liveness)
+
+    def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
+        """The commands it answers: op -> handler(args, reply, cmd_id)."""
+        return {"launch": self._cmd_launch, "scale": self._cmd_scale, "restart": self._cmd_restart,
+                "delete": self._cmd_delete, "signal": self._cmd_signal}
+
+    # -- hooks the engine calls ---------------------------------------------------------
+
+    def settle(self) -> None:
+        """Something changed this turn: every rollout moves as far as it can."""
+        for rollout in list(self._rollouts):
+            rollout.advance()
+
+    def held(self) -> set[str]:
+        """The replica ids a rollout still reads: kept in memory while it runs."""
+        return {rid for r in self._rollouts for rid in r.ids()}
+
+    def stopped(self, rep: Replica) -> None:
+        """``rep`` ended after it was asked to stop: replaced if that was the point."""
+        if rep.id in self._replacing:  # only a failed liveness probe asks for that
+            self._replacing.discard(rep.id)
+            # A failure like any other: after the slot's backoff, and counted against
+            # max_restarts, so a replica that is never live ends in a crash loop.
+            self._replace(rep, reason="liveness probe failed", backoff=True)
+
+    def ended_on_its_own(self, rep: Replica, *, failed: bool) -> None:
+        """The restart policy decides: replaced after a backoff (the pool keeps its size),
+        or not (the pool's desired size follows the replica out)."""
+        pool = self._pool_of(rep)
+        if self._slot_taken(pool, rep.slot):
+            return  # a rolling restart's new replica holds the slot already: nothing to do
+        if self.table.closing or rep.slot is None or not pool.wants_replacement(failed) or pool.state == CRASHLOOP:
+            pool.desired -= 1
+            self.table.save_pool(pool)
+            return
+        self._replace(rep, reason=rep.reason or "ended", backoff=True)
+
+    # -- declaring pools ----------------------------------------------------------------
+
+    def prepare(self, wire: Any) -> Runtime:
+        return prepare(wire, self._base_env)
+
+    def check_declaration(self, spec: Any, policy: Any, size: int | None = None) -> tuple[Runtime, Policy]:
+        """A pool's spec and policy from the wire, checked as a declaration is: the spec
+        resolves, the limits are available, and (given its ``size``) every slot's templates
+        expand. InvalidSpec (one line) otherwise; nothing is changed."""
+        runtime = self.prepare(spec)
+        pol = Policy.from_wire(policy)
+        self.table.containment.check_limits(pol.limits)
+        if size is not None:
+            check_templates(runtime, pol, size)
+        return runtime, pol
+
+    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
+        """Recreate pools from the store at start-up (their ids continue where they
+        stopped) and, with ``relaunch``, bring each back to its desired size."""
+        for row in pools:
+            wire, policy_wire, extra = unpack_row(row.get("spec"))
+            runtime, policy, problem = None, Policy(), None
+            desired = int(row["desired"])
+            deleted = bool(extra.get("deleted"))
+            try:
+                # Checked as a declaration is: a journal written before a check existed (or
+                # by hand) must not bring a pool back that ends the loop at every start.
+                policy = Policy.from_wire(policy_wire)
+                if wire:
+                    runtime = self.prepare(wire)
+                    check_templates(runtime, policy, 0 if deleted else desired)
+            except InvalidSpec as err:
+                problem = f"{_NOT_RESTORED}{err}"
+            pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
+            pool.deleted = deleted
+            pool.declared = bool(extra.get("declared"))
+            if extra.get("crashloop") and not str(extra["crashloop"]).startswith(_NOT_RESTORED):
+                pool.crashloop(extra["crashloop"])  # (one of an earlier restore is judged anew)
+            self.table.add_pool(pool)
+            if problem is not None:
+                # Kept as stored (its size too: a later start tries again, say once a
+                # missing executable is back) and shown as a crash loop with the reason;
+                # an operator scales, replaces or deletes it.
+                pool.runtime, pool.policy = None, Policy()
+                pool.unresolved = (wire, policy_wire if policy_wire is not None else {})
+                pool.desired = 0 if deleted else desired
+                if not deleted:
+                    pool.crashloop(problem)
+                    log.error("pool %s: %s", pool.name, problem)
+            elif relaunch and runtime is not None and not deleted:
+                self.table.launch(pool, desired)
+            self.table.save_pool(pool)
+
+    # -- commands -------------------------------------------------------------------
+
+    def _cmd_launch(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        name = protocol.pool_name(args.get("pool"))
+        replace = bool(args.get("replace"))
+        count = protocol.count(args["count"], low=0 if replace else 1) if "count" in args else None
+        timeout = protocol.wait_timeout(args) if args.get("wait") or replace else None
+        runtime, policy = self.check_declaration(args.get("spec"), args.get("policy"))
+        pool = self.table.pool(name)
+        # The size the pool will have, for the templates' check, before anything changes.
+        if pool is None or pool.deleted:
+            size = 1 if count is None else count
+        elif runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy:
+            if not replace:
+                raise InvalidSpec(f"pool {name!r} runs another spec or policy: use --replace to roll it "
+                                  "onto this one, or another pool name")
+            size = len(pool.live) if count is None else count
+        else:
+            size = pool.desired + (1 if count is None else count)
+        check_templates(runtime, policy, size)
+        if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
+            pool.deleted, pool.runtime, pool.policy = False, runtime, policy
+            pool.clear()
+        if pool is None:
+            pool = Pool(name, runtime, policy)
+            self.table.add_pool(pool)
+        elif runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy:
+            pool.runtime, pool.policy = runtime, policy
+            pool.clear()
+            olds = sorted(pool.live.values(), key=lambda r: r.slot if r.slot is not None else -1)
+            target = len(olds) if count is None else count
+            self.table.save_pool(pool)
+            assert timeout is not None  # replace: always waits
+            return self._start_rollout(pool, [r.id for r in olds[:target]], 1, reply, cmd_id, timeout,
+                                       then_scale=target)
+        if replace:
+            pool.clear()
+        ids = self.table.launch(pool, 1 if count is None else count)
+        self.table.save_pool(pool)
+        if timeout is not None:
+            return self.table.wait_for(ids, "running", reply, cmd_id, timeout)
+        return ids
+
+    def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        name = args.get("pool")
+        n = protocol.count(args.get("n"), low=0, what="size")
+        pool = self._known_pool(name)
+        if args.get("spec") is not None:
+            runtime = self.prepare(args["spec"])
+            check_templates(runtime, pool.policy if pool is not None else Policy(), n)
+            if pool is None:
+                gone = self.table.pool(protocol.pool_name(name))
+                if gone is not None and gone.deleted:  # a deleted pool's name again: ids still continue
+                    pool, gone.deleted, gone.policy = gone, False, Policy.from_wire(None)
+                else:
+                    pool = Pool(protocol.pool_name(name), runtime)
+                    self.table.add_pool(pool)
+            pool.runtime = runtime
+        elif pool is not None:
+            check_templates(pool.runtime, pool.policy, n)
+        if pool is None:
+            raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
+        pool.clear()  # an operator acted: a crash loop is forgiven
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        if len(live) < n and pool.runtime is None:
+            raise InvalidSpec(f"pool {name!r} has no usable spec to launch from")
+        before = set(pool.live)
+        self._converge(pool, n)
+        launched = [rid for rid in pool.live if rid not in before]
+        stopped = sorted((r for r in live if r.state not in _LIVE), key=lambda r: -r.n)
+        return {"pool": pool.name, "desired": n, "launched": launched, "terminated": [r.id for r in stopped]}
+
+    def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Replace replicas with new ones (new ids, same slots): a rolling restart."""
+        timeout = protocol.wait_timeout(args)
+        if args.get("pool") is not None:
+            pool = self._pool(args["pool"])
+            if pool.runtime is None:
+                raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
+                                  "launch --replace, or delete it")
+            unavailable = protocol.count(args.get("max_unavailable", 1), what="max_unavailable")
+            pool.clear()
+            self._cancel_replacements(pool)
+            in_order = sorted((r for r in pool.live.values() if not self._leaving(r)),
+                              key=lambda r: r.slot if r.slot is not None else -1)
+            return self._start_rollout(pool, [r.id for r in in_order], unavailable, reply, cmd_id, timeout)
+        ids = protocol.replica_ids(args.get("ids"), "restart", one_is_enough=True)
+        reps = [self.table.lookup(i) for i in ids]
+        live = [r for r in reps if r is not None and not r.state.terminal]
+        if len(live) != len(ids):
+            gone = sorted(set(ids) - {r.id for r in live})
+            raise InvalidSpec(f"not live, nothing to restart: {', '.join(gone)}")
+        by_pool: dict[str, list[str]] = {}
+        for r in live:
+            by_pool.setdefault(r.pool, []).append(r.id)
+        if len(by_pool) != 1:
+            raise InvalidSpec("restart replicas of one pool at a time")
+        (pool_name, olds), = by_pool.items()
+        return self._start_rollout(self._pool(pool_name), olds, len(olds), reply, cmd_id, timeout)
+
+    def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Terminate a pool's replicas and forget the pool (it does not come back on start)."""
+        pool = self._pool(args.get("pool"))
+        self._cancel_replacements(pool)
+        stopped = [r.id for r in list(pool.live.values()) if self.table.stop(r, reason="pool deleted")]
+        pool.desired = 0
+        pool.deleted = True
+        self.table.save_pool(pool)
+        return {"pool": pool.name, "terminated": stopped}
+
+    def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Send a signal to replicas' process trees (e.g. HUP to make a worker reload)."""
+        sig = signal_number(args.get("signal"), "signal")
+        if args.get("pool") is not None:
+            reps = list(self._pool(args["pool"]).live.values())
+        else:
+            ids = protocol.replica_ids(args.get("ids"), "signal", one_is_enough=True)
+            found = [self.table.lookup(i) for i in ids]
+            reps = [r for r in found if r is not None]
+        sent = [rep.id for rep in reps if self.table.signal(rep, sig)]
+        return {"signal": signal.Signals(sig).name, "sent": sent}
+
+    def _pool(self, name: Any) -> Pool:
+        pool = self._known_pool(name)
+        if pool is None:
+            raise UnknownReplica(f"unknown pool {name!r}")
+        return pool
+
+    def _known_pool(self, name: Any) -> Pool | None:
+        """Pool ``name``, None if there is none or it was deleted."""
+        pool = self.table.pool(name)
+        return None if pool is None or pool.deleted else pool
+
+    def _pool_of(self, rep: Replica) -> Pool:
+        pool = self.table.pool(rep.pool)
+        assert pool is not None  # a replica's pool is never forgotten, only marked deleted
+        return pool
+
+    # -- pools declared by a config file ---------------------------------------------------
+
+    def prepare_declared(self, spec: dict, policy: dict, size: int) -> tuple[Runtime, Policy]:
+        """A config pool's spec and policy made ready, checked as a declaration of ``size``
+        replicas is (InvalidSpec if they cannot be): a reload checks every pool of the file
+        before it changes anything."""
+        return self.check_declaration(spec, policy, size)
+
+    def declare(self, name: str, spec: dict, policy: dict, size: int,
+                prepared: tuple[Runtime, Policy] | None = None) -> str:
+        """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
+        config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
+        or resized. Returns what it did: added, changed, resized or unchanged.
+
+        The difference is taken against what runs, not against the file read before: every
+        live replica made from another spec or policy than the one declared is rolled (an
+        earlier rollout that gave up, or one still in flight, leaves such replicas), and a
+        rollout of an earlier reload still in flight is superseded by this one, so that the
+        last file read is what the pool ends as, at its size. ``prepared``: what
+        prepare_declared() made of ``spec`` and ``policy`` already."""
+        runtime, pol = prepared or self.prepare_declared(spec, policy, size)
+        pool = self.table.pool(protocol.pool_name(name))
+        if pool is None or pool.deleted:
+            if pool is None:
+                pool = Pool(name, runtime, pol)
+                self.table.add_pool(pool)
+            pool.deleted, pool.runtime, pool.policy = False, runtime, pol
+            pool.declared = True
+            pool.clear()
+            self._converge(pool, size)
+            return "added"
+        was_declared, pool.declared = pool.declared, True
+        changed = runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy
+        if changed:
+            pool.runtime, pool.policy = runtime, pol
+        stale = [r for r in pool.live.values()
+                 if r.state in _LIVE and not self._leaving(r) and not self._runs_declared(pool, r)]
+        rolling = [r for r in self._rollouts if r.pool is pool]
+        if not (changed or stale):
+            if rolling:  # a restart of what is declared already: it ends at this size
+                resized = any(r.then_scale != size for r in rolling)
+                for rollout in rolling:
+                    rollout.then_scale = size
+                return "resized" if resized else "unchanged"
+            if size == pool.desired:
+                if not was_declared:  # a launched pool the file now declares: stored as such
+                    self.table.save_pool(pool)
+                return "unchanged"
+            pool.clear()
+            self._converge(pool, size)
+            return "resized"
+        taken_over: list[str] = []
+        for rollout in rolling:
+            taken_over += rollout.stopped_unreplaced()
+            rollout.finish("superseded by a reload of the config file")
+        pool.clear()
+        # the slots emptied already are filled first, then the stale replicas are rolled
+        olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
+
+        def logged(msg: dict) -> None:
+            if not msg.get("ok"):
+                log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
+
+        self.table.save_pool(pool)
+        self._start_rollout(pool, olds, 1, logged, None, protocol.DEFAULT_WAIT, then_scale=size)
+        return "changed"
+
+    def _runs_declared(self, pool: Pool, rep: Replica) -> bool:
+        """Was ``rep`` made from the spec and policy ``pool`` declares now?"""
+        made = rep.made_from
+        return (made is not None and pool.runtime is not None and made[0] is not None
+                and made[0].wire == pool.runtime.wire and made[1] == pool.policy)
+
+    def _one_per_slot(self, pool: Pool, stale: list[Replica]) -> list[Replica]:
+        """The stale replicas to roll, one per slot, in slot order. Overlapping rollouts
+        leave a slot held twice: a stale replica beside a current one in its slot, or
+        beside another stale one, is surplus and stopped now (the one kept is RUNNING if
+        one is, else the newest)."""
+        current = {r.slot for r in pool.live.values()
+                   if r.state in _LIVE and not self._leaving(r) and self._runs_declared(pool, r)}
+        by_slot: dict[int | None, list[Replica]] = {}
+        for rep in stale:
+            by_slot.setdefault(rep.slot, []).append(rep)
+        olds: list[Replica] = []
+        for slot, reps in by_slot.items():
+            reps.sort(key=lambda r: (r.state is S.RUNNING, r.n), reverse=True)
+            keep = reps if slot is None else [] if slot in current else reps[:1]
+            olds.extend(keep)
+            for rep in reps[len(keep):]:
+                self.table.stop(rep, reason="superseded by a reload", lower_desired=False)
+        return sorted(olds, key=lambda r: (r.slot if r.slot is not None else -1, r.n))
+
+    def undeclare_missing(self, names: set[str]) -> list[str]:
+        """Delete the pools an earlier config declared that the current one does not."""
+        gone = [p.name for p in self.table.pools() if p.declared and not p.deleted and p.name not in names]
+        for name in gone:
+            self._cmd_delete({"pool": name}, lambda _msg: None, None)
+        return gone
+
+    def has_pool(self, name: str) -> bool:
+        """Is ``name`` a pool of the table now (not deleted)? Else declaring it adds it."""
+        return self._known_pool(name) is not None
+
+    def deleted_not_ended(self) -> list[str]:
+        """The replicas of deleted pools that still run or are not reaped yet."""
+        return [rid for pool in self.table.pools() if pool.deleted
+                for rid, rep in pool.live.items() if not (rep.state.terminal and rep.pid is None)]
+
+    def when_ended(self, ids: list[str], then: Callable[[bool], None], timeout: float) -> None:
+        """Call ``then(True)`` in the turn in which all of ``ids`` have ended and been
+        reaped, or ``then(False)`` after ``timeout`` seconds if they have not."""
+        self.table.wait_for(ids, "ended", lambda msg: then(bool(msg.get("ok"))), None, timeout, durable=False)
+
+    # -- rollouts -------------------------------------------------------------------
+
+    def _start_rollout(self, pool: Pool, olds: list[str], width: int, reply: Reply, cmd_id: Any,
+                       timeout: float, *, then_scale: int | None = None) -> Any:
+        def done(result: dict | None, error: str | None) -> None:
+            self._rollouts.remove(rollout)
+            timer.cancel()
+            alone = not pool.deleted and not any(r.pool is pool for r in self._rollouts)
+            size = rollout.then_scale
+            if size is not None and error is None:
+                if alone:  # a slot held twice by overlapping operations goes first
+                    pool.desired = size
+                    self._trim_surplus(pool)
+                self._converge(pool, size)
+                result = {**(result or {}), "ids": [r.id for r in pool.live.values() if not self._leaving(r)]}
+            elif size is None and alone:
+                self._trim_surplus(pool)
+            if error is None:
+                self.table.reply(reply, protocol.ok(cmd_id, result), True)
+            else:
+                self.table.reply(reply, protocol.error(cmd_id, f"restart of pool {pool.name} failed: {error}",
+                                                       data=result), False)
+
+        rollout = Rollout(self, pool, olds, width, on_done=done, then_scale=then_scale)
+        self._rollouts.append(rollout)
+        timer = self.table.reactor.call_later(timeout, lambda: rollout.finish(f"timed out after {timeout:g} s"))
+        rollout.advance()
+        self.table.changed()
+        return protocol.DEFERRED
+
+    # rollout.Ops: what a rollout asks of its supervisor
+    def replica(self, rid: str) -> Replica | None:
+        return self.table.replica(rid)
+
+    def launch_into(self, pool: Pool, slot: int | None) -> str:
+        (rid,) = self.table.launch(pool, 1, slots=[slot if slot is not None else pool.free_slots(1)[0]], grow=False)
+        self.table.save_pool(pool)
+        return rid
+
+    def stop_for_rollout(self, rid: str) -> None:
+        rep = self.table.replica(rid)
+        if rep is not None:
+            self.table.stop(rep, reason="restarted", lower_desired=False)
+
+    def _trim_surplus(self, pool: Pool) -> None:
+        """Stop what holds more than the pool's size once its rollouts are over: operations
+        that overlapped one (a replica terminated while its replacement was starting, a
+        second restart of the same pool) leave extra replicas, a slot held twice first."""
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        extra = len(live) + len(pool.pending) - pool.desired
+        if extra <= 0:
+            return
+        by_slot: dict[int | None, list[Replica]] = {}
+        for r in live:
+            by_slot.setdefault(r.slot, []).append(r)
+        doubled = [r for reps in by_slot.values() if len(reps) > 1 for r in sorted(reps, key=lambda r: r.n)[:-1]]
+        rest = sorted((r for r in live if r not in doubled),
+                      key=lambda r: (r.slot if r.slot is not None else -1, r.n), reverse=True)
+        for rep in (doubled + rest)[:extra]:
+            self.table.stop(rep, reason="over the pool's size", lower_desired=False)
+        pool.settle_state()
+        self.table.save_pool(pool)
+
+    def _converge(self, pool: Pool, n: int) -> None:
+        """Bring the pool to ``n``: replicas and scheduled replacements of the highest slots
+        go first (the newest first among equals), so that what stays holds 0..n-1."""
+        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        held: list[tuple[int, int, Replica | None]] = [(r.slot if r.slot is not None else -1, r.n, r) for r in live]
+        held += [(slot, -1, None) for slot in pool.pending]
+        held.sort(key=lambda h: (h[0], h[1]), reverse=True)
+        for slot, _, rep in held[: max(0, len(held) - n)]:
+            if rep is None:
+                pool.pending.pop(slot).cancel()
+            else:
+                self.table.stop(rep, reason="scaled down", lower_desired=False)
+        if len(held) < n:
+            self.table.launch(pool, n - len(held), grow=False)
+        pool.settle_state()
+        pool.desired = n
+        self.table.save_pool(pool)
+
+    # -- readiness and liveness -------------------------------------------------------
+
+    def started(self, proc: Proc) -> None:
+        """Its exec succeeded (or its callable is about to run): ready now, or once its
+        probe says so, or once it has run start_secs."""
+        rep = proc.replica
+        policy = self._pool_of(rep).policy
+        reactor = self.table.reactor
+        if policy.ready is None:
+            if policy.start_secs > 0:
+                proc.cleanup.append(reactor.call_later(policy.start_secs, lambda: self._ready(proc)).cancel)
+            else:
+                self._ready(proc)
+            return
+        if policy.ready != "notify":
+            try:
+                spec = self._probe(rep, "ready", policy.ready)
+            except InvalidSpec as err:
+                self.bad_template(rep, err)
+                return
+            proc.cleanup.append(probes.retry_until_ready(
+                spec, reactor, self.table.os, deadline_s=policy.ready_timeout, attempt_timeout=policy.probe_timeout,
+                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why),
+                box=self._probe_box(proc, spec)).cancel)
+        else:
+            proc.cleanup.append(reactor.call_later(
+                policy.ready_timeout,
+                lambda: self._not_ready(proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)")).cancel)
+
+    def _probe(self, rep: Replica, key: str, text: str) -> probes.ProbeSpec:
+        """The ``ready`` or ``live`` probe of ``rep``'s slot; InvalidSpec if it does not expand."""
+        pool = self._pool_of(rep)
+        slot = rep.slot if rep.slot is not None else 0
+        return expand_probe(key, text, slot, pool.port(slot))
+
+    def bad_template(self, rep: Replica, err: InvalidSpec) -> None:
+        """A template that does not expand for ``rep``'s slot, found as it starts (a pool
+        from a journal written before the declaration checked it, or a slot past the size
+        while older replicas still stop). It would fail the same way every time: ``rep`` is
+        FAILED with the reason, and its pool stops replacing (crashloop) until an operator
+        acts (scale, restart --pool, launch --replace, delete)."""
+        pool = self._pool_of(rep)
+        self.table.transition(rep, S.FAILED, f"could not start: {err}")
+        self.table.signal_and_arm(rep)  # if it runs already (a probe is set up after the exec)
+        if pool.state != CRASHLOOP:
+            pool.crashloop(f"{rep.id}: {err}")
+            log.error("pool %s: crash loop (%s); not replacing until an operator acts", pool.name, pool.reason)
+            self.table.journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
+            self.table.metrics.crashloop(pool.name)
+        self.ended_on_its_own(rep, failed=True)
+
+    def _probe_box(self, proc: Proc, spec: probes.ProbeSpec) -> Any:
+        """Where the replica's exec probes run and write (probes.ProbeBox), made once and
+        closed with the replica (it kills an attempt still in flight whole)."""
+        if spec.kind != "exec":
+            return None
+        if proc.probes is None:
+            proc.probes = probes.ProbeBox(proc.replica.id, self.table.containment, self.table.watchdog,
+                                          self.table.log_capture)
+            proc.cleanup.append(proc.probes.close)
+        return proc.probes
+
+    def notify_socket(self, rep: Replica) -> probes.NotifySocket:
+        """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
+        name = f"orchestrator-{self._token or os.getpid()}-{rep.id}"
+        return probes.NotifySocket(self.table.reactor, lambda _n, fields: self._notified(rep, fields), name,
+                                   sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
+
+    def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
+        """Only the replica itself may notify for it (probes.from_replica), not another one."""
+        proc = self.table.proc_of(rep)
+        return proc is not None and probes.from_replica(pid, proc.pid, proc.cgroup)
+
+    def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
+        proc = self.table.proc_of(rep)
+        if proc is not None and fields.get("READY") == "1":
+            self._ready(proc)
+
+    def _ready(self, proc: Proc) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.STARTING:
+            return
+        pool = self._pool_of(rep)
+        policy = pool.policy
+        live = None
+        if policy.live is not None:
+            try:  # before it counts as RUNNING: a replica that cannot be checked is not started
+                live = self._probe(rep, "live", policy.live)
+            except InvalidSpec as err:
+                self.bad_template(rep, err)
+                return
+        self.table.transition(rep, S.RUNNING)
+        rep.ready, rep.started_at = True, self.table.os.time()
+        reactor = self.table.reactor
+        if rep.slot is not None:
+            slot = rep.slot
+            proc.cleanup.append(reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
+        if live is not None:
+            proc.cleanup.append(probes.Checker(
+                live, reactor, self.table.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
+                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
+
+    def _not_ready(self, proc: Proc, why: str) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.STARTING:
+            return
+        self.table.transition(rep, S.FAILED, why)
+        self.table.signal_and_arm(rep)
+        self.ended_on_its_own(rep, failed=True)
+
+    def _liveness_failed(self, proc: Proc, why: str) -> None:
+        rep = proc.replica
+        if proc.reaped or rep.state is not S.RUNNING:
+            return
+        log.warning("%s: liveness probe failed (%s); replacing it", rep.id, why)
+        self._replacing.add(rep.id)
+        self.table.stop(rep, reason="liveness probe failed", lower_desired=False)
+
+    # -- the restart policy -----------------------------------------------------------
+
+    def _slot_taken(self, pool: Pool, slot: int | None) -> bool:
+        return slot is not None and any(r.slot == slot and not self._leaving(r) for r in pool.live.values())
+
+    def _replace(self, rep: Replica, *, reason: str, backoff: bool) -> None:
+        """A new replica in ``rep``'s slot: now, or after the slot's backoff. The (N+1)-th
+        replacement within the window is not made: the pool is in a crash loop."""
+        pool = self._pool_of(rep)
+        slot = rep.slot if rep.slot is not None else pool.free_slots(1)[0]
+        if self.table.closing or pool.deleted:
+            return
+        journal, metrics = self.table.journal, self.table.metrics
+        if backoff and not pool.admit_replacement(self.table.os.monotonic()):
+            limit, window = pool.policy.max_restarts
+            pool.crashloop(f"{limit} restarts within {window:g} s; last: {rep.id} {reason}")
+            pool.desired -= 1
+            self.table.save_pool(pool)
+            log.error("pool %s: crash loop (%s); not replacing %s until an operator acts", pool.name, pool.reason, rep.id)
+            journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
+            metrics.crashloop(pool.name)
+            return
+        pool.slot_restarts[slot] = pool.slot_restarts.get(slot, 0) + 1
+        metrics.restarted(pool.name)
+        delay = pool.next_delay(slot) if backoff else 0.0
+        journal.event("restart", {"pool": pool.name, "replica": rep.id, "slot": slot, "delay": round(delay, 3),
+                                  "reason": reason})
+
+        def launch() -> None:
+            if pool.pending.pop(slot, None) is None or self.table.closing or pool.deleted:
+                return
+            pool.settle_state()
+            if self._slot_taken(pool, slot):
+                return
+            self.table.launch(pool, 1, slots=[slot], grow=False)
+            self.table.save_pool(pool)
+
+        pool.pending[slot] = self.table.reactor.call_later(delay, launch)
+        pool.settle_state()
+        self.table.save_pool(pool)
+
+    def _leaving(self, rep: Replica) -> bool:
+        """Asked to stop for a replacement (it still runs, but no longer counts)."""
+        return rep.id in self._replacing and rep.state is S.STOPPING and self.table.proc_of(rep) is not None
+
+    def _cancel_replacements(self, pool: Pool) -> None:
+        for timer in pool.pending.values():
+            timer.cancel()
+        pool.pending.clear()
+        pool.settle_state()

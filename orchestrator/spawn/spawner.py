@@ -1,0 +1,226 @@
+"""The spawner process: a small process, started by exec, that forks the replicas (a zygote).
+
+Started by the launcher (launcher.py, the daemon's side of it) as ``python -c "from
+orchestrator.spawn.spawner import main; main()"`` (``python -m orchestrator.spawn.spawner`` runs the
+same), with its socket on fd 3; titled ``orchestrator: spawner``. Of
+``orchestrator`` it loads only the frames below, the forked child's set-up (childsetup.py,
+with what that needs: spec, targets, worker, oom's score) and what a preload asks for; no
+part of the daemon's loop.
+
+Why: ``fork()`` copies the page tables of whatever forks, so a launcher holding 1 GiB forks
+~25x slower than a small one, and forking a process that runs threads (an embedding
+program) is the classic fork hazard. The daemon and the embedded API therefore fork
+nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh interpreter of
+~15 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
+forks the worker. A pool with ``preload`` modules gets a spawner of its own that imported
+them once, so its replicas start warm (gunicorn's ``preload_app``, CPython's
+``set_forkserver_preload``); the daemon itself never imports them.
+
+The replica is made with ``clone(CLONE_PARENT)``: its parent is the launcher, not the
+spawner. So the launcher reaps it, gets its exact exit status and holds its pidfd exactly
+as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spawner that
+dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
+raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
+
+The launcher sends each plan with its fds (ready pipe, captured stdout and stderr) over a
+socketpair, a turn's batch at once (pipelined: the spawner forks while the next plan is
+sent), then reads the answers in order; the spawner clones, answers with the pid, and only
+then lets the child go on, through a one-byte pipe. A spawner killed before it answered
+never let its child run: the child says ``lost PID`` on its ready pipe and exits 127, and
+the launcher reaps it. Nothing a user wrote ever runs untracked. While a spawner is down
+(restarting with the shared backoff, or when clone is refused, e.g. by a seccomp filter)
+the launcher forks the plan itself, as it did before spawners existed.
+"""
+
+from __future__ import annotations
+
+import _signal  # type: ignore[import-not-found]  # pthread_sigmask without the enum conversion
+import array
+import ctypes
+import dataclasses
+import os
+import pickle
+import platform
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any, Callable
+
+from .childsetup import ALL_SIGNALS, run_child, set_pdeathsig
+
+_HEADER = struct.Struct("!I")
+_FD = array.array("i")
+_MAX_FRAME = 256 << 20  # a pickled closure may be large; a corrupt length must not be
+_CLONE_PARENT = 0x00008000
+# The clone syscall's number where it is known; elsewhere (None) the launcher forks itself.
+SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
+_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+# -- frames: a 4-byte length, then a pickle; fds ride on the first byte ---------------------
+
+def send_frame(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    frame = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [frame], list(fds)) if fds else sock.send(frame)
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+def recv_frame(sock: socket.socket, maxfds: int = 0) -> tuple[Any, list[int]] | None:
+    """One frame and the fds that came with it; None at EOF."""
+    if maxfds:
+        # Close-on-exec, as every fd of ours: a ready pipe left open would outlive the exec.
+        # (socket.recv_fds drops its flags argument in 3.11, hence recvmsg.)
+        head, anc, flags, _ = sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(maxfds * _FD.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
+        received = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                received.frombytes(data[: len(data) - len(data) % received.itemsize])
+        fds = list(received)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("fds lost in transit (MSG_CTRUNC)")
+    else:
+        head, fds = sock.recv(_HEADER.size), []
+    if not head:
+        return None
+    head = _read_exactly(sock, head, _HEADER.size)
+    (size,) = _HEADER.unpack(head)
+    if size > _MAX_FRAME:
+        raise OSError(f"frame of {size} bytes")
+    return pickle.loads(_read_exactly(sock, b"", size)), fds
+
+
+def _read_exactly(sock: socket.socket, have: bytes, size: int) -> bytes:
+    chunks, n = [have], len(have)
+    while n < size:
+        chunk = sock.recv(min(size - n, 1 << 20))
+        if not chunk:
+            raise EOFError("the peer closed mid-frame")
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
+
+
+def _clone_parent() -> Callable[[], int]:
+    """clone(CLONE_PARENT | SIGCHLD) with Python's fork bookkeeping around it, holding the
+    GIL throughout (PyDLL), as os.fork() does. Returns 0 in the child."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = (ctypes.c_long,) + (ctypes.c_ulong,) * 5
+    api = ctypes.pythonapi
+    flags = _CLONE_PARENT | int(signal.SIGCHLD)
+
+    def clone() -> int:
+        api.PyOS_BeforeFork()
+        pid = syscall(SYS_CLONE, flags, 0, 0, 0, 0)
+        if pid == 0:
+            api.PyOS_AfterFork_Child()
+            return 0
+        err = ctypes.get_errno()
+        api.PyOS_AfterFork_Parent()
+        if pid < 0:
+            raise OSError(err, os.strerror(err))
+        return pid
+
+    return clone
+
+
+def _serve(sock: socket.socket, parent: int) -> None:
+    clone = _clone_parent()
+    maxfd = os.sysconf("SC_OPEN_MAX")
+    while True:
+        got = recv_frame(sock, maxfds=3)
+        if got is None:
+            return  # the launcher closed our socket: it is stopping, or gone
+        req, fds = got
+        ready_w, rest = fds[0], fds[1:]
+        plan = req["plan"]
+        if req["stdout"]:
+            plan = dataclasses.replace(plan, stdout=rest.pop(0))
+        if req["stderr"]:
+            plan = dataclasses.replace(plan, stderr=rest.pop(0))
+        go_r, go_w = os.pipe()
+        old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, ALL_SIGNALS)
+        before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+        try:
+            pid = clone()
+        except OSError as err:
+            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            refused = err.errno in (1, 22, 38)  # EPERM, EINVAL, ENOSYS: a filter, not a shortage
+            reply = {"errno": err.errno, "error": err.strerror or str(err), "refused": refused}
+        else:
+            if pid == 0:  # pragma: no cover - the child: never returns
+                os.close(go_w)
+                run_child(plan, ready_w, parent, req["pdeathsig"], maxfd, req["nofile"], go_fd=go_r)
+            after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+            _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            tick = before // _TICK_NS
+            reply = {"pid": pid, "start": tick if after // _TICK_NS == tick else None}
+        os.close(go_r)
+        for fd in fds:
+            os.close(fd)
+        try:
+            send_frame(sock, reply)
+        except OSError:
+            os.close(go_w)  # the launcher is gone: the child never runs
+            return
+        if "pid" in reply:
+            os.write(go_w, b"g")  # the launcher has its pid: now it may run
+        os.close(go_w)
+
+
+def main() -> None:
+    os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # whatever else the launcher let us inherit
+    sock = socket.socket(fileno=3)
+    try:
+        got = recv_frame(sock)
+    except (OSError, EOFError):
+        got = None
+    if got is None:
+        os._exit(0)
+    hello = got[0]
+    from setproctitle import getproctitle, setproctitle
+
+    set_pdeathsig(signal.SIGKILL)  # never outlive the launcher...
+    if os.getppid() != hello["parent"]:
+        os._exit(0)  # ...which may have died before that was armed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    getproctitle()  # set up once here, not in every forked worker
+    preload = tuple(hello["preload"])
+    setproctitle("orchestrator: spawner" + (f" [preload {','.join(preload)}]" if preload else ""))
+    sys.path[:] = hello["sys_path"]
+    try:
+        import dill  # noqa: F401  (every worker of a pickled callable needs it: loaded once here)
+
+        if preload:
+            from ..targets import load_preload
+
+            load_preload(preload, tuple(hello["pythonpath"]), hello["cwd"])
+    except BaseException as err:  # a user's import: whatever it raises is its error
+        _say(sock, {"error": f"cannot preload: {type(err).__name__}: {err}".replace("\n", " ")[:1000]})
+        os._exit(1)
+    if _say(sock, {"ready": True}):
+        try:
+            _serve(sock, hello["parent"])
+        except (OSError, EOFError):
+            pass  # the launcher went away mid-frame
+    os._exit(0)
+
+
+def _say(sock: socket.socket, msg: dict) -> bool:
+    try:
+        send_frame(sock, msg)
+        return True
+    except OSError:  # the launcher is gone already: nothing to say it to
+        return False
+
+
+if __name__ == "__main__":
+    main()
