@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import errno
 import json
-import json.encoder as _json_encoder
 import os
 import sqlite3
 import time
@@ -93,14 +92,14 @@ from typing import Any, Callable, Iterable
 from .errors import StoreError
 from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
+from .storesql import (SCHEMA_VERSION, REPLICA_COLS, REPLICA_KEYS, SCHEMA, SQL_BUMP, SQL_EVENT, SQL_POOL,
+                       SQL_REPLICA, SQL_SELECT_REPLICAS, dumps, loads)
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
 
 # Hard-coded on purpose: the store must not import the states module (it is written and
 # tested alone, and the CLI reads the store without loading the daemon).
 TERMINAL_STATES: frozenset[str] = frozenset(s.value for s in TERMINAL)
-
-SCHEMA_VERSION = 1
 
 _BUSY_TIMEOUT_S = 5.0
 _WAL_AUTOCHECKPOINT_PAGES = 256           # ~1 MB of WAL between automatic checkpoints
@@ -115,87 +114,6 @@ _VACUUM_MAX_PAGES = 4096                  # ... and at most 16 MB per prune, to 
 # SQLite primary result codes (the low byte of an extended code).
 _SQLITE_PERM, _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_READONLY = 3, 5, 6, 8
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 10, 11, 13, 14, 26
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS pools (
-        name    TEXT PRIMARY KEY,
-        spec    TEXT NOT NULL,
-        desired INTEGER NOT NULL,
-        next_n  INTEGER NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS replicas (
-        id         TEXT PRIMARY KEY,
-        pool       TEXT NOT NULL,
-        n          INTEGER NOT NULL,
-        state      TEXT NOT NULL,
-        pid        INTEGER,
-        start_time INTEGER,
-        exit_code  INTEGER,
-        reason     TEXT,
-        created_at REAL,
-        ended_at   REAL,
-        retire_key REAL,
-        extra      TEXT
-    ) WITHOUT ROWID""",
-    # Partial: live replicas (retire_key NULL) are not in it, so retention never sees them.
-    """CREATE INDEX IF NOT EXISTS replicas_retire ON replicas(retire_key)
-        WHERE retire_key IS NOT NULL""",
-    """CREATE TABLE IF NOT EXISTS events (
-        seq     INTEGER PRIMARY KEY AUTOINCREMENT,
-        ts      REAL NOT NULL,
-        kind    TEXT NOT NULL,
-        replica TEXT,
-        data    TEXT
-    )""",
-    # No index on events.replica or events.ts: each would cost every insert (the hot path)
-    # while `events --replica` / `--since` are rare CLI reads over <= keep_events rows.
-)
-
-# Constant SQL strings: sqlite3 caches the prepared statement per string.
-_SQL_POOL = (
-    "INSERT INTO pools(name, spec, desired, next_n) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT(name) DO UPDATE SET spec = excluded.spec, desired = excluded.desired, "
-    "next_n = max(pools.next_n, excluded.next_n)"
-)
-# A replica saved for a pool never saved still reserves its id: a placeholder pool row
-# (spec {}, desired 0) holds next_n. The control loop normally saves the pool first.
-_SQL_BUMP = (
-    "INSERT INTO pools(name, spec, desired, next_n) VALUES (?, '{}', 0, ?) "
-    "ON CONFLICT(name) DO UPDATE SET next_n = max(pools.next_n, excluded.next_n)"
-)
-_SQL_REPLICA = (
-    "INSERT INTO replicas(id, pool, n, state, pid, start_time, exit_code, reason, created_at, "
-    "ended_at, retire_key, extra) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT(id) DO UPDATE SET pool = excluded.pool, n = excluded.n, state = excluded.state, "
-    "pid = excluded.pid, start_time = excluded.start_time, exit_code = excluded.exit_code, "
-    "reason = excluded.reason, created_at = excluded.created_at, ended_at = excluded.ended_at, "
-    "retire_key = excluded.retire_key, extra = excluded.extra"
-)
-_SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
-
-_REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
-                 "created_at", "ended_at")
-_REPLICA_KEYS = frozenset(_REPLICA_COLS)
-_SQL_SELECT_REPLICAS = "SELECT " + ", ".join(_REPLICA_COLS) + ", extra FROM replicas"
-
-# JSON encoding is on the hot path (one per event). json.dumps builds a new C encoder per
-# call (~1.5 us); building it once and calling it directly costs ~0.6 us. Compact separators
-# keep rows small. default=str: a journal entry carrying an odd value (a Path, an exception)
-# must not crash the control loop; it is stored as text. No circular-reference check
-# (markers=None): data is plain data by contract. The C encoder is an undocumented name of
-# json.encoder (typeshed does not declare it), hence the getattr.
-_c_make_encoder: Callable[..., Any] | None = getattr(_json_encoder, "c_make_encoder", None)
-_dumps: Callable[[Any], str]
-if _c_make_encoder is not None:
-    _c_encode = _c_make_encoder(
-        None, str, _json_encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
-
-    def _dumps(obj: Any, _join: Any = "".join, _enc: Any = _c_encode) -> str:
-        return _join(_enc(obj, 0))
-else:  # pragma: no cover - interpreters without the C accelerator
-    _dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode
-_loads = json.loads
-
 
 def _code(e: sqlite3.Error) -> int:
     return (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
@@ -342,7 +260,7 @@ class Store:
         # the file is writable.
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for stmt in _SCHEMA:
+            for stmt in SCHEMA:
                 conn.execute(stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
@@ -507,8 +425,8 @@ class Store:
         if state in TERMINAL_STATES:
             retire_key = ended_at if ended_at is not None else time.time()
         extra = None
-        if not rec.keys() <= _REPLICA_KEYS:
-            extra = _dumps({k: v for k, v in rec.items() if k not in _REPLICA_KEYS})
+        if not rec.keys() <= REPLICA_KEYS:
+            extra = dumps({k: v for k, v in rec.items() if k not in REPLICA_KEYS})
         # Snapshot into a tuple now: the caller keeps mutating its record.
         self._replicas[rid] = (rid, pool, n, state, g("pid"), g("start_time"), g("exit_code"),
                                g("reason"), g("created_at"), ended_at, retire_key, extra)
@@ -522,7 +440,7 @@ class Store:
         if self.readonly:
             self._writer()
         self._events.append((time.time() if ts is None else ts, kind, replica,
-                             None if data is None else _dumps(data)))
+                             None if data is None else dumps(data)))
 
     @property
     def pending(self) -> int:
@@ -562,13 +480,13 @@ class Store:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 if self._pools:
-                    conn.executemany(_SQL_POOL, self._pools.values())
+                    conn.executemany(SQL_POOL, self._pools.values())
                 if self._bump:
-                    conn.executemany(_SQL_BUMP, self._bump.items())
+                    conn.executemany(SQL_BUMP, self._bump.items())
                 if self._replicas:
-                    conn.executemany(_SQL_REPLICA, self._replicas.values())
+                    conn.executemany(SQL_REPLICA, self._replicas.values())
                 if self._events:
-                    conn.executemany(_SQL_EVENT, self._events)
+                    conn.executemany(SQL_EVENT, self._events)
                 conn.execute("COMMIT")
             except BaseException:
                 self._rollback(conn)
@@ -666,22 +584,22 @@ class Store:
 
     @staticmethod
     def _replica_dict(row: tuple) -> dict:
-        d = dict(zip(_REPLICA_COLS, row))
+        d = dict(zip(REPLICA_COLS, row))
         extra = row[10]
         if extra:
-            for k, v in _loads(extra).items():
+            for k, v in loads(extra).items():
                 d.setdefault(k, v)
         return d
 
     def pools(self) -> list[dict]:
         """[{"name", "desired", "spec", "next_n"}] ordered by name (committed state)."""
-        return [{"name": name, "desired": desired, "spec": _loads(spec), "next_n": next_n}
+        return [{"name": name, "desired": desired, "spec": loads(spec), "next_n": next_n}
                 for name, spec, desired, next_n in
                 self._rows("SELECT name, spec, desired, next_n FROM pools ORDER BY name")]
 
     def replicas(self, include_terminal: bool = False) -> list[dict]:
         """Replica records ordered by (pool, n); live ones only unless include_terminal."""
-        sql = _SQL_SELECT_REPLICAS
+        sql = SQL_SELECT_REPLICAS
         if not include_terminal:
             sql += " WHERE retire_key IS NULL"
         return [self._replica_dict(r) for r in self._rows(sql + " ORDER BY pool, n")]
@@ -723,7 +641,7 @@ class Store:
     @staticmethod
     def _event_dict(row: tuple) -> dict:
         seq, ts, kind, rep, data = row
-        return {"seq": seq, "ts": ts, "kind": kind, "replica": rep, "data": _loads(data) if data is not None else {}}
+        return {"seq": seq, "ts": ts, "kind": kind, "replica": rep, "data": loads(data) if data is not None else {}}
 
     def last_event(self, kind: str) -> dict | None:
         """The newest committed event of ``kind`` (shaped as in ``events``), or None."""

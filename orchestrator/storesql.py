@@ -1,0 +1,93 @@
+"""What ``state.db`` holds, row by row: the schema (``PRAGMA user_version`` = ``SCHEMA_VERSION``),
+the SQL statements ``store.Store`` prepares, and the compact JSON its rows and events carry.
+Shared (the CLI reads the store with the daemon down); the why of each table is in
+``store.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import json.encoder as _json_encoder
+from typing import Any, Callable
+
+SCHEMA_VERSION = 1
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS pools (
+        name    TEXT PRIMARY KEY,
+        spec    TEXT NOT NULL,
+        desired INTEGER NOT NULL,
+        next_n  INTEGER NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS replicas (
+        id         TEXT PRIMARY KEY,
+        pool       TEXT NOT NULL,
+        n          INTEGER NOT NULL,
+        state      TEXT NOT NULL,
+        pid        INTEGER,
+        start_time INTEGER,
+        exit_code  INTEGER,
+        reason     TEXT,
+        created_at REAL,
+        ended_at   REAL,
+        retire_key REAL,
+        extra      TEXT
+    ) WITHOUT ROWID""",
+    # Partial: live replicas (retire_key NULL) are not in it, so retention never sees them.
+    """CREATE INDEX IF NOT EXISTS replicas_retire ON replicas(retire_key)
+        WHERE retire_key IS NOT NULL""",
+    """CREATE TABLE IF NOT EXISTS events (
+        seq     INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts      REAL NOT NULL,
+        kind    TEXT NOT NULL,
+        replica TEXT,
+        data    TEXT
+    )""",
+    # No index on events.replica or events.ts: each would cost every insert (the hot path)
+    # while `events --replica` / `--since` are rare CLI reads over <= keep_events rows.
+)
+
+# Constant SQL strings: sqlite3 caches the prepared statement per string.
+SQL_POOL = (
+    "INSERT INTO pools(name, spec, desired, next_n) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT(name) DO UPDATE SET spec = excluded.spec, desired = excluded.desired, "
+    "next_n = max(pools.next_n, excluded.next_n)"
+)
+# A replica saved for a pool never saved still reserves its id: a placeholder pool row
+# (spec {}, desired 0) holds next_n. The control loop normally saves the pool first.
+SQL_BUMP = (
+    "INSERT INTO pools(name, spec, desired, next_n) VALUES (?, '{}', 0, ?) "
+    "ON CONFLICT(name) DO UPDATE SET next_n = max(pools.next_n, excluded.next_n)"
+)
+SQL_REPLICA = (
+    "INSERT INTO replicas(id, pool, n, state, pid, start_time, exit_code, reason, created_at, "
+    "ended_at, retire_key, extra) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT(id) DO UPDATE SET pool = excluded.pool, n = excluded.n, state = excluded.state, "
+    "pid = excluded.pid, start_time = excluded.start_time, exit_code = excluded.exit_code, "
+    "reason = excluded.reason, created_at = excluded.created_at, ended_at = excluded.ended_at, "
+    "retire_key = excluded.retire_key, extra = excluded.extra"
+)
+SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
+
+REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
+                 "created_at", "ended_at")
+REPLICA_KEYS = frozenset(REPLICA_COLS)
+SQL_SELECT_REPLICAS = "SELECT " + ", ".join(REPLICA_COLS) + ", extra FROM replicas"
+
+# JSON encoding is on the hot path (one per event). json.dumps builds a new C encoder per
+# call (~1.5 us); building it once and calling it directly costs ~0.6 us. Compact separators
+# keep rows small. default=str: a journal entry carrying an odd value (a Path, an exception)
+# must not crash the control loop; it is stored as text. No circular-reference check
+# (markers=None): data is plain data by contract. The C encoder is an undocumented name of
+# json.encoder (typeshed does not declare it), hence the getattr.
+_c_make_encoder: Callable[..., Any] | None = getattr(_json_encoder, "c_make_encoder", None)
+dumps: Callable[[Any], str]
+if _c_make_encoder is not None:
+    _c_encode = _c_make_encoder(
+        None, str, _json_encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+
+    def dumps(obj: Any, _join: Any = "".join, _enc: Any = _c_encode) -> str:
+        return _join(_enc(obj, 0))
+else:  # pragma: no cover - interpreters without the C accelerator
+    dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode
+loads = json.loads
