@@ -169,8 +169,11 @@ def _run_host(mib: int, variant: str, batches: int, path: str | None) -> list[fl
     env = dict(os.environ)
     if path is not None:  # another checkout's orchestrator, first on the path
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    # Run from the checkout measured: a spawner started with ``python -c`` finds the package
+    # in its cwd before PYTHONPATH, and from another checkout's cwd it would load that one.
     proc = subprocess.run([sys.executable, __file__, "--host", str(mib), variant, str(batches)],
-                          capture_output=True, text=True, env=env, timeout=900, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, env=env, timeout=900, stdin=subprocess.DEVNULL,
+                          cwd=path or ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} at {mib} MiB failed: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["batch_s"]
