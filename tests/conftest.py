@@ -144,6 +144,37 @@ def fake() -> Iterator[Any]:
 
 
 @pytest.fixture
+def make_h(fake: Any) -> Iterator[Callable[..., Any]]:
+    """Harnesses (fakes.Harness: an engine over ``fake``) with EngineConfig overrides; their
+    loops closed at teardown."""
+    from fakes import Harness
+
+    made: list[Any] = []
+
+    def make(**config: Any) -> Any:
+        made.append(Harness(fake, **config))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for harness in made:
+            harness.engine.close()
+
+
+@pytest.fixture
+def h(make_h: Callable[..., Any], fake: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One harness; at teardown the fake OS saw nothing illegal, and where the test module
+    sets ``CHECK_INVARIANTS`` (no restart policy in play) every pool holds its desired size
+    and every history is a path of the transition table."""
+    harness = make_h()
+    yield harness
+    if getattr(request.module, "CHECK_INVARIANTS", False):
+        harness.check_invariants()
+    assert fake.violations == []
+
+
+@pytest.fixture
 def orch_test_tag(request: pytest.FixtureRequest) -> str:
     """A value unique to this test, for ORCH_TEST_TAG."""
     return f"{uuid.uuid4().hex[:12]}:{request.node.nodeid}"

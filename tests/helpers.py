@@ -9,6 +9,7 @@ is ever matched by name or command line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -386,3 +387,24 @@ def manager_proxies(state_dir: Path) -> tuple:
     mgr = ChannelManager(address=address, authkey=read_authkey(Paths(state_dir)), serializer=SERIALIZER)
     mgr.connect()
     return mgr.commands(), mgr.replies()
+
+
+@functools.cache
+def cgroup_unusable() -> str | None:
+    """Why this process cannot make cgroups under its own (so neither can a daemon it
+    starts), or None: tried by making and removing one. Cached: one probe a test process."""
+    from watchdog import cgroup
+
+    mount = cgroup.find_mount()
+    if mount is None:
+        return "no cgroup2 mount in /proc/self/mountinfo"
+    own = cgroup.own_path()
+    if own is None:
+        return "this process's cgroup2 path is not under the cgroup2 mount"
+    probe = os.path.join(own, f"orchestrator-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.mkdir(probe)
+    except OSError as err:
+        return f"cannot create a cgroup under {own}: {err.strerror} (needs root, a delegated unit or a writable cgroupfs)"
+    os.rmdir(probe)
+    return None

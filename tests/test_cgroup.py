@@ -38,7 +38,7 @@ from watchdog.cgroup import CgroupUnavailable, Subtree  # noqa: E402
 from watchdog.identity import proc_stat, start_time  # noqa: E402
 from watchdog.ledger import Ledger, encode_add_cgroup, encode_remove_cgroup  # noqa: E402
 from watchdog.link import WatchdogLink  # noqa: E402
-from helpers import OwnedProcesses, read_lines, reap_child, wait_gone  # noqa: E402
+from helpers import OwnedProcesses, cgroup_unusable, read_lines, reap_child, wait_gone  # noqa: E402
 
 PROGRAMS = Path(__file__).resolve().parent / "test_cgroup_parent.py"
 TREE_ROLES = {"root", "setsid", "orphan", "timeout", "job"}
@@ -69,24 +69,6 @@ def _unique_name() -> str:
     return f"orchestrator-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-@functools.cache
-def _unusable() -> str | None:
-    """Why cgroup tests cannot run here, or None: try to make and remove a cgroup."""
-    mount = cgroup.find_mount()
-    if mount is None:
-        return "no cgroup2 mount in /proc/self/mountinfo"
-    own = cgroup.own_path()
-    if own is None:
-        return "this process's cgroup2 path is not under the cgroup2 mount"
-    probe = os.path.join(own, _unique_name())
-    try:
-        os.mkdir(probe)
-    except OSError as exc:
-        return f"cannot create a cgroup under {own}: {exc.strerror}"
-    os.rmdir(probe)
-    return None
-
-
 def _remove_everything(path: str) -> None:
     """Kill and remove the cgroup ``path`` and all below it: only ever one a test made."""
     assert cgroup.MARK in os.path.basename(path)
@@ -108,7 +90,7 @@ def subtree():
     the controllers Subtree.create enables "along the way" are enabled in that dir, never in
     this process's cgroup, which other work on the machine shares.
     """
-    reason = _unusable()
+    reason = cgroup_unusable()
     if reason:
         pytest.skip(f"no writable cgroup2 here: {reason}")
     outer = os.path.join(cgroup.own_path(), _unique_name())

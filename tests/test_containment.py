@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from containment_tree import DISGUISED, ROLES
-from helpers import DaemonUnderTest, Ident, cli, cli_json, kill_all, survivors, wait_for
+from helpers import DaemonUnderTest, Ident, cgroup_unusable, cli, cli_json, kill_all, survivors, wait_for
 from orchestrator import Orchestrator
 from orchestrator.daemon.containment import Cgroups, detect, subtree_name
 from orchestrator.daemon.engine import Engine, EngineConfig
@@ -50,25 +50,7 @@ TREE = Path(__file__).resolve().parent / "containment_tree.py"
 # -- where cgroups can be tested ----------------------------------------------------------
 
 
-def _cgroup_unusable() -> str | None:
-    """Why this process cannot make cgroups under its own (so neither can a daemon it
-    starts), or None: tried by making and removing one."""
-    mount = cgroup.find_mount()
-    if mount is None:
-        return "no cgroup2 mount in /proc/self/mountinfo"
-    own = cgroup.own_path()
-    if own is None:
-        return "this process's cgroup2 path is not under the cgroup2 mount"
-    probe = os.path.join(own, f"orchestrator-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.mkdir(probe)
-    except OSError as err:
-        return f"cannot create a cgroup under {own}: {err.strerror} (needs root, a delegated unit or a writable cgroupfs)"
-    os.rmdir(probe)
-    return None
-
-
-UNUSABLE = _cgroup_unusable()
+UNUSABLE = cgroup_unusable()
 needs_cgroups = pytest.mark.skipif(UNUSABLE is not None, reason=f"no writable cgroup2 here: {UNUSABLE}")
 
 
@@ -274,7 +256,7 @@ def test_shutdown_waits_for_draining_cgroups(cg_h, fake):
     assert cg_h.state(rid) == "TERMINATED" and not cg_h.engine._draining
 
 
-def test_limits_are_refused_in_one_line_where_they_cannot_hold(cg_h, fake, make_pg_h):
+def test_limits_are_refused_in_one_line_where_they_cannot_hold(cg_h, fake, make_h):
     reply = cg_h.cmd("launch", pool="web", spec=SPEC, policy={"memory_max": "64M"})
     assert not reply["ok"] and reply["error"].count("\n") == 0
     assert "memory_max needs the cgroup memory controller" in reply["error"]
@@ -283,25 +265,10 @@ def test_limits_are_refused_in_one_line_where_they_cannot_hold(cg_h, fake, make_
     assert cg_h.cg.calls[-1] == ("prepare", "web-1", {"memory_max": 64 << 20, "pids_max": 20})
     reply = cg_h.cmd("launch", pool="cpu", spec=SPEC, policy={"cpu_weight": 100})
     assert "cpu_weight needs the cgroup cpu controller" in reply["error"]
-    pg = make_pg_h()
+    pg = make_h()
     reply = pg.cmd("launch", pool="web", spec=SPEC, policy={"pids_max": 5})
     assert not reply["ok"] and "pids_max needs cgroup containment" in reply["error"]
     assert "process groups" in reply["error"]
-
-
-@pytest.fixture
-def make_pg_h(fake):
-    made = []
-
-    def make() -> Harness:
-        made.append(Harness(fake))
-        return made[-1]
-
-    try:
-        yield make
-    finally:
-        for harness in made:
-            harness.engine.close()
 
 
 def test_a_cgroup_that_cannot_be_made_is_a_start_failure(cg_h, fake):

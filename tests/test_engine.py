@@ -19,34 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from fakes import NO_RESTART, SPEC, S, FakeOS, Harness
+from fakes import NO_RESTART, SPEC, S
 from helpers import Ident, wait_for
 from orchestrator import InvalidSpec, ShuttingDown
 from orchestrator.daemon.engine import Engine, EngineConfig
 from orchestrator.daemon.osapi import OSApi
 
 
-@pytest.fixture
-def make_h(fake: FakeOS):
-    """Harnesses over ``fake`` with EngineConfig overrides; their loops closed at teardown."""
-    made: list[Harness] = []
-
-    def make(**config) -> Harness:
-        made.append(Harness(fake, **config))
-        return made[-1]
-
-    try:
-        yield make
-    finally:
-        for harness in made:
-            harness.engine.close()
-
-
-@pytest.fixture
-def h(make_h) -> Harness:
-    harness = make_h()
-    yield harness
-    harness.check_invariants()
+CHECK_INVARIANTS = True  # the h fixture (conftest) checks them at teardown
 
 
 # -- launch, start, exit ------------------------------------------------------------------

@@ -15,7 +15,6 @@ import pytest
 
 from helpers import DaemonUnderTest, cli, free_port_range, serves, wait_for
 from fakes import Harness
-from test_supervision import h  # noqa: F401  (the fixture: a Harness over the fake OS)
 from test_supervision import live as fake_live
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,16 +13,6 @@ from fakes import SPEC, Harness
 S_ALWAYS = {"restart": "always", "backoff": [1, 8], "max_restarts": [5, 60]}
 
 
-@pytest.fixture
-def h(fake):
-    harness = Harness(fake)
-    try:
-        yield harness
-    finally:
-        harness.engine.close()
-        assert fake.violations == []
-
-
 def launch(h: Harness, count: int = 1, policy: dict | None = None, spec: dict = SPEC, pool: str = "web") -> list[str]:
     return h.ok("launch", pool=pool, count=count, spec=spec, policy=policy or {})
 
