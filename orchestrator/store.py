@@ -97,8 +97,8 @@ from .storesql import (SCHEMA_VERSION, REPLICA_COLS, REPLICA_KEYS, SCHEMA, SQL_B
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
 
-# Hard-coded on purpose: the store must not import the states module (it is written and
-# tested alone, and the CLI reads the store without loading the daemon).
+# The terminal states as the strings rows hold (states.py imports nothing of ours, so the
+# CLI reading the store with the daemon down still loads none of the daemon).
 TERMINAL_STATES: frozenset[str] = frozenset(s.value for s in TERMINAL)
 
 _BUSY_TIMEOUT_S = 5.0

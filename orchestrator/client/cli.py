@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
     """The pool policy flags of launch (policy.Policy has the meaning of each)."""
-    g = p.add_argument_group("pool policy (docs/design.md, \"Pool policy\")")
+    g = p.add_argument_group("pool policy (docs/design.md, \"Pools, policies and slots\")")
     g.add_argument("--restart", choices=("always", "on-failure", "never"), help="replace a replica that "
                    "ended on its own: always, after a failure, or never (default on-failure)")
     g.add_argument("--backoff", metavar="MIN:MAX", help="delay before a replacement, seconds (default 0.1:30)")
