@@ -87,7 +87,7 @@ class StoreError(OrchestratorError):
 
 
 class SpawnerLost(Exception):
-    """A spawner (zygote.Spawner) died or stalled during a request: fork here instead.
+    """A spawner (launcher.Spawner) died or stalled during a request: fork here instead.
 
     Not an OrchestratorError: it never reaches a client; the launcher catches it and
     forks the replica itself."""

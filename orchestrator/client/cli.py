@@ -1,14 +1,14 @@
 """``orchestrator [--state-dir DIR] COMMAND [ARGS]``: argument parsing and output only.
 
-Client side: it runs in a user's shell, and imports only what every process shares (errors,
-paths, argtypes, version) at module level. What one command needs is imported in that
-command: ``start`` the daemon (control.py spawns it, or daemon.py runs it in the
-foreground), ``status`` the channel and the table (display.py), ``logs`` its readers, so
-that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
+Client side: it runs in a user's shell, and imports at module level only what every process
+shares (errors, paths, retention's defaults, version) and its own light modules (argtypes,
+logcli's parser). What one command needs is imported in that command: ``start`` the daemon
+(control.py spawns it, or daemon/main.py runs it in the foreground), ``status`` the channel
+and the table (display.py), ``logs`` its readers, so that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
 
-Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 3 the daemon is not
-running (for commands that need it, and for ``status``/``stop``). ``--json`` output goes
-to stdout only.
+Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 2 a usage error;
+3 the daemon is not running (for commands that need it, and for ``status``/``stop``).
+``--json`` output goes to stdout only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Starting and stopping a daemon, as the CLI does it (the client side of ``start`` and
 ``stop``): spawn ``orchestrator start --foreground`` in its own session and wait for its
 "READY <pid>" line, SIGTERM it and wait until it is gone, and read who holds the pid file.
-The daemon process itself is daemon.py; this module imports none of it.
+The daemon process itself is daemon/main.py; this module imports none of it.
 
     orchestrator start ──spawns──► daemon (own session, stdio -> logs/daemon.log)
     ◄──── "READY <pid>" (or "ERROR <one line>") on a pipe once the channel accepts commands

@@ -16,7 +16,7 @@ Layout (``watchdog.cgroup.Subtree``): under the daemon's own cgroup (``auto``) o
 cgroup dir (``PATH``), ``orchestrator-<sha1(state dir)[:12]>/`` with ``daemon/`` (the daemon
 moves itself in, so its watchdog and manager are born there, outside every replica's
 cgroup), ``replicas/<replica id>/`` and ``replicas/<replica id>.probe/`` (its exec probes,
-probes.ProbeBox). The subtree's path is recorded in the state dir
+probebox.ProbeBox). The subtree's path is recorded in the state dir
 (``cgroup``, 0600): a later ``start`` kills what a daemon and a watchdog that were killed
 together left in it, wherever the new daemon's own cgroup is (``previous`` / recovery.py).
 A clean stop removes the replica cgroups, moves the daemon back out and removes the subtree.
@@ -69,7 +69,7 @@ class Tree(Protocol):
 
 
 class Signals(Protocol):
-    """The process signals containment sends (spawner.OSApi)."""
+    """The process signals containment sends (osapi.OSApi)."""
 
     def signal_group(self, pgid: int, sig: int) -> bool: ...
     def escaped_descendants(self, pid: int) -> list[tuple[int, int]]: ...

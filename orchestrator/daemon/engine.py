@@ -79,7 +79,7 @@ class Proc:
     escaped: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) outside its group
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # its probes, timers, notify socket
     cgroup: str | None = None  # its own cgroup (cgroup containment), else None: its process group
-    probes: Any = None  # probes.ProbeBox of its exec probes, made by the first one
+    probes: Any = None  # probebox.ProbeBox of its exec probes, made by the first one
 
 
 class Engine:
@@ -108,7 +108,7 @@ class Engine:
         self.containment.attach(self.reactor, self.os, watchdog)
         base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
-        self.log_capture: Any = None  # logs.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
                                  token=self.config.token, spawners=self.config.spawners)

@@ -6,7 +6,9 @@ client side) is control.py.
                                           │ recovers leftovers of an unclean end (LOST)
                                           ├─► watchdog process   (python -m watchdog)
                                           ├─► manager process    (python -m orchestrator.manager.server)
-                                          └─► replicas           (forked by the control loop)
+                                          ├─► spawner processes  (orchestrator.spawn.spawner, by posix_spawn)
+                                          └─► replicas           (cloned by a spawner as the daemon's own
+                                                                  children; forked here while none is ready)
     ◄──── "READY <pid>" on a pipe once the channel accepts commands
 
 Liveness is the lock, never a pid check: the kernel drops the lock the moment the daemon

@@ -4,7 +4,7 @@ Run by the daemon's loop thread, for the engine (engine.py). A launch makes PEND
 replicas and asks for a spawn; once per turn (``schedule``), at most ``spawn_batch`` of
 them are started, after their ids are committed (an id must be durable before its process
 exists). Each start is made ready here (its log files, its cgroup, its notify socket, its
-``LaunchPlan``) and asked of a spawner process (zygote.py) or forked at once; the whole
+``LaunchPlan``) and asked of a spawner process (spawner.py) or forked at once; the whole
 batch is asked before any answer is collected, so the spawners fork while we send. The
 answer goes back to the table (``Engine.spawned``, or ``Engine.failed`` with the reason).
 
@@ -41,7 +41,7 @@ class Table(Protocol):
     journal: Journal
     containment: Cgroups | ProcessGroups
     watchdog: Any
-    log_capture: Any  # logs.LogCapture: replicas' stdout/stderr to files (the daemon's)
+    log_capture: Any  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
 
     def pool(self, name: Any) -> Pool | None: ...
     def commit(self) -> bool: ...
@@ -54,10 +54,10 @@ class _SpawnRequest:
     """A PENDING replica whose start was asked for, until the answer (``_end``)."""
 
     rep: Replica
-    asked: Any = None  # spawner.Begun, or the Spawned of a fork done at once
+    asked: Any = None  # osapi.Begun, or the Spawned of a fork done at once
     cgroup: str | None = None
-    captured: Any = None  # logs.Captured: its stdout and stderr files
-    notify: Any = None  # probes.NotifySocket
+    captured: Any = None  # logcapture.ReplicaLog: its stdout and stderr files
+    notify: Any = None  # notify.NotifySocket
 
 
 class Spawning:
@@ -67,7 +67,7 @@ class Spawning:
                  batch: int, token: str | None, spawners: bool) -> None:
         """``batch``: starts per turn, so commands and exits interleave with a burst;
         ``token``: marks every process of one daemon; ``spawners``: replicas made by
-        spawner processes (zygote.py), not forked here."""
+        spawner processes (spawner.py), not forked here."""
         self.table = table
         self.supervisor = supervisor
         self._batch = batch

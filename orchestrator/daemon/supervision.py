@@ -54,7 +54,7 @@ class Proc(Protocol):
     reaped: bool  # its exit was handled: it is over, whatever a timer still expects
     cgroup: str | None
     cleanup: list[Callable[[], None]]  # called once it is reaped: its probes, timers, socket
-    probes: Any  # probes.ProbeBox of its exec probes, made by the first one
+    probes: Any  # probebox.ProbeBox of its exec probes, made by the first one
 
 
 class Table(Protocol):
@@ -66,7 +66,7 @@ class Table(Protocol):
     metrics: Metrics
     containment: Cgroups | ProcessGroups
     watchdog: Any  # the watchdog's ledger feed, for exec probes' cgroups
-    log_capture: Any  # logs.LogCapture, for exec probes' output
+    log_capture: Any  # logcapture.LogCapture, for exec probes' output
     closing: bool
 
     def pool(self, name: Any) -> Pool | None: ...  # deleted ones too
@@ -570,7 +570,7 @@ class Supervisor:
         self.ended_on_its_own(rep, failed=True)
 
     def _probe_box(self, proc: Proc, spec: probes.ProbeSpec) -> Any:
-        """Where the replica's exec probes run and write (probes.ProbeBox), made once and
+        """Where the replica's exec probes run and write (probebox.ProbeBox), made once and
         closed with the replica (it kills an attempt still in flight whole)."""
         if spec.kind != "exec":
             return None
@@ -587,7 +587,7 @@ class Supervisor:
                                    sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
 
     def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
-        """Only the replica itself may notify for it (probes.from_replica), not another one."""
+        """Only the replica itself may notify for it (notify.from_replica), not another one."""
         proc = self.table.proc_of(rep)
         return proc is not None and probes.from_replica(pid, proc.pid, proc.cgroup)
 

@@ -1,6 +1,6 @@
 """The manager server's end of the command channel (channel.py has the picture): the
 multiprocess Manager, its listener and its connections, with the peer check on accept and
-plain-data unpickling. Runs in the manager process (manager.py); a client never loads it,
+plain-data unpickling. Runs in the manager process (server.py); a client never loads it,
 nor multiprocess: ``Client`` speaks the same protocol with the standard library only.
 """
 

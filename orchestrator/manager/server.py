@@ -1,7 +1,7 @@
 """The Manager server process: ``python -m orchestrator.manager.server`` (started by the daemon).
 
 It serves the command queue and the reply board on the daemon's Unix socket (0600, auth
-key, and only to peers of its own uid or root: channel.py checks SO_PEERCRED on accept)
+key, and only to peers of its own uid or root: channelserver.py checks SO_PEERCRED on accept)
 and bridges them to the daemon over two pipes (see channel.py for the picture):
 
 * forwarder thread: ``commands.get()`` → plain-data check → frame → command pipe;

@@ -4,14 +4,14 @@ Started by the launcher (launcher.py, the daemon's side of it) as ``python -c "f
 orchestrator.spawn.spawner import main; main()"`` (``python -m orchestrator.spawn.spawner`` runs the
 same), with its socket on fd 3; titled ``orchestrator: spawner``. Of
 ``orchestrator`` it loads only the frames below, the forked child's set-up (childsetup.py,
-with what that needs: spec, targets, worker, oom's score) and what a preload asks for; no
-part of the daemon's loop.
+with what that needs: spec, targets, worker; and watchdog.cgroup for its join) and what a
+preload asks for; no part of the daemon's loop.
 
 Why: ``fork()`` copies the page tables of whatever forks, so a launcher holding 1 GiB forks
 ~25x slower than a small one, and forking a process that runs threads (an embedding
 program) is the classic fork hazard. The daemon and the embedded API therefore fork
 nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh interpreter of
-~15 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
+~18 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
 forks the worker. A pool with ``preload`` modules gets a spawner of its own that imported
 them once, so its replicas start warm (gunicorn's ``preload_app``, CPython's
 ``set_forkserver_preload``); the daemon itself never imports them.
