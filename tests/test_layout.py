@@ -327,3 +327,15 @@ def test_the_spawner_process_loads_none_of_the_daemon():
 def test_signals_imports_nothing_of_orchestrator():
     """The CLI's stop and the spawner send signals too: signals.py must stay light for them."""
     assert _imports(ROOT / "orchestrator" / "signals.py", "orchestrator") == set()
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages by name (no discovery, for the `watchdog` name's
+    sake): a subpackage missing there would be absent from a wheel, though an editable
+    install still finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("orchestrator", "watchdog")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert listed == found
