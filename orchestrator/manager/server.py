@@ -133,6 +133,8 @@ class _Accepter:
             try:
                 conn = self.server.listener.accept()
             except OSError as err:
+                if err.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    raise  # no listener any more: end the thread, so the manager exits and is restarted
                 if err.errno not in (errno.EMFILE, errno.ENFILE):
                     continue  # a peer refused by uid, or one that hung up before we got to it
                 conn = self._at_fd_limit(err)
