@@ -48,7 +48,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UnsafeFile, UnsafeStateDir
+from .errors import InvalidSpec, UnsafeFile, UnsafeStateDir
 
 SOCKET_NAME = "control.sock"
 AUTHKEY_NAME = "authkey"
@@ -379,6 +379,36 @@ def read_operator_file(path: str | os.PathLike, what: str, limit: int, *, truste
     if left <= 0:
         raise UnsafeFile(f"{where} is more than the {_size(limit)} allowed: refusing to read it")
     return b"".join(chunks)
+
+
+def read_env_file(path: str, *, trusted: bool = True) -> dict[str, str]:
+    """An env file, as ``launch --env-file`` and a pool's ``env_file`` read it (see
+    ``parse_env``), under the trust rules (``paths.read_operator_file``; ``trusted=False``:
+    read by a client with its user's own rights, only the type and size rules hold)."""
+    return parse_env(read_operator_file(path, "env file", ENV_FILE_MAX_BYTES, trusted=trusted), path)
+
+
+def parse_env(data: bytes, path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines (``#`` comments, blank lines, an optional ``export ``, a value
+    in matching quotes unquoted)."""
+    env: dict[str, str] = {}
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InvalidSpec(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidSpec(f"{path}:{number}: expected KEY=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key] = value
+    return env
 
 
 # -- the lock --------------------------------------------------------------------------

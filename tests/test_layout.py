@@ -148,7 +148,7 @@ ALLOWED = {"shared": {"shared"}, "client": {"shared", "client"}, "daemon": {"sha
            "spawn": {"shared", "spawn"}, "manager": {"shared", "manager"}}
 EXCEPTIONS = {
     ("client.cli", "daemon.main"),  # start --foreground: this process becomes the daemon
-    ("client.cli", "daemon.config"),  # start --config is checked before the daemon starts; --env-file
+    ("client.cli", "daemon.config"),  # start --config is checked before the daemon starts
     ("manager.channelserver", "client.channel"),  # the server end of the client's wire code:
     ("manager.server", "client.channel"),  # the frames, the auth key and the socket's address
     ("manager.server", "spawn.childsetup"),  # PR_SET_PDEATHSIG, as a replica sets it

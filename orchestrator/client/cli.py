@@ -30,7 +30,7 @@ from .argtypes import seconds as _seconds
 from ..errors import DaemonNotRunning, OrchestratorError
 from .logcli import add_parser as _add_logs_parser
 from .logcli import cmd_logs
-from ..paths import Paths
+from ..paths import Paths, read_env_file
 from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from ..version import __version__
 
@@ -200,8 +200,6 @@ def _policy(args: argparse.Namespace) -> dict:
 
 
 def _env_file(path: str) -> dict[str, str]:
-    from ..daemon.config import read_env_file  # the config file's env_file reads the same format
-
     try:
         return read_env_file(path, trusted=False)  # read with the caller's own rights
     except OrchestratorError as err:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from ..errors import ConfigError, InvalidSpec
-from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, read_operator_file
+from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
 from ..policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
 from ..protocol import MAX_COUNT, pool_name
 from ..spec import make_spec
@@ -448,36 +448,6 @@ class _Reader:
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _MODULE = re.compile(rf"{_IDENT}(?:\.{_IDENT})*")
 _TARGET = re.compile(rf"{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*")
-
-
-def read_env_file(path: str, *, trusted: bool = True) -> dict[str, str]:
-    """An env file, as ``launch --env-file`` and a pool's ``env_file`` read it (see
-    ``parse_env``), under the trust rules (``paths.read_operator_file``; ``trusted=False``:
-    read by a client with its user's own rights, only the type and size rules hold)."""
-    return parse_env(read_operator_file(path, "env file", ENV_FILE_MAX_BYTES, trusted=trusted), path)
-
-
-def parse_env(data: bytes, path: str) -> dict[str, str]:
-    """``KEY=VALUE`` lines (``#`` comments, blank lines, an optional ``export ``, a value
-    in matching quotes unquoted)."""
-    env: dict[str, str] = {}
-    try:
-        lines = data.decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise InvalidSpec(f"{path}: not UTF-8 text") from None
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.removeprefix("export ").partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise InvalidSpec(f"{path}:{number}: expected KEY=VALUE")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        env[key] = value
-    return env
 
 
 def _number(value: Any, key: str, *, low: float = 0.0, above: float | None = None) -> float | int:

@@ -378,7 +378,7 @@ class Daemon:
         new pools wait for them to be reaped (a pool of servers on fixed ports, renamed,
         would otherwise start while the old one still holds the ports); that wait is bounded
         by the grace plus 10 s, after which they are started anyway. ``prepared``:
-        engine.supervisor.prepare_declared() of each pool, when the caller checked them all already."""
+        engine.supervisor.check_declaration() of each pool, when the caller checked them all already."""
         prepared = prepared or {}
         done: dict[str, list[str]] = {"added": [], "changed": [], "resized": [], "unchanged": []}
         engine = self._engine
@@ -431,7 +431,7 @@ class Daemon:
         prepared: dict[str, Any] = {}
         for decl in new.pools.values():
             try:
-                prepared[decl.name] = self._engine.supervisor.prepare_declared(decl.spec, _policy_of(decl), decl.size)
+                prepared[decl.name] = self._engine.supervisor.check_declaration(decl.spec, _policy_of(decl), decl.size)
             except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
                 raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
         done = self._apply(new, prepared)

@@ -326,12 +326,6 @@ class Supervisor:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def prepare_declared(self, spec: dict, policy: dict, size: int) -> tuple[Runtime, Policy]:
-        """A config pool's spec and policy made ready, checked as a declaration of ``size``
-        replicas is (InvalidSpec if they cannot be): a reload checks every pool of the file
-        before it changes anything."""
-        return self.check_declaration(spec, policy, size)
-
     def declare(self, name: str, spec: dict, policy: dict, size: int,
                 prepared: tuple[Runtime, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
@@ -343,8 +337,9 @@ class Supervisor:
         earlier rollout that gave up, or one still in flight, leaves such replicas), and a
         rollout of an earlier reload still in flight is superseded by this one, so that the
         last file read is what the pool ends as, at its size. ``prepared``: what
-        prepare_declared() made of ``spec`` and ``policy`` already."""
-        runtime, pol = prepared or self.prepare_declared(spec, policy, size)
+        check_declaration() made of ``spec`` and ``policy`` already (a reload checks every
+        pool of the file before it changes anything)."""
+        runtime, pol = prepared or self.check_declaration(spec, policy, size)
         pool = self.table.pool(protocol.pool_name(name))
         if pool is None or pool.deleted:
             if pool is None:
