@@ -23,7 +23,10 @@ import pytest
 from helpers import Ident, cli, open_fds, wait_for
 from orchestrator.daemon import probes
 from orchestrator.errors import InvalidSpec
-from orchestrator.daemon.probes import Checker, NotifySocket, parse, retry_until_ready, run_once
+from orchestrator.daemon.notify import NotifySocket
+from orchestrator.daemon.probebox import ProbeBox
+from orchestrator.daemon.probes import Checker, retry_until_ready, run_once
+from orchestrator.probespec import parse
 from orchestrator.daemon.osapi import OSApi
 
 
@@ -925,7 +928,7 @@ def test_process_group_mode_records_each_exec_attempt_in_the_watchdog_ledger(rea
             self.lines.append(("remove", pid))
 
     ledger = Ledger()
-    box = probes.ProbeBox("p-1", ProcessGroups("test"), ledger)
+    box = ProbeBox("p-1", ProcessGroups("test"), ledger)
     results = Results()
     h = run_once(parse("exec:true"), reactor, os_api, timeout=5, on_result=results, box=box)
     pid = h.pid

@@ -22,9 +22,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import probes
 from ..errors import InvalidSpec
 from ..policy import Policy
+from ..probespec import ProbeSpec
+from ..probespec import parse as parse_probe
 from ..spec import MAX_PORT, Runtime
 from ..states import Replica
 from ..store import POOL_ROW_VERSION as _STORED
@@ -153,15 +154,15 @@ def check_templates(runtime: Runtime | None, policy: Policy, size: int) -> None:
         raise InvalidSpec("the command or env uses {port} but the pool has no port_base")
     for key in PROBE_KEYS:
         text = getattr(policy, key)
-        if text is None or not probes.parse(text, has_port=base is not None).templated:
+        if text is None or not parse_probe(text, has_port=base is not None).templated:
             continue
         for slot in range(size):
             expand_probe(key, text, slot, None if base is None else base + slot)
 
 
-def expand_probe(key: str, text: str, slot: int, port: int | None) -> probes.ProbeSpec:
+def expand_probe(key: str, text: str, slot: int, port: int | None) -> ProbeSpec:
     """The ``ready`` or ``live`` probe ``text`` of one slot; InvalidSpec that says which."""
     try:
-        return probes.parse(text).expand(slot, port)
+        return parse_probe(text).expand(slot, port)
     except InvalidSpec as err:
         raise InvalidSpec(f"{key} {text!r} does not expand for slot {slot}: {err}") from None

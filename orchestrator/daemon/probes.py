@@ -51,13 +51,11 @@ import h11
 from watchdog.cgroup import CgroupUnavailable
 
 from ..errors import InvalidSpec
-from .notify import NotifySocket, from_replica
 from ..states import exit_reason
 from .probebox import ProbeBox
-from ..probespec import KINDS, ProbeSpec, parse
+from ..probespec import ProbeSpec
 
-__all__ = ["KINDS", "ProbeSpec", "parse", "NotifySocket", "from_replica", "ProbeBox", "Handle", "EXEC_PROBES",
-           "run_once", "Checker", "retry_until_ready"]
+__all__ = ["Handle", "EXEC_PROBES", "run_once", "Checker", "retry_until_ready"]
 
 _HEAD_CAP = 8192  # bytes of an http answer's head still incomplete; beyond, it is refused
 _USER_AGENT = "orchestrator-probe"

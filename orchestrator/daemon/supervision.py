@@ -30,8 +30,11 @@ from .containment import Cgroups, ProcessGroups
 from ..errors import InvalidSpec, UnknownReplica
 from .journal import Journal
 from .metrics import Metrics
+from .notify import NotifySocket, from_replica
 from ..policy import Policy, signal_number
 from .pools import CRASHLOOP, Pool, check_templates, expand_probe
+from .probebox import ProbeBox
+from ..probespec import ProbeSpec
 from ..store import unpack_pool_row as unpack_row
 from .reactor import Reactor
 from .rollout import Rollout
@@ -542,7 +545,7 @@ class Supervisor:
                 policy.ready_timeout,
                 lambda: self._not_ready(proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)")).cancel)
 
-    def _probe(self, rep: Replica, key: str, text: str) -> probes.ProbeSpec:
+    def _probe(self, rep: Replica, key: str, text: str) -> ProbeSpec:
         """The ``ready`` or ``live`` probe of ``rep``'s slot; InvalidSpec if it does not expand."""
         pool = self._pool_of(rep)
         slot = rep.slot if rep.slot is not None else 0
@@ -564,27 +567,27 @@ class Supervisor:
             self.table.metrics.crashloop(pool.name)
         self.ended_on_its_own(rep, failed=True)
 
-    def _probe_box(self, proc: Proc, spec: probes.ProbeSpec) -> Any:
+    def _probe_box(self, proc: Proc, spec: ProbeSpec) -> Any:
         """Where the replica's exec probes run and write (probebox.ProbeBox), made once and
         closed with the replica (it kills an attempt still in flight whole)."""
         if spec.kind != "exec":
             return None
         if proc.probes is None:
-            proc.probes = probes.ProbeBox(proc.replica.id, self.table.containment, self.table.watchdog,
+            proc.probes = ProbeBox(proc.replica.id, self.table.containment, self.table.watchdog,
                                           self.table.log_capture)
             proc.cleanup.append(proc.probes.close)
         return proc.probes
 
-    def notify_socket(self, rep: Replica) -> probes.NotifySocket:
+    def notify_socket(self, rep: Replica) -> NotifySocket:
         """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
         name = f"orchestrator-{self._token or os.getpid()}-{rep.id}"
-        return probes.NotifySocket(self.table.reactor, lambda _n, fields: self._notified(rep, fields), name,
+        return NotifySocket(self.table.reactor, lambda _n, fields: self._notified(rep, fields), name,
                                    sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
 
     def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
         """Only the replica itself may notify for it (notify.from_replica), not another one."""
         proc = self.table.proc_of(rep)
-        return proc is not None and probes.from_replica(pid, proc.pid, proc.cgroup)
+        return proc is not None and from_replica(pid, proc.pid, proc.cgroup)
 
     def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
         proc = self.table.proc_of(rep)
