@@ -55,11 +55,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .daemon.embedded import Orchestrator
     from .client.channel import Client
-    from .errors import (ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError,
-                         ShutdownRequested, ShuttingDown, SpawnerLost, StoreError, UnknownReplica, UnsafeFile,
-                         UnsafeStateDir)
+    from .daemon.embedded import Orchestrator
+    from .errors import (
+        ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
+        ShuttingDown, SpawnerLost, StoreError, UnknownReplica, UnsafeFile, UnsafeStateDir,
+    )
     from .spec import WorkerSpec
     from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
     from .version import __version__

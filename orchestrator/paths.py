@@ -40,9 +40,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import signal
 import os
 import pwd
+import signal
 import stat
 import struct
 from pathlib import Path

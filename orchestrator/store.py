@@ -92,8 +92,10 @@ from typing import Any, Callable, Iterable
 from .errors import StoreError
 from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
-from .storesql import (SCHEMA_VERSION, REPLICA_COLS, REPLICA_KEYS, SCHEMA, SQL_BUMP, SQL_EVENT, SQL_POOL,
-                       SQL_REPLICA, SQL_SELECT_REPLICAS, dumps, loads)
+from .storesql import (
+    REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
+    SQL_SELECT_REPLICAS, dumps, loads,
+)
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
 

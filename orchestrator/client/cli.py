@@ -23,16 +23,16 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from ..errors import DaemonNotRunning, OrchestratorError
+from ..paths import Paths, read_env_file
+from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
+from ..version import __version__
 from .argtypes import natural as _natural
 from .argtypes import port as _port
 from .argtypes import positive_seconds as _positive_seconds
 from .argtypes import seconds as _seconds
-from ..errors import DaemonNotRunning, OrchestratorError
 from .logcli import add_parser as _add_logs_parser
 from .logcli import cmd_logs
-from ..paths import Paths, read_env_file
-from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
-from ..version import __version__
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -345,9 +345,9 @@ def cmd_reload(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_health(args: argparse.Namespace, paths: Any) -> int:
+    from ..errors import ChannelError
     from .channel import manager_down
     from .display import format_health
-    from ..errors import ChannelError
 
     try:
         with _client(paths, timeout=1.0) as client:
@@ -430,7 +430,6 @@ def _health_line(paths: Any, data: dict) -> str:
 
 def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
     from ..paths import running_pid
-
     from .display import stored_status
 
     code = EXIT_OK

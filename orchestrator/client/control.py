@@ -24,6 +24,7 @@ from ..errors import OrchestratorError
 from ..paths import TOKEN_ENV, Paths, check_state_dir, is_watchdog, open_log, running_pid
 from ..states import exit_reason
 
+
 def daemon_env() -> dict[str, str]:
     """The environment a daemon is exec'd with: a fresh token, so every descendant carries
     it, and SPT_NOENV, so setproctitle does not clobber that environment in /proc."""

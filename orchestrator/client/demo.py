@@ -23,10 +23,10 @@ from pathlib import Path
 
 import psutil
 
+from ..errors import OrchestratorError
+from ..paths import Paths
 from .channel import Client
 from .control import daemon_env, read_until_eof
-from ..paths import Paths
-from ..errors import OrchestratorError
 
 
 def demo_worker() -> None:

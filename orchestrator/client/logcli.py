@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .argtypes import natural
 from ..errors import OrchestratorError, UnknownReplica
+from .argtypes import natural
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -64,8 +64,8 @@ def _quiet_stdout() -> None:
 def cmd_logs(args: argparse.Namespace, paths: Any) -> int:
     """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
-    from .logread import follow, pool_replicas, tail
     from ..protocol import parse_replica_id, pool_name
+    from .logread import follow, pool_replicas, tail
 
     stream = "err" if args.stderr else "out"
     ids = list(args.ids or ())

@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 from watchdog.identity import start_time
 
-from .osapi import OSApi
 from ..protocol import FrameReader, encode_frame, error
-from .reactor import BufferedWriter, Reactor
 from ..states import exit_reason
+from .osapi import OSApi
+from .reactor import BufferedWriter, Reactor
 
 log = logging.getLogger("orchestrator")
 

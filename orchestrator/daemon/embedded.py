@@ -23,13 +23,13 @@ import tempfile
 import threading
 from typing import Any
 
-from .children import WatchdogChild
-from .engine import Engine, EngineConfig
 from ..errors import ChannelError, ShuttingDown
 from ..protocol import command, raise_reply
-from .recovery import recover_leftovers
-from .osapi import OSApi
 from ..verbs import Verbs
+from .children import WatchdogChild
+from .engine import Engine, EngineConfig
+from .osapi import OSApi
+from .recovery import recover_leftovers
 
 log = logging.getLogger("orchestrator")
 

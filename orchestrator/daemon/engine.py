@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .. import protocol
-from .containment import Cgroups, ProcessGroups
 from ..errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
-from .journal import Journal
-from .metrics import Metrics
-from .pools import Pool
-from .reactor import Reactor, Timer
-from .osapi import OSApi, Spawned
-from .spawning import Spawning
 from ..states import Replica, exit_reason, transition
 from ..states import ReplicaState as S
+from .containment import Cgroups, ProcessGroups
+from .journal import Journal
+from .metrics import Metrics
+from .osapi import OSApi, Spawned
+from .pools import Pool
+from .reactor import Reactor, Timer
+from .spawning import Spawning
 from .supervision import Supervisor
 from .waiters import Waiter, Waiters
 

@@ -102,7 +102,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..logfiles import DIR_FLAGS, STREAMS, WRITE_FLAGS, BACKUP_LIMIT, open_log_file
+from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, open_log_file
 from ..protocol import parse_replica_id
 
 log = logging.getLogger("orchestrator.logs")  # the name daemon.log has always shown for these lines

@@ -38,23 +38,23 @@ from watchdog import WatchdogLink
 from watchdog.identity import scan
 from watchdog.ledger import Entry
 
+from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
+from ..logfiles import remove as remove_logs
+from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
+from ..policy import LIMIT_KEYS
+from ..store import Store, StoreError
+from ..version import __version__
+from ..worker import sd_notify
 from . import config as config_file
 from . import containment, logsink, probes
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
-from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from .httpserver import MetricsServer
 from .logcapture import LogCapture
-from ..logfiles import remove as remove_logs
 from .metrics import LagMonitor, health
-from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
-from ..policy import LIMIT_KEYS
+from .osapi import OSApi, raise_fd_limit, set_child_subreaper
 from .reactor import drain
 from .recovery import recover_leftovers
-from .osapi import OSApi, raise_fd_limit, set_child_subreaper
-from ..store import Store, StoreError
-from ..version import __version__
-from ..worker import sd_notify
 
 log = logging.getLogger("orchestrator")
 REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5

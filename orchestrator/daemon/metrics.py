@@ -62,8 +62,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .reactor import Reactor, Timer
 from ..states import ReplicaState
+from .reactor import Reactor, Timer
 
 log = logging.getLogger(__name__)
 

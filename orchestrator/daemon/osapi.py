@@ -32,8 +32,8 @@ from watchdog.identity import proc_stat, start_time
 from watchdog.ledger import Entry
 
 from .. import signals
-from ..spawn.childsetup import ALL_SIGNALS, prctl, run_child
 from ..errors import SpawnerLost
+from ..spawn.childsetup import ALL_SIGNALS, prctl, run_child
 from ..spec import LaunchPlan
 
 _PR_SET_CHILD_SUBREAPER = 36

@@ -51,9 +51,9 @@ import h11
 from watchdog.cgroup import CgroupUnavailable
 
 from ..errors import InvalidSpec
+from ..probespec import ProbeSpec
 from ..states import exit_reason
 from .probebox import ProbeBox
-from ..probespec import ProbeSpec
 
 __all__ = ["Handle", "EXEC_PROBES", "run_once", "Checker", "retry_until_ready"]
 

@@ -23,9 +23,9 @@ from watchdog.identity import is_alive
 from watchdog.ledger import Entry
 
 from .. import signals
+from ..states import TERMINAL, Replica, ReplicaState, transition
 from .journal import Journal
 from .osapi import OSApi
-from ..states import TERMINAL, Replica, ReplicaState, transition
 
 log = logging.getLogger("orchestrator")
 

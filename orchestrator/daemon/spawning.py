@@ -20,17 +20,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .containment import CgroupUnavailable, Cgroups, ProcessGroups
 from ..errors import InvalidSpec
-from .journal import Journal
-from .pools import Pool
-from .reactor import Reactor
-from .osapi import OSApi, Spawned
 from ..spec import Runtime
 from ..states import Replica
 from ..states import ReplicaState as S
-from .supervision import Supervisor
+from .containment import Cgroups, CgroupUnavailable, ProcessGroups
+from .journal import Journal
 from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
+from .osapi import OSApi, Spawned
+from .pools import Pool
+from .reactor import Reactor
+from .supervision import Supervisor
 
 
 class Table(Protocol):

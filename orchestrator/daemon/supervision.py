@@ -24,24 +24,24 @@ import os
 import signal
 from typing import Any, Callable, Iterable, Protocol
 
-from . import probes
 from .. import protocol
-from .containment import Cgroups, ProcessGroups
 from ..errors import InvalidSpec, UnknownReplica
-from .journal import Journal
-from .metrics import Metrics
-from .notify import NotifySocket, from_replica
 from ..policy import Policy, signal_number
-from .pools import CRASHLOOP, Pool, check_templates, expand_probe
-from .probebox import ProbeBox
 from ..probespec import ProbeSpec
-from ..store import unpack_pool_row as unpack_row
-from .reactor import Reactor
-from .rollout import Rollout
-from .osapi import OSApi
 from ..spec import Runtime, prepare
 from ..states import Replica
 from ..states import ReplicaState as S
+from ..store import unpack_pool_row as unpack_row
+from . import probes
+from .containment import Cgroups, ProcessGroups
+from .journal import Journal
+from .metrics import Metrics
+from .notify import NotifySocket, from_replica
+from .osapi import OSApi
+from .pools import CRASHLOOP, Pool, check_templates, expand_probe
+from .probebox import ProbeBox
+from .reactor import Reactor
+from .rollout import Rollout
 
 log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]

@@ -11,10 +11,9 @@ import pickle
 import sys
 from typing import Any
 
-from multiprocess import connection
-from multiprocess import managers
+from multiprocess import connection, managers
 
-from ..client.channel import DEFAULT_TIMEOUT, SERIALIZER, open_connection, PlainUnpickler, peer_uid
+from ..client.channel import DEFAULT_TIMEOUT, SERIALIZER, PlainUnpickler, open_connection, peer_uid
 from ..errors import ChannelError
 from ..paths import user_name
 

@@ -29,11 +29,11 @@ from typing import Any, Callable
 from multiprocess import connection, process, util
 
 from ..client.channel import SERIALIZER, read_authkey, set_timeouts, socket_address
-from .channelserver import ChannelManager, use_plain_pickling
 from ..errors import OrchestratorError
 from ..paths import Paths, check_state_dir
 from ..protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
 from ..spawn.childsetup import set_pdeathsig
+from .channelserver import ChannelManager, use_plain_pickling
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
 
