@@ -36,6 +36,12 @@ _HOMES = {
     "SpawnerLost": "errors",
     "ShutdownRequested": "errors",
     "Terminated": "worker",
+    "Executor": "executor",
+    "Cancelled": "worker",
+    "TaskTimeout": "worker",
+    "WorkerLost": "errors",
+    "TaskTimeoutError": "errors",
+    "TaskState": "states",
 }
 
 __all__ = list(_HOMES)
@@ -59,9 +65,11 @@ if TYPE_CHECKING:
     from .daemon.embedded import Orchestrator
     from .errors import (
         ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
-        ShuttingDown, SpawnerLost, StoreError, UnknownReplica, UnsafeFile, UnsafeStateDir,
+        ShuttingDown, SpawnerLost, StoreError, TaskTimeoutError, UnknownReplica, UnsafeFile, UnsafeStateDir,
+        WorkerLost,
     )
+    from .executor import Executor
     from .spec import WorkerSpec
-    from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState
+    from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState, TaskState
     from .version import __version__
-    from .worker import Terminated
+    from .worker import Cancelled, TaskTimeout, Terminated

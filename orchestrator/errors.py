@@ -6,6 +6,8 @@ imports nothing. The public ones are exported by ``orchestrator`` (see its ``__a
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class OrchestratorError(Exception):
     """Base of every error this package raises on purpose. ``data``: what a failed
@@ -84,6 +86,36 @@ class StoreError(OrchestratorError):
     """The store cannot do its job; the message is one line meant for the operator."""
 
     code = "store"
+
+
+class WorkerLost(OrchestratorError):
+    """An ``Executor`` task's worker died while it ran the task (a signal, an exit, the OOM
+    killer, ``memory_max``), or the pool stopped replacing its workers before the task ran.
+    ``reason`` says how (``killed by SIGKILL``, ``OOM-killed``, ``exited with 3``,
+    ``memory limit 200 MiB exceeded``); ``task`` is the task's id."""
+
+    code = "worker_lost"
+
+    def __init__(self, message: str, *, reason: str = "", task: str | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.task = reason, task
+
+    def __reduce__(self) -> Any:
+        return (_worker_lost, (str(self), self.reason, self.task))
+
+
+def _worker_lost(message: str, reason: str, task: str | None) -> WorkerLost:
+    return WorkerLost(message, reason=reason, task=task)
+
+
+class TaskTimeoutError(TimeoutError):
+    """What the future of an ``Executor`` task that ran past its ``timeout`` raises (inside
+    the task, ``orchestrator.TaskTimeout`` was raised). ``task`` is its id, ``timeout`` the
+    limit in seconds."""
+
+    def __init__(self, message: str, *, task: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.task, self.timeout = task, timeout
 
 
 class SpawnerLost(Exception):

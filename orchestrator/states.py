@@ -158,3 +158,47 @@ def exit_reason(code: int) -> str:
             name = f"signal {-code}"
         return f"killed by {name}"
     return f"exit code {code}"
+
+
+# -- tasks of an Executor -------------------------------------------------------------------
+
+class TaskState(str, enum.Enum):
+    """A task's states, with their own table (the same rules as a replica's: terminal is
+    sticky, so a result that arrives after a cancel or a timeout can never overwrite it).
+
+        QUEUED ──► RUNNING ──► DONE | FAILED | CANCELLED | TIMED_OUT
+          │   ◄──────┘ its worker died (or its daemon stopped) and retries remain
+          └──► CANCELLED | FAILED          before it ran
+        QUEUED, RUNNING ──► LOST           its daemon died while it ran
+    """
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+    LOST = "LOST"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TaskState.QUEUED, TaskState.RUNNING)
+
+
+_T = TaskState
+TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    _T.QUEUED: frozenset({_T.RUNNING, _T.CANCELLED, _T.FAILED, _T.LOST}),
+    _T.RUNNING: frozenset({_T.QUEUED, _T.DONE, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.LOST}),
+    **{t: frozenset() for t in _T if t.terminal},
+}
+
+
+def task_transition(task_id: str, old: TaskState, new: TaskState) -> TaskState:
+    """The state after ``old -> new``; IllegalTransition (a bug in the caller) if the table
+    does not allow it."""
+    if new not in TASK_TRANSITIONS[old]:
+        raise IllegalTransition(task_id, old, new)  # type: ignore[arg-type]
+    return new

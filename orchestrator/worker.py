@@ -36,7 +36,7 @@ import _signal  # type: ignore[import-not-found]  # no stub; the module signal w
 import os
 import sys
 
-__all__ = ["Terminated", "install_sigterm_handler", "exit_as_killed", "ready"]
+__all__ = ["Terminated", "Cancelled", "TaskTimeout", "install_sigterm_handler", "exit_as_killed", "ready"]
 
 
 class Terminated(BaseException):
@@ -52,6 +52,22 @@ class Terminated(BaseException):
 
     def __str__(self) -> str:
         return f"terminated by signal {self.signum}"
+
+
+class Cancelled(Terminated):
+    """Raised inside a task of ``orchestrator.Executor`` whose future was cancelled while it
+    ran; never in any other task. A Terminated, so one ``except Terminated:`` cleans up after
+    a cancel, a timeout and a shutdown alike."""
+
+    def __str__(self) -> str:
+        return "the task was cancelled"
+
+
+class TaskTimeout(Terminated):
+    """Raised inside a task of ``orchestrator.Executor`` that ran past its ``timeout``."""
+
+    def __str__(self) -> str:
+        return "the task ran past its timeout"
 
 
 _owner = 0  # the pid install_sigterm_handler() was called in

@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ChannelError, ShuttingDown
 from ..protocol import command, raise_reply
@@ -45,6 +45,8 @@ class Orchestrator(Verbs):
     ``cgroup``: "auto" or a cgroup2 dir gives each replica a cgroup of its own, in a subtree
     made under this process's cgroup (or that dir) and removed by ``close()``; this process
     itself stays where it is. None or "off" (the default): process groups.
+    ``inherit_output``: replicas write to this process's stdout and stderr (fds 1 and 2),
+    as a ProcessPoolExecutor's workers do; by default their output is dropped.
     """
 
     def __init__(
@@ -59,9 +61,11 @@ class Orchestrator(Verbs):
         state_dir: str | None = None,
         db: str | os.PathLike | None = None,
         cgroup: str | None = None,
+        inherit_output: bool = False,
     ) -> None:
         self._token = secrets.token_hex(8)
-        self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token, spawners=True)
+        self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token, spawners=True,
+                                    stdio=(1, 2) if inherit_output else None)
         self._pdeathsig = pdeathsig
         self._use_watchdog = watchdog
         # The watchdog writes its report into the state dir: beside the journal if there is
@@ -194,6 +198,14 @@ class Orchestrator(Verbs):
         if not done.wait(limit):
             raise ChannelError(f"{op}: no reply from the control loop within {limit:g} s")
         return raise_reply(box[0])
+
+    def send(self, op: str, args: dict | None, on_reply: Callable[[dict], None]) -> None:
+        """Send one command without waiting: ``on_reply(msg)`` is called once, from the
+        loop's thread, so it must be quick and must not call back into this object."""
+        engine = self._engine
+        if engine is None or self._thread is None or self._stop or engine.closing:
+            raise ShuttingDown("the orchestrator is not running")
+        engine.submit(command(op, args), on_reply)
 
     @property
     def watchdog_pid(self) -> int | None:

@@ -45,6 +45,7 @@ from .pools import Pool
 from .reactor import Reactor, Timer
 from .spawning import Spawning
 from .supervision import Supervisor
+from .tasks import Tasks
 from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")
@@ -63,6 +64,8 @@ class EngineConfig:
     env: dict[str, str] | None = None  # base environment of command workers (default: ours)
     token: str | None = None  # ORCHESTRATOR_DAEMON_TOKEN, marks every process of one daemon
     spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
+    stdio: tuple[int, int] | None = None  # fds for replicas' stdout and stderr without a log capture (None: /dev/null)
+    task_socket: str | None = None  # where executor workers connect (None: an abstract socket)
 
 
 @dataclass(eq=False, slots=True)
@@ -111,8 +114,9 @@ class Engine:
         self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
-                                 token=self.config.token, spawners=self.config.spawners)
+                                 token=self.config.token, spawners=self.config.spawners, stdio=self.config.stdio)
         self.spawners = self.spawning.spawners
+        self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
@@ -129,7 +133,7 @@ class Engine:
         self.extra_commands: dict[str, Callable[[dict], Any]] = {}
         self._commands: dict[str, Handler] = {
             "terminate": self._cmd_terminate, "status": self._cmd_status, "wait": self._cmd_wait,
-            "ping": self._cmd_ping, **self.supervisor.commands()}
+            "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands()}
         self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
         self._store_warned = -1e9
@@ -227,6 +231,7 @@ class Engine:
             cmd, reply = self._inbox.popleft()
             cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
             reply(protocol.error(cmd_id, ShuttingDown("the orchestrator is shutting down")))
+        self.tasks.close()
         self.reactor.close()
 
     @property
@@ -272,6 +277,10 @@ class Engine:
 
     def replica(self, rid: str) -> Replica | None:
         return self._replicas.get(rid)
+
+    def proc_by_pid(self, pid: int) -> Proc | None:
+        """The live (unreaped) process ``pid`` of a replica, if it is one."""
+        return self._procs.get(pid)
 
     def lookup(self, rid: str) -> Replica | None:
         """The replica, None if it ended long ago (a no-op for terminate), else UnknownReplica."""
@@ -446,6 +455,7 @@ class Engine:
             self.supervisor.stopped(rep)
         else:
             self.journal.replica(rep)  # terminal already: only the pid is gone
+        self.tasks.worker_ended(rep)
 
     def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool:
         """Terminate one replica; a no-op (False) when it is ending or ended already."""
@@ -547,6 +557,7 @@ class Engine:
         if self._dirty:
             self._dirty = False
             self.supervisor.settle()
+            self.tasks.settle()
             if self._waiters:
                 self._outbox.extend(self._waiters.check())
             self._forget_ended()

@@ -64,14 +64,16 @@ class Spawning:
     """The PENDING replicas and their starts; see the module docstring."""
 
     def __init__(self, table: Table, supervisor: Supervisor, base_env: dict[str, str], *,
-                 batch: int, token: str | None, spawners: bool) -> None:
+                 batch: int, token: str | None, spawners: bool, stdio: tuple[int, int] | None = None) -> None:
         """``batch``: starts per turn, so commands and exits interleave with a burst;
         ``token``: marks every process of one daemon; ``spawners``: replicas made by
-        spawner processes (spawner.py), not forked here."""
+        spawner processes (spawner.py), not forked here; ``stdio``: the fds replicas write
+        to where there is no log capture (the embedding program's own, for an Executor)."""
         self.table = table
         self.supervisor = supervisor
         self._batch = batch
         self._token = token
+        self._stdio = stdio
         # Started by start(), from the loop's thread: the replicas' PDEATHSIG follows it.
         self.spawners = Spawners(table.reactor, table.os, table.watchdog, base_env, self._spawners_changed,
                                  output=self._spawner_output) if spawners else None
@@ -176,6 +178,8 @@ class Spawning:
                 req.captured = table.log_capture.open(rep.id, max_bytes=pool.policy.log_max_bytes,
                                                       backups=pool.policy.log_backups)  # None: the daemon's
                 plan = dataclasses.replace(plan, stdout=req.captured.stdout, stderr=req.captured.stderr)
+            elif self._stdio is not None:
+                plan = dataclasses.replace(plan, stdout=self._stdio[0], stderr=self._stdio[1])
             req.cgroup = table.containment.claim(rep.id, pool.policy.limits)
             if req.cgroup is not None:
                 plan = dataclasses.replace(plan, cgroup=req.cgroup)

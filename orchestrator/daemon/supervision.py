@@ -99,6 +99,9 @@ class Supervisor:
         self._token = token
         self._rollouts: list[Rollout] = []
         self._replacing: set[str] = set()  # ids asked to stop in order to be replaced (liveness)
+        # ids that end by the pool's own design (an executor's worker retired after its
+        # tasks, or killed for a task that outran its cancel): replaced at once, not counted
+        self._renewing: dict[str, str] = {}
 
     def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
         """The commands it answers: op -> handler(args, reply, cmd_id)."""
@@ -118,6 +121,9 @@ class Supervisor:
 
     def stopped(self, rep: Replica) -> None:
         """``rep`` ended after it was asked to stop: replaced if that was the point."""
+        if rep.id in self._renewing:
+            self._replace(rep, reason=self._renewing.pop(rep.id), backoff=False)
+            return
         if rep.id in self._replacing:  # only a failed liveness probe asks for that
             self._replacing.discard(rep.id)
             # A failure like any other: after the slot's backoff, and counted against
@@ -128,15 +134,55 @@ class Supervisor:
         """The restart policy decides: replaced after a backoff (the pool keeps its size),
         or not (the pool's desired size follows the replica out)."""
         pool = self._pool_of(rep)
+        renewed = self._renewing.pop(rep.id, None)
         if self._slot_taken(pool, rep.slot):
             return  # a rolling restart's new replica holds the slot already: nothing to do
+        if renewed is not None and not self.table.closing and not pool.deleted:
+            self._replace(rep, reason=renewed, backoff=False)
+            return
         if self.table.closing or rep.slot is None or not pool.wants_replacement(failed) or pool.state == CRASHLOOP:
             pool.desired -= 1
             self.table.save_pool(pool)
             return
         self._replace(rep, reason=rep.reason or "ended", backoff=True)
 
+    def renew(self, rep: Replica, reason: str) -> None:
+        """``rep`` is about to end by its pool's own design, not as a failure (an executor's
+        worker that retires after ``max_tasks_per_child`` tasks, or is killed because a task
+        outran its cancel): replaced at once when it ends, and not counted toward a crash loop."""
+        self._renewing[rep.id] = reason
+
     # -- declaring pools ----------------------------------------------------------------
+
+    def open_pool(self, name: str, spec: Any, policy: Any, size: int) -> tuple[Pool, list[str]]:
+        """Pool ``name`` running ``spec`` under ``policy`` with ``size`` replicas (an
+        executor's): made (or made again, if deleted) and launched; joined as it is if it
+        runs that spec and policy already; InvalidSpec if it runs others."""
+        runtime, pol = self.check_declaration(spec, policy, size)
+        pool = self.table.pool(protocol.pool_name(name))
+        if pool is not None and not pool.deleted:
+            if runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy:
+                raise InvalidSpec(f"pool {name!r} runs another spec or policy: use another pool name")
+            return pool, [r.id for r in pool.live.values()]
+        if pool is None:
+            pool = Pool(name, runtime, pol)
+            self.table.add_pool(pool)
+        pool.deleted, pool.runtime, pool.policy = False, runtime, pol
+        pool.clear()
+        self._converge(pool, size)
+        return pool, [r.id for r in pool.live.values()]
+
+    def delete_pool(self, name: str) -> list[str]:
+        """``delete`` of pool ``name``: every replica it still has, ending or not."""
+        pool = self._pool(name)
+        ids = list(pool.live)
+        self._cmd_delete({"pool": name}, lambda _msg: None, None)
+        return ids
+
+    def wait_ended(self, ids: list[str], reply: Reply, cmd_id: Any, timeout: float) -> Any:
+        """Reply to the command once every one of ``ids`` has ended and been reaped."""
+        return self.table.wait_for(ids, "ended", reply, cmd_id, timeout)
+
 
     def prepare(self, wire: Any) -> Runtime:
         return prepare(wire, self._base_env)

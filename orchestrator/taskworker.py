@@ -1,0 +1,139 @@
+"""An ``Executor``'s worker: the Python target of every replica of an executor pool.
+
+It connects to the control loop's task listener (taskwire.py has the frames), runs the
+pool's initializer once, then runs the tasks the loop sends, one at a time, in its main
+thread, and answers each with its result, its exception (with the remote traceback's
+text) or a line saying why neither could be pickled. It exits 0 after ``max_tasks`` tasks
+(``max_tasks_per_child``; the pool replaces it) or when the loop closes the socket.
+
+Cancel and timeout: ``CANCEL_SIGNAL``'s handler raises :class:`orchestrator.Cancelled` (or
+:class:`orchestrator.TaskTimeout`) only if the cancel word names the task running now,
+so a signal that arrives after its task has ended does nothing. SIGTERM stays what it is
+in every Python worker: :class:`orchestrator.Terminated`, and the worker ends.
+"""
+
+from __future__ import annotations
+
+import _signal  # type: ignore[import-not-found]  # the module signal wraps, lighter to import
+import mmap
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+from . import taskwire as w
+from .worker import Cancelled, TaskTimeout
+
+_current = 0  # the number of the task running now; 0 between tasks
+_word: Any = None  # memoryview of the cancel word, shared with the loop
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    word = _word[0]
+    if _current and word >> 2 == _current:
+        raise TaskTimeout() if word & 3 == w.TIMEOUT else Cancelled()
+
+
+class _Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._frames = w.Frames()
+        self._ready: list[tuple[int, int, bytes]] = []
+
+    def next(self) -> tuple[int, int, bytes] | None:
+        while not self._ready:
+            data = self._sock.recv(1 << 20)
+            if not data:
+                return None
+            self._ready = self._frames.feed(data)
+        return self._ready.pop(0)
+
+
+def _connect(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + address[1:] if address.startswith("@") else address)
+    return sock
+
+
+def main() -> None:
+    """The executor pool's target (``orchestrator.taskworker:main``)."""
+    global _word
+    address = os.environ.pop(w.SOCKET_ENV, "")
+    if not address:
+        raise SystemExit(f"{w.SOCKET_ENV} is not set: not started by an executor pool")
+    sock = _connect(address)
+    fd = os.memfd_create("orchestrator-cancel", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, w.WORD.size)
+        _word = memoryview(mmap.mmap(fd, w.WORD.size)).cast("Q")
+        socket.send_fds(sock, [w.frame(w.HELLO, os.getpid())], [fd])
+    finally:
+        os.close(fd)
+    reader = _Reader(sock)
+    got = reader.next()
+    if got is None or got[0] != w.WELCOME:
+        raise SystemExit("the control loop closed the task socket before it welcomed this worker")
+    _, max_tasks, init = got
+    _signal.signal(w.CANCEL_SIGNAL, _interrupt)
+    if init:
+        initializer, initargs = w.loads(init)
+        try:
+            initializer(*initargs)
+        except Exception as err:
+            traceback.print_exc()
+            line = f"initializer failed: {type(err).__name__}: {err}".replace("\n", " ")[:1000]
+            sock.sendall(w.frame(w.UNPICKLABLE, 0, line.encode("utf-8", "replace")))
+            raise SystemExit(3) from None
+    sock.sendall(w.frame(w.READY))
+    done = 0
+    while max_tasks == 0 or done < max_tasks:
+        got = reader.next()
+        if got is None:
+            break  # the loop closed our socket: the pool is shrinking or gone
+        kind, number, payload = got
+        if kind != w.TASK:
+            continue
+        reply = _run(number, payload)
+        for stream in (sys.stdout, sys.stderr):  # a task's prints reach its log now, not at exit
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        sock.sendall(reply)
+        done += 1
+
+
+def _run(number: int, payload: bytes) -> bytes:
+    global _current
+    try:
+        try:
+            _current = number
+            _interrupt(0, None)  # a cancel that came before we knew the task's number
+            fn, args, kwargs = w.loads(payload)
+            value = fn(*args, **kwargs)
+        finally:
+            _current = 0
+    except (Cancelled, TaskTimeout) as exc:
+        word = _word[0]
+        if word >> 2 == number:  # the loop's: a task that raised one itself falls through
+            return w.frame(w.STOPPED, number, bytes([word & 3]))
+        return _raised(number, exc)
+    except Exception as exc:  # a Terminated (SIGTERM) is not the task's error: the worker ends
+        return _raised(number, exc)
+    try:
+        return w.frame(w.RESULT, number, w.dumps(value))
+    except Exception as err:
+        return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
+
+
+def _raised(number: int, exc: BaseException) -> bytes:
+    text = traceback.format_exc()
+    try:
+        return w.frame(w.RAISED, number, w.dumps((exc, text)))
+    except Exception as err:
+        return _unpicklable(number, f"it raised {type(exc).__name__}: {exc}, which cannot be pickled ({err})")
+
+
+def _unpicklable(number: int, line: str) -> bytes:
+    return w.frame(w.UNPICKLABLE, number, " ".join(line.split())[:2000].encode("utf-8", "replace"))
