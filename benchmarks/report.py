@@ -174,7 +174,13 @@ def _soak(res: dict) -> list[str]:
     return out
 
 
-RENDERERS = {"churn": _churn, "crash": _crash, "cleanup": _cleanup, "scale": _scale, "soak": _soak}
+def _tasks(res: dict) -> list[str]:
+    from benchmarks.sec_tasks import render
+
+    return render(res)
+
+
+RENDERERS = {"tasks": _tasks, "churn": _churn, "crash": _crash, "cleanup": _cleanup, "scale": _scale, "soak": _soak}
 
 
 def targets(sections: dict[str, dict]) -> list[dict[str, Any]]:

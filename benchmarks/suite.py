@@ -34,6 +34,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "churn": ("benchmarks.sec_churn", "churn: orchestrator (embedded, channel, CLI), floors, executors, supervisord"),
     "crash": ("benchmarks.sec_crash", "crash → replacement RUNNING, against supervisord's respawn"),
     "cleanup": ("benchmarks.sec_cleanup", "kill -9 of the daemon → last replica tree gone, per containment mode"),
+    "tasks": ("benchmarks.sec_tasks", "tasks: orchestrator.Executor vs ProcessPoolExecutor, loky, pebble"),
     "spawn": ("benchmarks.bench_spawn", "launch cost against the launcher's size"),
     "scale": ("benchmarks.scale", "2,000 live replicas"),
     "soak": ("benchmarks.soak", "soak: RSS, fds, loop lag over time"),

@@ -52,3 +52,34 @@ def test_tiny_churn_writes_json_with_figures(tmp_path: Path) -> None:
     floor_target = next(t for t in doc["targets"] if "floor" in t["target"])
     assert floor_target["measured"] > 0 and floor_target["ok"] in (True, False)
     assert "targets" in done.stdout and "vs floor" in done.stdout
+
+
+def test_tiny_tasks_section_compares_the_executor_with_its_peers(tmp_path: Path) -> None:
+    """One round of each part: every figure of ours is there, a worker's kill -9 loses one
+    future (none with retries=1), and the section's targets reach the targets block."""
+    done = _run("--only", "tasks", "--quick", "--batches", "1", "--no-install", "--no-plots",
+                "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    section = json.loads((tmp_path / "results.json").read_text())["sections"]["tasks"]
+    assert section["status"] == "ok", section
+    res = section["result"]
+    assert {"tiny", "process_per_task", "cancel", "kill", "targets"} <= res.keys()
+    assert res["tiny"]["map"]["orchestrator.Executor"]["rate"] > 0
+    assert res["tiny"]["map"]["ProcessPoolExecutor (default context: fork)"]["rate"] > 0
+    proc = res["process_per_task"]["variants"]
+    for name in ("orchestrator.Executor, max_tasks_per_child=1",
+                 "orchestrator.Executor, max_tasks_per_child=1, 200 MB preload"):
+        uniq, total = map(int, proc[name]["distinct_pids"].split("/"))
+        assert uniq == total > 0, name  # a process per task
+    ours = res["cancel"]["variants"]["orchestrator.Executor"]
+    assert ours["cancels"] > 0 and ours["raised_in_task"] == {"Cancelled": ours["cancels"]}
+    assert ours["worker_pids_seen"] == 2  # the workers live on through every cancel
+    kill = res["kill"]["variants"]
+    assert kill["orchestrator.Executor"]["futures_lost"] == [1]
+    assert kill["orchestrator.Executor"]["errors"] == {"WorkerLost": 1}
+    assert kill["orchestrator.Executor, retries=1"]["futures_lost"] == [0]
+    assert kill["orchestrator.Executor"]["usable_after"] is True
+    assert kill["ProcessPoolExecutor (default context: fork)"]["usable_after"] is False
+    names = [t["target"] for t in json.loads((tmp_path / "results.json").read_text())["targets"]]
+    assert sum(n.startswith("tasks: ") for n in names) == len(res["targets"]) == 6
+    assert "1. tiny tasks" in done.stdout and "4. kill -9" in done.stdout

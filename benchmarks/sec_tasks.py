@@ -1,0 +1,606 @@
+"""Tasks: ``orchestrator.Executor`` against ``ProcessPoolExecutor``, loky and pebble, side by side.
+
+Four parts, each with every pool open at once and the variants interleaved round by round
+in a rotating order (after a warm-up round), all with 2 workers:
+
+1. **tiny tasks**: ``map`` of a no-op over N tasks on warm pools, tasks/s (N per variant is
+   sized from its warm-up rate, so every round lasts about as long for each); also one
+   ``submit(...).result()`` after another, the round trip of a single task.
+2. **a process per task**: ``max_tasks_per_child=1`` (ours; ``ProcessPoolExecutor`` with
+   the context 3.11 picks for it, spawn, and with an explicit fork context; pebble's
+   ``max_tasks=1``; loky has no such setting), ``map`` of a task that returns its pid
+   (every pid is checked distinct), tasks/s. Ours also with a module that holds 200 MB
+   (``bench_spawn``'s generator) in ``preload``.
+3. **cancel of a running task**: the task says it started (a line on a FIFO), sleeps, and
+   when ``Cancelled`` reaches it writes the monotonic time it arrived; the figure is that
+   time minus the time just before ``cancel()`` in the parent. ``ProcessPoolExecutor`` and
+   loky return False from ``cancel()`` of a running task (counted; the task runs to its
+   end); pebble's ``cancel()`` terminates the worker: its figure is ``cancel()`` → the
+   worker process gone (its pidfd readable), and the task sees no exception.
+4. **kill -9 of one busy worker** with 50 tasks of 50 ms in flight: how many futures fail,
+   and with what; whether the same executor takes a task afterwards.
+
+The tasks live in this module, so every pool imports them by name. Every pool is shut
+down in a ``finally`` (workers killed where the library can); no process is killed by name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from benchmarks import peers
+from benchmarks.report import summary
+
+WORKERS = 2
+pc = time.perf_counter
+
+OURS = "orchestrator.Executor"
+OURS_RETRY = "orchestrator.Executor, retries=1"
+OURS_PROC = "orchestrator.Executor, max_tasks_per_child=1"
+OURS_PRELOAD = "orchestrator.Executor, max_tasks_per_child=1, 200 MB preload"
+PPE = "ProcessPoolExecutor (default context: fork)"
+PPE_SPAWN = "ProcessPoolExecutor(max_tasks_per_child=1) (3.11's default: spawn)"
+PPE_FORK = "ProcessPoolExecutor(max_tasks_per_child=1, fork context)"
+LOKY = "loky"
+PEBBLE = "pebble ProcessPool"
+PEBBLE_PROC = "pebble ProcessPool(max_tasks=1)"
+
+# Goals (README, "Benchmarks"); measured values come from run().
+TINY_VS_PPE = 1.0
+PROC_VS_PPE = 5.0
+PRELOAD_RATE = 100.0
+CANCEL_P99_MS = 10.0
+
+KILL_TASKS = 50
+KILL_SLEEP = 0.05
+PRELOAD_MIB = 200
+
+
+# -- what the tasks run (in the workers of every pool) -----------------------------------
+
+def _noop(x: Any = None) -> Any:
+    return x
+
+
+def _pid(_: Any = None) -> int:
+    return os.getpid()
+
+
+def _say(fifo: str, line: str) -> None:
+    """One line to the parent's FIFO (shorter than PIPE_BUF: written whole)."""
+    fd = os.open(fifo, os.O_WRONLY)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _until_cancelled(fifo: str, n: int, seconds: float) -> int:
+    """Says it started, sleeps; says when an exception of the executor's reached it (the
+    monotonic clock is the same in every process of the host), or that it ran to its end."""
+    from orchestrator import Terminated
+
+    try:  # a cancel may come as soon as the parent has read this line: inside the try
+        _say(fifo, f"S {n} {os.getpid()}")
+        time.sleep(seconds)
+    except Terminated as exc:
+        _say(fifo, f"C {n} {time.monotonic()!r} {type(exc).__name__}")
+        raise
+    _say(fifo, f"E {n}")
+    return n
+
+
+def _busy(fifo: str, n: int, seconds: float) -> int:
+    _say(fifo, f"S {n} {os.getpid()}")
+    time.sleep(seconds)
+    return os.getpid()
+
+
+# -- the parent's side ---------------------------------------------------------------------
+
+class Fifo:
+    """A named pipe the tasks write lines to; the parent waits on it with select (no polling).
+    The parent holds a writer too, so that no writer being there is not an end of file."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path = str(path)
+        self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self._w = os.open(path, os.O_WRONLY)
+        self._buf = b""
+        self.lines: list[list[str]] = []
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select([self._r], [], [], max(0.0, timeout))
+        if ready:
+            try:
+                self._buf += os.read(self._r, 1 << 16)
+            except BlockingIOError:
+                return
+            *done, self._buf = self._buf.split(b"\n")
+            self.lines += [line.decode().split() for line in done]
+
+    def wait(self, kind: str, n: int | None = None, timeout: float = 30.0) -> list[str]:
+        """The first line of ``kind`` (for task ``n``) not taken yet; RuntimeError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, line in enumerate(self.lines):
+                if line[0] == kind and (n is None or int(line[1]) == n):
+                    return self.lines.pop(i)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no {kind!r} line for task {n} within {timeout:g} s")
+            self._read(left)
+
+    def drain(self) -> None:
+        self._read(0)
+        self.lines.clear()
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Wait (select on its pidfd) until process ``pid`` has exited; False at ``timeout``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+class Pools:
+    """The pools of one part, closed in reverse order whatever happens."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.skipped: dict[str, str] = {}
+
+    def ours(self, **kw: Any) -> Any:
+        from orchestrator import Executor
+
+        ex = Executor(max_workers=WORKERS, **kw)
+        self.stack.callback(ex.shutdown, wait=True, cancel_futures=True)
+        return ex
+
+    def ppe(self, ctx: str | None = None, **kw: Any) -> cf.ProcessPoolExecutor:
+        ex = cf.ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context(ctx) if ctx else None, **kw)
+        self.stack.callback(ex.shutdown, wait=True, cancel_futures=True)
+        return ex
+
+    def loky(self, install: bool, say: Callable[[str], None]) -> Any:
+        loky = peers.ensure_package("loky", "loky", install=install, say=say)
+        ex = loky.ProcessPoolExecutor(max_workers=WORKERS)
+        self.stack.callback(ex.shutdown, wait=True, kill_workers=True)
+        return ex
+
+    def pebble(self, install: bool, say: Callable[[str], None], **kw: Any) -> Any:
+        pebble = peers.ensure_package("pebble", "pebble", install=install, say=say)
+        pool = pebble.ProcessPool(max_workers=WORKERS, **kw)
+
+        def close() -> None:
+            pool.stop()
+            pool.join(timeout=30)
+        self.stack.callback(close)
+        return pool
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _map(pool: Any, fn: Callable, n: int) -> list:
+    """``map`` with chunksize 1, as each library spells it."""
+    if hasattr(pool, "schedule"):  # pebble
+        return list(pool.map(fn, range(n), chunksize=1).result())
+    return list(pool.map(fn, range(n)))
+
+
+def _submit(pool: Any, fn: Callable, *args: Any) -> cf.Future:
+    if hasattr(pool, "schedule"):
+        return pool.schedule(fn, args=args)
+    return pool.submit(fn, *args)
+
+
+def _rounds(progress: Callable[[str], None], part: str, runs: dict[str, Callable[[int], float]],
+            budget: float, rounds: int, fn_n: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
+    """Every variant once per round, rotating, after a warm-up that sizes each one's count of
+    tasks (``budget`` seconds a round; within ``fn_n[name]``'s bounds). tasks/s per variant."""
+    sizes: dict[str, int] = {}
+    for name, go in runs.items():
+        low, high = fn_n[name]
+        progress(f"{part}: warm-up: {name}")
+        took = go(low)
+        sizes[name] = max(low, min(high, int(budget * low / took) if took > 0 else high))
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    names = list(runs)
+    for r in range(rounds):
+        progress(f"{part}: round {r + 1}/{rounds}")
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(runs[name](sizes[name]))
+    return {n: {"tasks_per_round": sizes[n], "rounds": len(t), "round_s": summary(t),
+                "rate": sizes[n] * len(t) / sum(t)} for n, t in times.items()}
+
+
+# -- 1. tiny tasks ---------------------------------------------------------------------------
+
+def part_tiny(quick: bool, progress: Callable[[str], None], install: bool, rounds: int) -> dict[str, Any]:
+    pools = Pools()
+    try:
+        variants: dict[str, Any] = {OURS: pools.ours(), PPE: pools.ppe()}
+        for name, make in ((LOKY, pools.loky), (PEBBLE, pools.pebble)):
+            try:
+                variants[name] = make(install, progress)
+            except peers.Unavailable as err:
+                pools.skipped[name] = str(err)
+
+        def mapped(pool: Any) -> Callable[[int], float]:
+            def go(n: int) -> float:
+                t0 = pc()
+                got = _map(pool, _noop, n)
+                took = pc() - t0
+                if got != list(range(n)):
+                    raise RuntimeError("map returned other values than it was given")
+                return took
+            return go
+
+        def one_by_one(pool: Any) -> Callable[[int], float]:
+            def go(n: int) -> float:
+                t0 = pc()
+                for i in range(n):
+                    _submit(pool, _noop, i).result(timeout=30)
+                return pc() - t0
+            return go
+
+        budget = 0.4 if quick else 1.5
+        return {"map": _rounds(progress, "tiny tasks, map", {n: mapped(p) for n, p in variants.items()},
+                               budget, rounds, {n: (200, 100_000) for n in variants}),
+                "submit_result": _rounds(progress, "tiny tasks, submit+result",
+                                         {n: one_by_one(p) for n, p in variants.items()},
+                                         budget / 2, rounds, {n: (100, 50_000) for n in variants}),
+                "skipped": pools.skipped}
+    finally:
+        pools.close()
+
+
+# -- 2. a process per task ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _heavy_module(tmp: Path) -> Iterator[str]:
+    """A module that holds PRELOAD_MIB at import (bench_spawn's), importable by the pools
+    made while this is open (on PYTHONPATH, which the Executor records with its spec)."""
+    from benchmarks.bench_spawn import _HEAVY
+
+    code = tmp / "code"
+    code.mkdir()
+    (code / "heavy_bench_mod.py").write_text(_HEAVY.format(mib=PRELOAD_MIB))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), old]))
+    try:
+        yield "heavy_bench_mod"
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def part_process_per_task(quick: bool, progress: Callable[[str], None], install: bool, rounds: int,
+                          tmp: Path) -> dict[str, Any]:
+    pools = Pools()
+    distinct: dict[str, list[int]] = {}
+    try:
+        progress("a process per task: starting the pools (one with a 200 MB preload)")
+        variants: dict[str, Any] = {OURS_PROC: pools.ours(max_tasks_per_child=1)}
+        with _heavy_module(tmp) as heavy:
+            variants[OURS_PRELOAD] = pools.ours(max_tasks_per_child=1, preload=[heavy])
+        variants[PPE_SPAWN] = pools.ppe(max_tasks_per_child=1)
+        try:
+            variants[PPE_FORK] = pools.ppe("fork", max_tasks_per_child=1)
+        except ValueError as err:  # a Python whose executor refuses fork with max_tasks_per_child
+            pools.skipped[PPE_FORK] = str(err)
+        try:
+            variants[PEBBLE_PROC] = pools.pebble(install, progress, max_tasks=1)
+        except peers.Unavailable as err:
+            pools.skipped[PEBBLE_PROC] = str(err)
+        pools.skipped[LOKY] = "loky cannot: its executor has no max_tasks_per_child (workers are reused)"
+
+        def go_for(name: str, pool: Any) -> Callable[[int], float]:
+            def go(n: int) -> float:
+                t0 = pc()
+                pids = _map(pool, _pid, n)
+                took = pc() - t0
+                distinct.setdefault(name, [0, 0])
+                distinct[name][0] += len(set(pids))
+                distinct[name][1] += n
+                return took
+            return go
+
+        budget = 0.5 if quick else 1.5
+        out = _rounds(progress, "a process per task", {n: go_for(n, p) for n, p in variants.items()}, budget,
+                      rounds, {n: (10, 5_000) for n in variants})
+        for name, (uniq, total) in distinct.items():
+            out[name]["distinct_pids"] = f"{uniq}/{total}"
+        return {"variants": out, "skipped": pools.skipped, "preload_mib": PRELOAD_MIB}
+    finally:
+        pools.close()
+
+
+# -- 3. cancel of a running task ---------------------------------------------------------------------
+
+def part_cancel(quick: bool, progress: Callable[[str], None], install: bool, rounds: int,
+                fifo: Fifo) -> dict[str, Any]:
+    pools = Pools()
+    n_ours, n_peer = 25 * rounds if quick else 50 * rounds, rounds
+    counter = iter(range(1, 1 << 30))
+    lat: list[float] = []
+    call: list[float] = []
+    ours_pids: set[int] = set()
+    seen_by_task: dict[str, int] = {}
+    refused: dict[str, list[bool]] = {PPE: [], LOKY: []}
+    pebble_gone: list[float] = []
+    try:
+        ex = pools.ours()
+        variants: dict[str, Any] = {OURS: ex, PPE: pools.ppe()}
+        for name, make in ((LOKY, pools.loky), (PEBBLE, pools.pebble)):
+            try:
+                variants[name] = make(install, progress)
+            except peers.Unavailable as err:
+                pools.skipped[name] = str(err)
+
+        def ours_once() -> None:
+            n = next(counter)
+            fut = ex.submit(_until_cancelled, fifo.path, n, 60.0)
+            ours_pids.add(int(fifo.wait("S", n)[2]))
+            t0 = time.monotonic()
+            ok = fut.cancel()
+            call.append(time.monotonic() - t0)
+            if not ok:
+                raise RuntimeError("Executor: cancel() of a running task returned False")
+            got = fifo.wait("C", n)
+            lat.append(float(got[2]) - t0)
+            seen_by_task[got[3]] = seen_by_task.get(got[3], 0) + 1
+            if not fut.cancelled():
+                raise RuntimeError("Executor: a cancelled future does not say so")
+
+        def refusing(name: str, pool: Any) -> None:
+            """PPE, loky: cancel() of a running task; the task runs to its end."""
+            n = next(counter)
+            fut = pool.submit(_until_cancelled, fifo.path, n, 0.2)
+            fifo.wait("S", n)
+            refused[name].append(not fut.cancel())
+            fut.result(timeout=30)
+            fifo.wait("E", n)
+
+        def pebble_once(pool: Any) -> None:
+            n = next(counter)
+            fut = pool.schedule(_until_cancelled, args=(fifo.path, n, 60.0))
+            pid = int(fifo.wait("S", n)[2])
+            t0 = time.monotonic()
+            if not fut.cancel():
+                raise RuntimeError("pebble: cancel() of a running task returned False")
+            if not _gone(pid, 30):
+                raise RuntimeError("pebble: the worker of a cancelled task was still there 30 s later")
+            pebble_gone.append(time.monotonic() - t0)
+            fifo.drain()
+
+        runs: dict[str, Callable[[], None]] = {OURS: ours_once}
+        for name in (PPE, LOKY):
+            if name in variants:
+                runs[name] = lambda name=name: refusing(name, variants[name])
+        if PEBBLE in variants:
+            runs[PEBBLE] = lambda: pebble_once(variants[PEBBLE])
+        for _ in range(5):  # warm-up: every pool's workers are up, the task module imported
+            ours_once()
+        lat.clear()
+        call.clear()
+        seen_by_task.clear()
+        names = list(runs)
+        for r in range(rounds):
+            progress(f"cancel: round {r + 1}/{rounds}")
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                for _ in range(n_ours // rounds if name == OURS else max(1, n_peer // rounds)):
+                    runs[name]()
+        out: dict[str, Any] = {
+            OURS: {"cancels": len(lat), "cancel_to_raised_s": summary(lat), "cancel_call_s": summary(call),
+                   "raised_in_task": seen_by_task, "worker_pids_seen": len(ours_pids)},
+        }
+        for name, got in refused.items():
+            if name in variants:
+                out[name] = {"cancel_returned_false": f"{sum(got)}/{len(got)}",
+                             "note": "cannot: cancel() of a running task returns False; the task runs to its end"}
+        if PEBBLE in variants:
+            out[PEBBLE] = {"cancels": len(pebble_gone), "cancel_to_worker_gone_s": summary(pebble_gone),
+                           "note": "kills the worker (SIGTERM to it): no exception is raised in the task, "
+                                   "its finally blocks do not run, a new worker is forked"}
+        return {"variants": out, "skipped": pools.skipped}
+    finally:
+        pools.close()
+
+
+# -- 4. kill -9 of one busy worker ---------------------------------------------------------------
+
+def part_kill(quick: bool, progress: Callable[[str], None], install: bool, rounds: int,
+              fifo: Fifo) -> dict[str, Any]:
+    counter = iter(range(1, 1 << 30))
+    makers: dict[str, Callable[[Pools], Any]] = {
+        OURS: lambda p: p.ours(),
+        OURS_RETRY: lambda p: p.ours(retries=1),
+        PPE: lambda p: p.ppe(),
+        LOKY: lambda p: p.loky(install, progress),
+        PEBBLE: lambda p: p.pebble(install, progress),
+    }
+    results: dict[str, dict[str, Any]] = {n: {"lost": [], "errors": {}, "settle_s": [], "usable_after": []}
+                                          for n in makers}
+    skipped: dict[str, str] = {}
+    names = list(makers)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in skipped:
+                continue
+            progress(f"kill -9 of a busy worker: round {r + 1}/{rounds}: {name}")
+            pools = Pools()
+            try:
+                try:
+                    pool = makers[name](pools)
+                except peers.Unavailable as err:
+                    skipped[name] = str(err)
+                    continue
+                _map(pool, _pid, WORKERS * 4)  # warm: every worker up
+                fifo.drain()
+                first = next(counter)
+                futs = [_submit(pool, _busy, fifo.path, first + i, KILL_SLEEP) for i in range(KILL_TASKS)]
+                for _ in range(KILL_TASKS - 1):
+                    next(counter)
+                victim = int(fifo.wait("S", first + 2)[2])  # the third task, 50 ms in: both workers busy
+                t0 = pc()
+                os.kill(victim, signal.SIGKILL)
+                done, pending = cf.wait(futs, timeout=60)
+                settle = pc() - t0
+                if pending:
+                    raise RuntimeError(f"{name}: {len(pending)} futures still pending 60 s after the kill")
+                res = results[name]
+                errors = [type(f.exception()).__name__ for f in futs if f.exception() is not None]
+                res["lost"].append(len(errors))
+                for e in errors:
+                    res["errors"][e] = res["errors"].get(e, 0) + 1
+                res["settle_s"].append(settle)
+                try:
+                    res["usable_after"].append(_submit(pool, _pid).result(timeout=30) > 0)
+                except Exception as err:  # noqa: BLE001 - what a broken peer raises is the figure
+                    res["usable_after"].append(False)
+                    res.setdefault("after", f"{type(err).__name__}: {err}"[:120])
+            finally:
+                pools.close()
+                fifo.drain()
+    out: dict[str, Any] = {}
+    for name, res in results.items():
+        if name in skipped:
+            continue
+        out[name] = {"futures_lost": res["lost"], "lost_max": max(res["lost"]), "errors": res["errors"],
+                     "settle_s": summary(res["settle_s"]),
+                     "usable_after": all(res["usable_after"]), **({"after": res["after"]} if "after" in res else {})}
+    return {"tasks_in_flight": KILL_TASKS, "task_s": KILL_SLEEP, "rounds": rounds, "variants": out,
+            "skipped": skipped}
+
+
+# -- the section -------------------------------------------------------------------------------
+
+def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = None,
+        install: bool = True) -> dict[str, Any]:
+    """Every part in turn. ``batches``: rounds per part (default 2 quick, 4 full); the tiny
+    tasks run one more (quick) or twice as many (full), the kill part half as many (at
+    least 1); ours is cancelled 25 (quick) or 50 times a round."""
+    rounds = batches if batches is not None else (2 if quick else 4)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-suite-tasks-"))
+    fifo = Fifo(tmp / "tasks.fifo")
+    try:
+        tiny = part_tiny(quick, progress, install, rounds + 1 if quick else 2 * rounds)
+        proc = part_process_per_task(quick, progress, install, rounds, tmp)
+        cancel = part_cancel(quick, progress, install, rounds, fifo)
+        kill = part_kill(quick, progress, install, max(1, rounds // 2), fifo)
+    finally:
+        fifo.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result: dict[str, Any] = {"workers": WORKERS, "tiny": tiny, "process_per_task": proc, "cancel": cancel,
+                              "kill": kill}
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """This section's targets, judged from its own figures (report.targets shows them)."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: float, higher: bool, unit: str) -> None:
+        ok = None if value is None else (value >= goal if higher else value <= goal)
+        out.append({"target": name, "goal": f"{'≥' if higher else '≤'} {goal:g}{unit}", "measured": value,
+                    "unit": unit, "ok": ok, "why": "" if value is not None else "not measured in this run"})
+
+    def rate(part: dict, name: str) -> float | None:
+        return (part.get(name) or {}).get("rate")
+
+    tiny = res["tiny"]["map"]
+    ours, ppe = rate(tiny, OURS), rate(tiny, PPE)
+    add("tiny tasks/s (map, 2 workers) vs ProcessPoolExecutor", ours / ppe if ours and ppe else None,
+        TINY_VS_PPE, True, "x")
+    proc = res["process_per_task"]["variants"]
+    ours, ppe = rate(proc, OURS_PROC), rate(proc, PPE_SPAWN)
+    add("a process per task vs ProcessPoolExecutor(max_tasks_per_child=1)", ours / ppe if ours and ppe else None,
+        PROC_VS_PPE, True, "x")
+    add(f"a process per task with a {PRELOAD_MIB} MB preload, tasks/s", rate(proc, OURS_PRELOAD), PRELOAD_RATE,
+        True, "/s")
+    p99 = res["cancel"]["variants"].get(OURS, {}).get("cancel_to_raised_s", {}).get("p99")
+    add("cancel() of a running task → Cancelled raised in it, p99", p99 * 1e3 if p99 is not None else None,
+        CANCEL_P99_MS, False, " ms")
+    kill = res["kill"]["variants"]
+    for name, goal in ((OURS, 1.0), (OURS_RETRY, 0.0)):
+        lost = (kill.get(name) or {}).get("lost_max")
+        out.append({"target": f"kill -9 of a busy worker, {KILL_TASKS} in flight: futures lost, {name}",
+                    "goal": f"{goal:g}", "measured": lost, "unit": "", "ok": None if lost is None else lost == goal,
+                    "why": "" if lost is not None else "not measured in this run"})
+    return out
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+def render(res: dict[str, Any]) -> list[str]:
+    from benchmarks.report import _ms, _table
+
+    tiny = res["tiny"]
+    base = tiny["map"].get(PPE, {}).get("rate") or float("nan")
+    rows = [[name, f"{v['rate']:,.0f}", f"{v['rate'] / base:.2f}x",
+             f"{tiny['submit_result'].get(name, {}).get('rate', float('nan')):,.0f}",
+             f"{v['rounds']} x {v['tasks_per_round']}"] for name, v in tiny["map"].items()]
+    out = [f"tasks: {res['workers']} workers per pool, every pool open at once, variants interleaved",
+           "1. tiny tasks (a no-op), warm pools",
+           *_table(["pool", "map tasks/s", "vs PPE", "submit+result tasks/s", "rounds x tasks"], rows)]
+    proc = res["process_per_task"]
+    base = proc["variants"].get(PPE_SPAWN, {}).get("rate") or float("nan")
+    rows = [[name, f"{v['rate']:,.1f}", f"{v['rate'] / base:.1f}x", v.get("distinct_pids", "-"),
+             f"{v['rounds']} x {v['tasks_per_round']}"] for name, v in proc["variants"].items()]
+    out += ["2. a process per task (map of a task returning its pid)",
+            *_table(["pool", "tasks/s", "vs PPE (spawn)", "distinct pids", "rounds x tasks"], rows)]
+    cancel = res["cancel"]["variants"]
+    rows = []
+    for name, v in cancel.items():
+        if "cancel_to_raised_s" in v:
+            s = v["cancel_to_raised_s"]
+            rows.append([name, "True", f"Cancelled raised in the task ({s['n']}); {v['worker_pids_seen']} worker pids",
+                         _ms(s, "p50"), _ms(s, "p99"), _ms(s, "max")])
+        elif "cancel_to_worker_gone_s" in v:
+            s = v["cancel_to_worker_gone_s"]
+            rows.append([name, "True", f"kills the worker ({s['n']}); no exception in the task",
+                         _ms(s, "p50"), _ms(s, "p99"), _ms(s, "max")])
+        else:
+            rows.append([name, f"False {v['cancel_returned_false']}", "cannot: the task runs to its end",
+                         "-", "-", "-"])
+    out += ["3. cancel() of a running task (a task in time.sleep): cancel() → the exception in the task",
+            *_table(["pool", "cancel() returns", "what happens", "p50 ms", "p99 ms", "max ms"], rows)]
+    kill = res["kill"]
+    rows = [[name, ", ".join(map(str, v["futures_lost"])),
+             ", ".join(f"{k} {c}" for k, c in v["errors"].items()) or "-",
+             _ms(v["settle_s"], "p50"), "yes" if v["usable_after"] else f"no ({v.get('after', '')[:60]})"]
+            for name, v in kill["variants"].items()]
+    out += [f"4. kill -9 of one busy worker, {kill['tasks_in_flight']} tasks of {kill['task_s'] * 1e3:.0f} ms "
+            f"in flight ({kill['rounds']} round(s))",
+            *_table(["pool", "futures lost per round", "errors", "kill → all settled p50 ms",
+                     "same executor usable after"], rows)]
+    for part in ("tiny", "process_per_task", "cancel", "kill"):
+        for name, why in (res[part].get("skipped") or {}).items():
+            out.append(f"  not run ({part}): {name}: {why}")
+    return out
