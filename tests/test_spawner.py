@@ -242,3 +242,49 @@ def main():
              and "chatter on stderr" in (logs / "spawner.log").read_text(), 10, "the spawner's own log")
     assert "chatter on stdout" in (logs / "spawner.log").read_text()
     assert "chatter" not in (logs / "daemon.log").read_text()
+
+
+def test_a_fork_elsewhere_in_the_host_holding_a_ready_pipe_does_not_hang_the_loop(make_orchestrator, monkeypatch):
+    """An embedding program forks in another thread (a multiprocessing or pebble pool making
+    a worker) in the moment the loop holds a fresh ready pipe: that child keeps the write
+    end, so the pipe never reaches EOF while it lives. The replica's exit is still recorded
+    and the loop still answers (it once blocked reading that pipe until the stranger died)."""
+    from orchestrator.daemon import osapi
+
+    holders: list[int] = []
+
+    class ForkInTheWindow:
+        """``os`` for osapi, whose pipe() is followed by a fork that holds both ends."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        @staticmethod
+        def pipe() -> tuple[int, int]:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the stranger: holds the write end, then exits
+                time.sleep(600)
+                os._exit(0)
+            holders.append(pid)
+            return r, w
+
+    orch = make_orchestrator(grace=2.0, call_timeout=10.0)  # a loop that hangs: ChannelError
+    wait_for(lambda: _spawners_ready(orch), 10, "the spawner to be ready")
+    monkeypatch.setattr(osapi, "os", ForkInTheWindow())
+    try:
+        (rid,) = orch.launch("once", ["sh", "-c", "exit 3"])
+        monkeypatch.undo()
+        assert holders, "the launch went through osapi's pipe()"
+
+        def ended() -> bool:
+            (rep,) = [r for r in orch.status(all=True)["replicas"] if r["id"] == rid]
+            return rep["pid"] is None and rep["exit_code"] == 3
+
+        wait_for(ended, 20, "the replica's exit to be recorded while the stranger holds its ready pipe")
+        assert orch.launch("again", ["true"], wait=True, timeout=20)
+    finally:
+        monkeypatch.undo()
+        for pid in holders:  # our own children: the loop unblocks (if it was) once they are gone
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

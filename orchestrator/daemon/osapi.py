@@ -143,6 +143,11 @@ class OSApi:
         return self._watch(pid, ready_r, tick if after // _TICK_NS == tick else None)
 
     def _watch(self, pid: int, ready_r: int, start: int | None) -> Spawned:
+        # Non-blocking: the pipe is read at the replica's exit too, and may not be at EOF
+        # then. A fork elsewhere in an embedding program (a multiprocessing or pebble pool
+        # on another thread) between pipe() and the close of our write end keeps a copy
+        # of it for that child's whole life; a blocking read there would hang the loop.
+        os.set_blocking(ready_r, False)
         try:
             exit_fd = os.pidfd_open(pid)
         except OSError:  # EMFILE: we could not watch it, so it must not run untracked
@@ -219,7 +224,7 @@ class OSApi:
     def read_ready(self, fd: int) -> bytes:
         try:
             return os.read(fd, 4096)
-        except BlockingIOError:  # pragma: no cover - only readable fds are read
+        except BlockingIOError:  # at its exit, a stranger still holds the write end: nothing said
             return b""
 
     def close(self, fd: int) -> None:
