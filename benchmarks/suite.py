@@ -149,7 +149,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", type=int, metavar="N",
                     help="rounds per section of this harness (churn rounds, crashes, kill rounds): a size knob")
     ap.add_argument("--no-install", action="store_true",
-                    help="never pip-install a peer (loky, supervisor, matplotlib): skip what is missing")
+                    help="never pip-install a peer (loky, pebble, supervisor, matplotlib): skip what is missing")
     args = ap.parse_args(argv)
     args.sections = list(SECTIONS)
     if args.only:
