@@ -238,7 +238,7 @@ def targets(sections: dict[str, dict]) -> list[dict[str, Any]]:
             if isinstance(t, dict) and "target" in t:
                 out.append({"target": f"{name}: {t['target']}", "goal": str(t.get("goal", "")),
                             "measured": t.get("measured"), "unit": str(t.get("unit", "")), "ok": t.get("ok"),
-                            "why": str(t.get("why", ""))})
+                            "why": str(t.get("why", "")), **({"shown": str(t["shown"])} if "shown" in t else {})})
     return out
 
 

@@ -20,7 +20,8 @@ in a rotating order (after a warm-up round), all with 2 workers:
 4. **kill -9 of one busy worker** with 50 tasks of 50 ms in flight: how many futures fail,
    and with what; whether the same executor takes a task afterwards.
 
-The tasks live in this module, so every pool imports them by name. Every pool is shut
+The tasks live in ``benchmarks/taskfns.py``, which imports nothing but ``os`` and ``time``:
+every pool imports them by name, and a fresh worker pays no import of this module's. Every pool is shut
 down in a ``finally`` (workers killed where the library can); no process is killed by name.
 """
 
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 from benchmarks import peers
 from benchmarks.report import summary
+from benchmarks.taskfns import busy, noop, pid, until_cancelled
 
 WORKERS = 2
 pc = time.perf_counter
@@ -65,46 +67,6 @@ CANCEL_P99_MS = 10.0
 KILL_TASKS = 50
 KILL_SLEEP = 0.05
 PRELOAD_MIB = 200
-
-
-# -- what the tasks run (in the workers of every pool) -----------------------------------
-
-def _noop(x: Any = None) -> Any:
-    return x
-
-
-def _pid(_: Any = None) -> int:
-    return os.getpid()
-
-
-def _say(fifo: str, line: str) -> None:
-    """One line to the parent's FIFO (shorter than PIPE_BUF: written whole)."""
-    fd = os.open(fifo, os.O_WRONLY)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def _until_cancelled(fifo: str, n: int, seconds: float) -> int:
-    """Says it started, sleeps; says when an exception of the executor's reached it (the
-    monotonic clock is the same in every process of the host), or that it ran to its end."""
-    from orchestrator import Terminated
-
-    try:  # a cancel may come as soon as the parent has read this line: inside the try
-        _say(fifo, f"S {n} {os.getpid()}")
-        time.sleep(seconds)
-    except Terminated as exc:
-        _say(fifo, f"C {n} {time.monotonic()!r} {type(exc).__name__}")
-        raise
-    _say(fifo, f"E {n}")
-    return n
-
-
-def _busy(fifo: str, n: int, seconds: float) -> int:
-    _say(fifo, f"S {n} {os.getpid()}")
-    time.sleep(seconds)
-    return os.getpid()
 
 
 # -- the parent's side ---------------------------------------------------------------------
@@ -251,7 +213,7 @@ def part_tiny(quick: bool, progress: Callable[[str], None], install: bool, round
         def mapped(pool: Any) -> Callable[[int], float]:
             def go(n: int) -> float:
                 t0 = pc()
-                got = _map(pool, _noop, n)
+                got = _map(pool, noop, n)
                 took = pc() - t0
                 if got != list(range(n)):
                     raise RuntimeError("map returned other values than it was given")
@@ -262,7 +224,7 @@ def part_tiny(quick: bool, progress: Callable[[str], None], install: bool, round
             def go(n: int) -> float:
                 t0 = pc()
                 for i in range(n):
-                    _submit(pool, _noop, i).result(timeout=30)
+                    _submit(pool, noop, i).result(timeout=30)
                 return pc() - t0
             return go
 
@@ -322,7 +284,7 @@ def part_process_per_task(quick: bool, progress: Callable[[str], None], install:
         def go_for(name: str, pool: Any) -> Callable[[int], float]:
             def go(n: int) -> float:
                 t0 = pc()
-                pids = _map(pool, _pid, n)
+                pids = _map(pool, pid, n)
                 took = pc() - t0
                 distinct.setdefault(name, [0, 0])
                 distinct[name][0] += len(set(pids))
@@ -364,7 +326,7 @@ def part_cancel(quick: bool, progress: Callable[[str], None], install: bool, rou
 
         def ours_once() -> None:
             n = next(counter)
-            fut = ex.submit(_until_cancelled, fifo.path, n, 60.0)
+            fut = ex.submit(until_cancelled, fifo.path, n, 60.0)
             ours_pids.add(int(fifo.wait("S", n)[2]))
             t0 = time.monotonic()
             ok = fut.cancel()
@@ -380,7 +342,7 @@ def part_cancel(quick: bool, progress: Callable[[str], None], install: bool, rou
         def refusing(name: str, pool: Any) -> None:
             """PPE, loky: cancel() of a running task; the task runs to its end."""
             n = next(counter)
-            fut = pool.submit(_until_cancelled, fifo.path, n, 0.2)
+            fut = pool.submit(until_cancelled, fifo.path, n, 0.2)
             fifo.wait("S", n)
             refused[name].append(not fut.cancel())
             fut.result(timeout=30)
@@ -388,12 +350,12 @@ def part_cancel(quick: bool, progress: Callable[[str], None], install: bool, rou
 
         def pebble_once(pool: Any) -> None:
             n = next(counter)
-            fut = pool.schedule(_until_cancelled, args=(fifo.path, n, 60.0))
-            pid = int(fifo.wait("S", n)[2])
+            fut = pool.schedule(until_cancelled, args=(fifo.path, n, 60.0))
+            worker = int(fifo.wait("S", n)[2])
             t0 = time.monotonic()
             if not fut.cancel():
                 raise RuntimeError("pebble: cancel() of a running task returned False")
-            if not _gone(pid, 30):
+            if not _gone(worker, 30):
                 raise RuntimeError("pebble: the worker of a cancelled task was still there 30 s later")
             pebble_gone.append(time.monotonic() - t0)
             fifo.drain()
@@ -460,10 +422,10 @@ def part_kill(quick: bool, progress: Callable[[str], None], install: bool, round
                 except peers.Unavailable as err:
                     skipped[name] = str(err)
                     continue
-                _map(pool, _pid, WORKERS * 4)  # warm: every worker up
+                _map(pool, pid, WORKERS * 4)  # warm: every worker up
                 fifo.drain()
                 first = next(counter)
-                futs = [_submit(pool, _busy, fifo.path, first + i, KILL_SLEEP) for i in range(KILL_TASKS)]
+                futs = [_submit(pool, busy, fifo.path, first + i, KILL_SLEEP) for i in range(KILL_TASKS)]
                 for _ in range(KILL_TASKS - 1):
                     next(counter)
                 victim = int(fifo.wait("S", first + 2)[2])  # the third task, 50 ms in: both workers busy
@@ -480,7 +442,7 @@ def part_kill(quick: bool, progress: Callable[[str], None], install: bool, round
                     res["errors"][e] = res["errors"].get(e, 0) + 1
                 res["settle_s"].append(settle)
                 try:
-                    res["usable_after"].append(_submit(pool, _pid).result(timeout=30) > 0)
+                    res["usable_after"].append(_submit(pool, pid).result(timeout=30) > 0)
                 except Exception as err:  # noqa: BLE001 - what a broken peer raises is the figure
                     res["usable_after"].append(False)
                     res.setdefault("after", f"{type(err).__name__}: {err}"[:120])
@@ -551,7 +513,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     for name, goal in ((OURS, 1.0), (OURS_RETRY, 0.0)):
         lost = (kill.get(name) or {}).get("lost_max")
         out.append({"target": f"kill -9 of a busy worker, {KILL_TASKS} in flight: futures lost, {name}",
-                    "goal": f"{goal:g}", "measured": lost, "unit": "", "ok": None if lost is None else lost == goal,
+                    "goal": f"{goal:g}", "measured": lost, "shown": "-" if lost is None else str(lost), "unit": "",
+                    "ok": None if lost is None else lost == goal,
                     "why": "" if lost is not None else "not measured in this run"})
     return out
 
