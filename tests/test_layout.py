@@ -152,6 +152,7 @@ EXCEPTIONS = {
     ("manager.channelserver", "client.channel"),  # the server end of the client's wire code:
     ("manager.server", "client.channel"),  # the frames, the auth key and the socket's address
     ("manager.server", "spawn.childsetup"),  # PR_SET_PDEATHSIG, as a replica sets it
+    ("executor", "daemon.embedded"),  # Executor() runs its pool's control loop in this process
 }
 
 

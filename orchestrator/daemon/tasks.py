@@ -539,7 +539,7 @@ class Tasks:
             if self.table.closing:
                 reason = "interrupted: the executor shut down"
             else:
-                reason = worker.lost_reason or rep.reason or "ended"
+                reason = worker.lost_reason or _how_it_ended(rep)
             if task.attempts <= task.retries and not self.table.closing and not xp.closing:
                 task.state = task_transition(task.id, task.state, T.QUEUED)
                 if task.timer is not None:
@@ -651,6 +651,15 @@ def _options(raw: Any) -> dict:
             raise InvalidSpec(f"memory_max must be a number of bytes of at least 1 MiB, got {mem!r}")
         out["memory_max"] = mem
     return out
+
+
+def _how_it_ended(rep: Replica) -> str:
+    """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
+    ``OOM-killed``."""
+    code = rep.exit_code
+    if code is not None and code >= 0 and rep.reason == f"exit code {code}":
+        return f"exited with {code}"
+    return rep.reason or "ended"
 
 
 def _size(n: int) -> str:
