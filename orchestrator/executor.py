@@ -20,12 +20,14 @@ outlives ``shutdown()``, nor the host's SIGKILL (the watchdog).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import pickle
 import queue
 import secrets
 import threading
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
 from typing import Any, Callable, Sequence
@@ -142,8 +144,10 @@ class Executor(futures_base.Executor):
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
                                    "grace": grace, "retries": retries, "memory_max": memory_max}
         init = w.dumps((initializer, tuple(initargs)), by_value=_by_value(initializer)) if initializer else b""
+        # The worker's own module is preloaded too: each fresh worker starts with it imported
+        # (a process per task would otherwise import it every time).
         spec = make_spec(target=_WORKER_TARGET, env=env, cwd=os.getcwd() if cwd is None else cwd,
-                         preload=preload).to_wire()
+                         preload=("orchestrator.taskworker", *preload)).to_wire()
         self._timeout = timeout
         self._futures: dict[int, _TaskFuture] = {}
         self._refs = itertools.count(1)
@@ -165,6 +169,7 @@ class Executor(futures_base.Executor):
             raise
         self._collector = threading.Thread(target=self._collect, name=f"executor-{self._pool}", daemon=True)
         self._collector.start()
+        _LIVE.add(self)
 
     @property
     def pool(self) -> str:
@@ -231,6 +236,7 @@ class Executor(futures_base.Executor):
                 _fail(fut, ShuttingDown("the executor shut down"))
             self._futures.clear()
             self._closed.set()
+            _LIVE.discard(self)
 
     def _cancel(self, ref: int) -> bool:
         try:
@@ -288,6 +294,17 @@ class Executor(futures_base.Executor):
                     raise_reply(data)
                 except Exception as err:
                     _fail(fut, err)
+
+
+_LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """As the standard library's executors: an interpreter that exits first lets the
+    submitted tasks finish, then stops the workers (none is left behind)."""
+    for executor in list(_LIVE):
+        executor.shutdown(wait=True)
 
 
 def _by_value(fn: Any) -> bool:

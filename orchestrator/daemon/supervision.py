@@ -146,10 +146,18 @@ class Supervisor:
             return
         self._replace(rep, reason=rep.reason or "ended", backoff=True)
 
-    def renew(self, rep: Replica, reason: str) -> None:
+    def renew(self, rep: Replica, reason: str, *, now: bool = False) -> None:
         """``rep`` is about to end by its pool's own design, not as a failure (an executor's
         worker that retires after ``max_tasks_per_child`` tasks, or is killed because a task
-        outran its cancel): replaced at once when it ends, and not counted toward a crash loop."""
+        outran its cancel): replaced without a backoff and not counted toward a crash loop.
+        ``now``: its replacement starts at once, sharing its slot while it ends (a surge),
+        so a process per task does not wait for each exit."""
+        pool = self._pool_of(rep)
+        if now and rep.slot is not None and not self.table.closing and not pool.deleted:
+            self.table.launch(pool, 1, slots=[rep.slot], grow=False)
+            pool.slot_restarts[rep.slot] = pool.slot_restarts.get(rep.slot, 0) + 1
+            self.table.metrics.restarted(pool.name)
+            return  # when it ends, the new one holds its slot: nothing more to do
         self._renewing[rep.id] = reason
 
     # -- declaring pools ----------------------------------------------------------------

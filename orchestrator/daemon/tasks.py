@@ -366,8 +366,8 @@ class Tasks:
             return
         worker.lost_reason = why
         log.warning("%s: %s; killing its process tree", worker.replica.id if worker.replica else "?", why)
-        if renew and worker.replica is not None:
-            self.table.supervisor.renew(worker.replica, why)
+        if renew and worker.replica is not None and worker.pool is not None and not worker.pool.closing:
+            self.table.supervisor.renew(worker.replica, why, now=True)
         self.table.containment.kill_after_grace(proc)
 
     def _end(self, task: Task, state: T, kind: str, data: Any) -> None:
@@ -489,8 +489,8 @@ class Tasks:
                 self._end(task, T.CANCELLED, "cancelled", None)
         worker.done += 1
         if xp.max_tasks and worker.done >= xp.max_tasks:
-            if worker.replica is not None:  # it exits now: replaced at once, not counted
-                self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks")
+            if worker.replica is not None and not xp.closing:  # it exits now: replaced at once, not counted
+                self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
         elif not xp.closing:
             xp.idle.append(worker)
         self._dispatch(xp)
