@@ -218,6 +218,21 @@ def log_max_bytes(value: Any, key: str = "log_max_bytes") -> int:
     return n
 
 
+RESULT_MAX_BYTES = 16 << 20  # a daemon task's result larger than this fails the task
+RESULT_MAX_BYTES_LIMIT = 1 << 30  # a frame of the task wire is at most 1 GiB
+
+
+def result_max_bytes(value: Any, key: str = "result_max_bytes") -> int:
+    """The bound on a daemon task's result: bytes (or "16M"), 1 to 1 GiB."""
+    try:
+        n = parse_size(value, key)
+    except OverflowError:
+        n = RESULT_MAX_BYTES_LIMIT + 1
+    if not 1 <= n <= RESULT_MAX_BYTES_LIMIT:
+        raise InvalidSpec(f"{key} must be from 1 byte to {RESULT_MAX_BYTES_LIMIT} (1G), got {value!r}")
+    return n
+
+
 def log_backups(value: Any, key: str = "log_backups") -> int:
     """Rotated files kept per stream: a whole number 0..``LOG_MAX_BACKUPS``."""
     _number(value, key, integer=True)

@@ -379,6 +379,13 @@ class Client(Verbs):
             del self._tls.connection
             conn.close()
 
+    def executor(self, pool: str | None = None, **keywords: Any) -> Any:
+        """An ``orchestrator.Executor`` whose pool ``pool`` lives in this daemon (made, or
+        joined if it runs with the same keywords): it outlives this client until ``delete``."""
+        from ..executor import Executor
+
+        return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
+
     def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""
         limit = self.timeout if timeout is None else timeout

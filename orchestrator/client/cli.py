@@ -29,6 +29,7 @@ from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from ..version import __version__
 from .argtypes import natural as _natural
 from .argtypes import port as _port
+from .argtypes import result_size as _size
 from .argtypes import positive_seconds as _positive_seconds
 from .argtypes import seconds as _seconds
 from .logcli import add_parser as _add_logs_parser
@@ -65,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--keep-replicas", type=_natural, help=f"ended replicas kept in state.db (default {KEEP_REPLICAS})")
     p.add_argument("--keep-events", type=_natural, help=f"journal events kept in state.db (default {KEEP_EVENTS})")
+    p.add_argument("--result-max-bytes", type=_size, metavar="BYTES",
+                   help="a task's result larger than this fails the task (default 16M)")
     p.add_argument("--keep-days", type=_positive_seconds,
                    help=f"history older than this many days is pruned (default {KEEP_SECONDS / 86400:g})")
 
@@ -306,7 +309,7 @@ def _client(paths: Any, timeout: float | None = None) -> Any:
 # start's settings: flag -> Daemon keyword (only the ones given are passed on, so that a
 # config file's [daemon] table fills in the rest)
 _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
-                   "--config": "config_path", "--cgroup": "cgroup"}
+                   "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes"}
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 

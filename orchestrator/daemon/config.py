@@ -10,6 +10,7 @@
     keep_replicas = 5000        # history kept in state.db
     keep_events = 20000
     keep_days = 7
+    result_max_bytes = "16M"    # a task's result larger than this fails the task
 
     [pools.web]                 # the keys of a pool are the flags of `launch`, with `_`
     command = ["python3", "-m", "http.server", "{port}"]   # or target = "module:function"
@@ -51,7 +52,7 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError, InvalidSpec
 from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
-from ..policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
+from ..policy import LIMIT_KEYS, RESULT_MAX_BYTES, Policy, log_backups, log_max_bytes, parse_size, result_max_bytes
 from ..protocol import MAX_COUNT, pool_name
 from ..spec import make_spec
 from ..store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -68,7 +69,7 @@ POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name no
 SPEC_KEYS = ("command", "target", "env", "env_file", "cwd")
 POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
-               "keep_replicas", "keep_events", "keep_days")
+               "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
 
 
@@ -86,6 +87,7 @@ class DaemonSettings:
     keep_replicas: int = KEEP_REPLICAS
     keep_events: int = KEEP_EVENTS
     keep_days: float = KEEP_SECONDS / 86400
+    result_max_bytes: int = RESULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,8 @@ class _Reader:
             return log_backups(value, key)
         if key in ("keep_replicas", "keep_events"):
             return _integer(value, key, low=0)
+        if key == "result_max_bytes":
+            return result_max_bytes(value, key)
         raise AssertionError(key)  # pragma: no cover - DAEMON_KEYS and this stay in step
 
     # [pools.NAME]

@@ -66,6 +66,8 @@ class EngineConfig:
     spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
     stdio: tuple[int, int] | None = None  # fds for replicas' stdout and stderr without a log capture (None: /dev/null)
     task_socket: str | None = None  # where executor workers connect (None: an abstract socket)
+    task_stop_reason: str = "interrupted: the executor shut down"  # a task cut short by a shutdown
+    result_max_bytes: int | None = None  # a task result larger than this fails its task
 
 
 @dataclass(eq=False, slots=True)
@@ -116,7 +118,8 @@ class Engine:
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
                                  token=self.config.token, spawners=self.config.spawners, stdio=self.config.stdio)
         self.spawners = self.spawning.spawners
-        self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token)
+        self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
+                           stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
@@ -329,10 +332,15 @@ class Engine:
             replicas = sorted(rows.values(), key=lambda r: (r["created_at"], r["id"]))
         else:
             replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
-        result = {
-            "pools": [p.to_dict() for p in self._pools.values() if not p.deleted],
-            "replicas": replicas,
-        }
+        pools = []
+        for p in self._pools.values():
+            if not p.deleted:
+                row = p.to_dict()
+                counts = self.tasks.pool_counts(p.name)
+                if counts is not None:
+                    row["tasks"] = counts
+                pools.append(row)
+        result = {"pools": pools, "replicas": replicas}
         if self.extra_status is not None:
             result.update(self.extra_status())
         return result

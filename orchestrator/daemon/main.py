@@ -26,6 +26,7 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 from __future__ import annotations
 
 import json
+import hashlib
 import logging
 import os
 import secrets
@@ -41,7 +42,7 @@ from watchdog.ledger import Entry
 from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from ..logfiles import remove as remove_logs
 from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
-from ..policy import LIMIT_KEYS
+from ..policy import LIMIT_KEYS, RESULT_MAX_BYTES
 from ..store import Store, StoreError
 from ..version import __version__
 from ..worker import sd_notify
@@ -72,7 +73,7 @@ class Daemon:
     def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
                  retention: dict | None = None, config_path: str | None = None,
                  stop_budget: float | None = None, metrics_port: int | None = None,
-                 cgroup: str | None = None) -> None:
+                 cgroup: str | None = None, result_max_bytes: int | None = None) -> None:
         self.paths = paths
         self.cgroup = cgroup  # auto | off | PATH (containment.detect); None: the config's, else auto
         self.containment: Any = None
@@ -84,6 +85,8 @@ class Daemon:
         self.grace = 5.0 if grace is None else grace
         self.stop_budget = 30.0 if stop_budget is None else stop_budget
         self.metrics_port = metrics_port
+        self._given_result_max_bytes = result_max_bytes
+        self.result_max_bytes = RESULT_MAX_BYTES if result_max_bytes is None else result_max_bytes
         self.retention = retention or {}
         self.metrics_server: MetricsServer | None = None
         self.log_capture: Any = None
@@ -178,6 +181,8 @@ class Daemon:
         self.grace = d.grace if self._given_grace is None else self._given_grace
         self.stop_budget = d.stop_budget if self._given_stop_budget is None else self._given_stop_budget
         self.metrics_port = d.metrics_port if self._given_metrics_port is None else self._given_metrics_port
+        if self._given_result_max_bytes is None:
+            self.result_max_bytes = d.result_max_bytes
         if not self.retention:
             self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
                               "keep_seconds": d.keep_days * 86400}
@@ -197,7 +202,12 @@ class Daemon:
         self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        config = EngineConfig(grace=self.grace, token=token, spawners=True)
+        # Executor workers connect to an abstract socket named after the state dir: the same
+        # for every run of this daemon (the stored pools' specs carry it), no file to clean.
+        digest = hashlib.sha1(os.fsencode(os.path.abspath(paths.state_dir))).hexdigest()[:16]
+        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=f"@orchestrator-tasks-{digest}",
+                              task_stop_reason="interrupted: the daemon stopped",
+                              result_max_bytes=self.result_max_bytes)
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
         self.containment = containment.detect(
@@ -232,6 +242,7 @@ class Daemon:
             engine.start_spawners()  # until one is ready, replicas are forked here
             # Pools first, then the channel: no command may see a half-restored table.
             engine.supervisor.restore(self.store.load()[0])
+            engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
             if self.config is not None:
                 self._apply(self.config)
             engine.settle()

@@ -52,6 +52,9 @@ class Pool:
     # resolve): written back as they were, so that a later start can try them again.
     unresolved: tuple[Any, Any] | None = None
     slot_restarts: dict[int, int] = field(default_factory=dict)
+    # An executor pool's options (daemon/tasks.py): stored with the pool, so that a restart
+    # makes it an executor pool again with its unfinished tasks.
+    executor: dict | None = None
     _recent: collections.deque = field(default_factory=collections.deque)  # monotonic times
     _delay: dict[int, float] = field(default_factory=dict)  # slot -> current backoff
 
@@ -125,12 +128,17 @@ class Pool:
             row["deleted"] = True
         if self.declared:
             row["declared"] = True
+        if self.executor is not None:
+            row["executor"] = self.executor
         return row
 
     def to_dict(self) -> dict:
         spec, policy = self._declared()
-        return {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
-                "restarts": self.restarts, "spec": spec, "policy": policy}
+        out = {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
+               "restarts": self.restarts, "spec": spec, "policy": policy}
+        if self.executor is not None:
+            out["kind"] = "executor"
+        return out
 
     def _declared(self) -> tuple[Any, Any]:
         """(spec, policy) as declared: what runs, or what was stored and no longer resolves."""

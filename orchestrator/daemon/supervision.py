@@ -226,6 +226,7 @@ class Supervisor:
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
             pool.deleted = deleted
             pool.declared = bool(extra.get("declared"))
+            pool.executor = extra.get("executor")
             if extra.get("crashloop") and not str(extra["crashloop"]).startswith(_NOT_RESTORED):
                 pool.crashloop(extra["crashloop"])  # (one of an earlier restore is judged anew)
             self.table.add_pool(pool)
