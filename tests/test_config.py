@@ -43,6 +43,7 @@ log_backups = 5
 keep_replicas = 100
 keep_events = 200
 keep_days = 2
+result_max_bytes = "4M"
 
 [pools.web]
 command = ["python3", "-m", "http.server", "{port}"]
@@ -84,7 +85,7 @@ def test_every_key_is_parsed(tmp_path):
     cfg = load(write(tmp_path, FULL))
     assert cfg.daemon == DaemonSettings(
         grace=2.5, stop_budget=20.0, metrics_port=9464, cgroup="/sys/fs/cgroup/orch", log_max_bytes=1 << 20,
-        log_backups=5, keep_replicas=100, keep_events=200, keep_days=2.0,
+        log_backups=5, keep_replicas=100, keep_events=200, keep_days=2.0, result_max_bytes=4 << 20,
     )
     assert list(cfg.pools) == ["web", "jobs"]
     web = cfg.pools["web"]
