@@ -167,3 +167,21 @@ def _jobsmod_importable(jobs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     PYTHONPATH an executor pool made here records for its workers."""
     monkeypatch.syspath_prepend(str(jobs))
     monkeypatch.setenv("PYTHONPATH", str(jobs))
+
+
+def test_task_metrics_status_and_events(daemon: DaemonUnderTest, jobs: Path) -> None:
+    daemon.start()
+    _pool(daemon, jobs, "jobs", 1)
+    with Client(daemon.state_dir) as client:
+        ids = [_submit(client, jobs, "add", i, 1) for i in range(3)]
+        assert [_result(client, t)["state"] for t in ids] == ["DONE"] * 3
+        pool = [p for p in client.status()["pools"] if p["name"] == "jobs"][0]
+    assert pool["kind"] == "executor" and pool["tasks"] == {"queued": 0, "running": 0, "done": 3}
+    text = cli(daemon.state_dir, "metrics").stdout
+    assert 'orchestrator_tasks_ended_total{pool="jobs",state="DONE"} 3.0' in text
+    assert 'orchestrator_task_run_seconds_count{pool="jobs"} 3.0' in text
+    assert 'orchestrator_task_queue_wait_seconds_count{pool="jobs"} 3.0' in text
+    assert 'orchestrator_tasks{pool="jobs",state="QUEUED"} 0.0' in text
+    events = cli(daemon.state_dir, "events", "--json").stdout
+    ends = [line for line in events.splitlines() if '"task"' in line and ids[0] in line]
+    assert any('"to":"DONE"' in line.replace(" ", "") for line in ends), ends

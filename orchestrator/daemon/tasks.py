@@ -67,6 +67,7 @@ class Table(Protocol):
     containment: Any
     supervisor: Any
     journal: Any
+    metrics: Any
     closing: bool
 
     def pool(self, name: Any) -> Pool | None: ...
@@ -561,6 +562,7 @@ class Tasks:
             task.worker, worker.task = worker, task
             task.worker_id = worker.replica.id if worker.replica is not None else None
             task.started_at = self.table.os.time()
+            self.table.metrics.task_started(xp.name, task.started_at - task.queued_at)
             worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
             if task.timeout is not None:
                 task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
@@ -624,6 +626,8 @@ class Tasks:
             task.session.tasks.pop(task.ref, None)
         self._live.pop(task.id, None)
         task.pool.done += 1
+        self.table.metrics.task_ended(task.pool.name, task.state.value,
+                                      task.ended_at - task.started_at if task.started_at is not None else None)
         self._ended[task.id] = task
         if len(self._ended) > KEEP_ENDED:
             self._ended.popitem(last=False)
