@@ -185,3 +185,30 @@ def test_task_metrics_status_and_events(daemon: DaemonUnderTest, jobs: Path) -> 
     events = cli(daemon.state_dir, "events", "--json").stdout
     ends = [line for line in events.splitlines() if '"task"' in line and ids[0] in line]
     assert any('"to":"DONE"' in line.replace(" ", "") for line in ends), ends
+
+
+def test_an_executor_pool_declared_in_the_config_file(daemon: DaemonUnderTest, jobs: Path, tmp_path: Path) -> None:
+    conf = tmp_path / "orchestrator.toml"
+    conf.write_text(textwrap.dedent(f"""
+        [pools.jobs]
+        kind = "executor"
+        size = 2
+        target = "jobsmod:add"
+        cwd = {str(jobs)!r}
+        max_tasks_per_child = 5
+        retries = 1
+    """))
+    daemon.start("--config", str(conf))
+    with Client(daemon.state_dir) as client:
+        task = client.call("task_submit", {"pool": "jobs", "args": [40, 2]})  # the pool's own target
+        outcome = _result(client, task)
+        assert outcome["state"] == "DONE" and loads(base64.b64decode(outcome["result"])) == 42
+        pool = [p for p in client.status()["pools"] if p["name"] == "jobs"][0]
+        assert pool["kind"] == "executor" and pool["desired"] == 2
+    conf.write_text(conf.read_text().replace("size = 2", "size = 3"))
+    assert "resized" in cli(daemon.state_dir, "reload", "--json").stdout
+    conf.write_text(conf.read_text().replace('target = "jobsmod:add"', 'target = "jobsmod:add"\ncommand = ["x"]'))
+    refused = cli(daemon.state_dir, "reload")
+    assert refused.returncode == 1 and "command" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    with Client(daemon.state_dir) as client:
+        assert _result(client, _submit(client, jobs, "add", 1, 1))["state"] == "DONE"  # still running

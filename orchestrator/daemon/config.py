@@ -67,7 +67,13 @@ ENV_FILES_MAX_BYTES = 4 << 20  # all the env files one config file names, togeth
 # The cgroup limits are Policy fields too, but a [pools.NAME] table's own keys here (PoolDecl).
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name not in LIMIT_KEYS)
 SPEC_KEYS = ("command", "target", "env", "env_file", "cwd")
-POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
+POOL_KEYS: tuple[str, ...] = ("kind", "size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
+POOL_KINDS = ("replicas", "executor")
+# An executor pool (kind = "executor"): its workers run the tasks submitted to it; ``target``
+# is optional, the task a `submit` without --target runs.
+EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "env_file", "cwd", "memory_max",
+                                  "max_tasks_per_child", "timeout", "grace", "retries", "log_max_bytes",
+                                  "log_backups")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
@@ -107,6 +113,7 @@ class PoolDecl:
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
+    executor: dict | None = None  # kind = "executor": the executor's options (daemon/tasks.py)
     line: int = field(default=0, compare=False)  # of its table header, for messages
 
     def key(self) -> str:
@@ -123,6 +130,7 @@ class PoolDecl:
                 "memory_max": self.memory_max,
                 "pids_max": self.pids_max,
                 "cpu_weight": self.cpu_weight,
+                "executor": self.executor,
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -313,6 +321,11 @@ class _Reader:
             raise self.fail(here, str(err)) from None
         if not isinstance(table, dict):
             raise self.fail(here, f"must be a table: [pools.{name}]")
+        kind = table.get("kind", "replicas")
+        if kind not in POOL_KINDS:
+            raise self.fail((*here, "kind"), f"must be one of {', '.join(POOL_KINDS)}, got {kind!r}")
+        if kind == "executor":
+            return self._executor_pool(name, table)
         for key in table:
             if key not in POOL_KEYS:
                 raise self.unknown((*here, key), POOL_KEYS, "a [pools.NAME] table")
@@ -342,6 +355,56 @@ class _Reader:
             memory_max=check("memory_max", parse_size),
             pids_max=check("pids_max", _integer, low=1),
             cpu_weight=check("cpu_weight", _integer, low=1, high=CPU_WEIGHT_MAX),
+            line=self.lines.find(here),
+        )
+
+    def _executor_pool(self, name: str, table: dict) -> PoolDecl:
+        """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
+        from .tasks import WORKER_TARGET, check_options
+
+        here = ("pools", name)
+        for key in table:
+            if key not in EXECUTOR_KEYS:
+                raise self.unknown((*here, key), EXECUTOR_KEYS, 'an executor pool (kind = "executor")')
+
+        def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
+            if key not in table:
+                return None
+            try:
+                return fn(table[key], key, *args, **kw)
+            except InvalidSpec as err:
+                raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+
+        size = check("size", _integer, low=1, high=MAX_COUNT)
+        preload = check("preload", _modules) or ()
+        target = table.get("target")
+        if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
+            raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
+        raw = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
+        if "memory_max" in table:
+            raw["memory_max"] = check("memory_max", parse_size)
+        try:
+            options = check_options(raw)
+        except InvalidSpec as err:
+            key = next((k for k in raw if k in str(err)), "kind")
+            raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+        if target is not None:
+            options["target"] = target
+        spec_table = {k: table[k] for k in ("env", "env_file", "cwd") if k in table}
+        spec = self._spec(here, {**spec_table, "target": WORKER_TARGET}, ("orchestrator.taskworker", *preload))
+        policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
+        for key, fn in (("log_max_bytes", log_max_bytes), ("log_backups", log_backups)):
+            if key in table:
+                policy[key] = check(key, fn)
+        return PoolDecl(
+            name=name,
+            size=1 if size is None else size,
+            spec=spec,
+            policy=policy,
+            preload=tuple(preload),
+            log_max_bytes=check("log_max_bytes", log_max_bytes),
+            log_backups=check("log_backups", log_backups),
+            executor=options,
             line=self.lines.find(here),
         )
 

@@ -401,7 +401,11 @@ class Daemon:
                 later.append(decl.name)
                 done["added"].append(decl.name)
                 continue
-            what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            if decl.executor is not None:
+                what = engine.tasks.declare(decl.name, decl.spec, _policy_of(decl), decl.size, decl.executor)
+            else:
+                what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size,
+                                                 prepared.get(decl.name))
             done[what].append(decl.name)
         done["removed"] = removed
         if later:
@@ -421,7 +425,10 @@ class Daemon:
             if decl is None:
                 continue
             try:
-                self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+                if decl.executor is not None:
+                    self._engine.tasks.declare(decl.name, decl.spec, _policy_of(decl), decl.size, decl.executor)
+                else:
+                    self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
             except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
                 log.error("config: pool %s: %s", name, err)
 

@@ -52,7 +52,7 @@ WORKER_TARGET = "orchestrator.taskworker:main"
 RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max")
+OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
 SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
 KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)
@@ -272,6 +272,30 @@ class Tasks:
             self._open_session(str(session), sink)
         return {"pool": pool.name, "ids": ids}
 
+    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+        """An executor pool of the config file (``kind = "executor"``): declared as any pool
+        (supervision.declare: made, rolled or resized), then its options in force for the
+        tasks handed out from now on. Returns what declare did."""
+        options = _options(options)
+        self._listen()
+        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
+        policy = dict(policy)
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
+        what = self.table.supervisor.declare(name, spec, policy, size)
+        pool = self.table.pool(name)
+        assert pool is not None  # declared just now
+        xp = self._pools.get(name)
+        if xp is None or xp.closing:
+            self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
+        elif xp.options != options:
+            xp.options = options
+            if pool.executor is not None:
+                pool.executor["options"] = options
+            self.table.save_pool(pool)
+            what = "changed" if what == "unchanged" else what
+        return what
+
     def _cgroup_memory(self, limit: int) -> bool:
         """Whether the cgroup's memory.max can bound a worker here (else: its RSS, polled)."""
         try:
@@ -355,6 +379,11 @@ class Tasks:
         if not isinstance(one, dict):
             raise InvalidSpec("a task must be an object")
         payload = one.get("payload")
+        if payload is None and one.get("target") is None and xp.options.get("target"):
+            pool = self.table.pool(xp.name)  # the pool's own target, from its PYTHONPATH and cwd
+            wire = pool.runtime.wire if pool is not None and pool.runtime is not None else {}
+            one = {**one, "target": xp.options["target"], "pythonpath": wire.get("pythonpath") or [],
+                   "cwd": wire.get("cwd")}
         if payload is None and one.get("target") is not None:
             payload = _target_payload(one)
         payload = _bytes(payload, "payload")
@@ -979,6 +1008,12 @@ class Tasks:
                     pass
 
 
+def check_options(raw: Any) -> dict:
+    """An executor's options from the wire or a config file, checked (InvalidSpec, one
+    line); the defaults filled in."""
+    return _options(raw)
+
+
 def _options(raw: Any) -> dict:
     if raw is None:
         raw = {}
@@ -1003,6 +1038,11 @@ def _options(raw: Any) -> dict:
         if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1 << 20:
             raise InvalidSpec(f"memory_max must be a number of bytes of at least 1 MiB, got {mem!r}")
         out["memory_max"] = mem
+    target = raw.get("target")
+    if target is not None:
+        if not isinstance(target, str) or ":" not in target:
+            raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
+        out["target"] = target  # what a task given without one runs
     return out
 
 
