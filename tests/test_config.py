@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import textwrap
+import tomllib
 
 import pytest
 
@@ -46,6 +47,7 @@ keep_days = 2
 result_max_bytes = "4M"
 
 [pools.web]
+kind = "replicas"
 command = ["python3", "-m", "http.server", "{port}"]
 size = 3
 env = { MODE = "prod", PORT_COPY = "{port}" }
@@ -464,3 +466,46 @@ def test_pool_decl_is_frozen():
     decl = PoolDecl(name="a", spec={"command": ["x"]})
     with pytest.raises(AttributeError):
         decl.size = 3  # type: ignore[misc]
+
+
+def test_an_executor_pool_table(tmp_path):
+    (tmp_path / "code").mkdir()
+    text = """
+[pools.tasks]
+kind = "executor"
+size = 4
+target = "app.tasks:handle"
+preload = ["json"]
+cwd = "code"
+env = { MODE = "prod" }
+memory_max = "200M"
+max_tasks_per_child = 100
+timeout = 30
+grace = 2
+retries = 1
+log_max_bytes = "1M"
+log_backups = 2
+"""
+    assert set(tomllib.loads(text)["pools"]["tasks"]) | {"env_file"} == set(config.EXECUTOR_KEYS)
+    decl = load(write(tmp_path, text)).pools["tasks"]
+    assert decl.size == 4
+    assert decl.executor == {"max_tasks_per_child": 100, "timeout": 30.0, "grace": 2.0, "retries": 1,
+                             "memory_max": 200 << 20, "target": "app.tasks:handle"}
+    assert decl.spec["target"] == "orchestrator.taskworker:main"
+    assert decl.spec["preload"] == ["orchestrator.taskworker", "json"]
+    assert decl.spec["cwd"] == str(tmp_path / "code") and decl.spec["env"] == {"MODE": "prod"}
+    assert decl.policy == {"restart": "always", "grace": 2.0, "log_max_bytes": 1 << 20, "log_backups": 2}
+
+
+@pytest.mark.parametrize("body, key", [
+    ('kind = "executor"\ncommand = ["x"]', "command"),
+    ('kind = "executor"\nretries = -1', "retries"),
+    ('kind = "executor"\ntarget = "nocolon"', "target"),
+    ('kind = "jobs"', "kind"),
+    ('kind = "executor"\nsize = 0', "size"),
+])
+def test_a_bad_executor_pool_is_one_line(tmp_path, body, key):
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, f"[pools.p]\n{body}\n"))
+    assert f": {key}:" in str(info.value) or f".{key}:" in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)

@@ -121,7 +121,10 @@ def test_shutdown_cancel_futures_cancels_the_queued(any_executor: Callable[..., 
     wait_for(first.running, 30, "the first task to run")
     queued = [ex.submit(taskfns.square, i) for i in range(5)]
     ex.shutdown(wait=True, cancel_futures=True)
-    assert all(f.cancelled() for f in queued)
+    # As the standard library: what had not started is cancelled (ProcessPoolExecutor may have
+    # handed one or two to its call queue already: those run).
+    assert all(f.cancelled() or f.result() == i * i for i, f in enumerate(queued))
+    assert all(f.cancelled() for f in queued[2:])
     assert first.done()
 
 

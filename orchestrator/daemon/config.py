@@ -21,6 +21,13 @@
     env_file = "web.env"        # KEY=VALUE lines, relative to this file; `env` wins
     cwd = "srv"                 # relative to this file's directory (the default)
 
+    [pools.tasks]               # an executor pool: workers that run submitted tasks
+    kind = "executor"
+    size = 4                    # workers
+    target = "app.tasks:handle" # optional: what `submit` without --target runs
+    preload = ["app"]
+    max_tasks_per_child = 100   # also: timeout, grace, retries, memory_max, env, cwd
+
 ``load(path)`` / ``parse(text, source)`` give a :class:`Config`, or raise :class:`ConfigError`,
 one line ``FILE:LINE: KEY: what is wrong``. An unknown key is an error (a typo must not be
 silently ignored), with the close matches as a suggestion. Everything is checked here, with
