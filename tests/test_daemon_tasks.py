@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
-from orchestrator import ChannelError, Client, DaemonNotRunning
+from orchestrator import ChannelError, Client, DaemonNotRunning, InvalidSpec, UnknownReplica
 from orchestrator.taskwire import loads
 
 JOBS = textwrap.dedent("""
@@ -212,3 +212,23 @@ def test_an_executor_pool_declared_in_the_config_file(daemon: DaemonUnderTest, j
     assert refused.returncode == 1 and "command" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     with Client(daemon.state_dir) as client:
         assert _result(client, _submit(client, jobs, "add", 1, 1))["state"] == "DONE"  # still running
+
+
+def test_a_second_client_joins_the_pool_or_is_refused(daemon: DaemonUnderTest, jobs: Path) -> None:
+    daemon.start()
+    import jobsmod  # type: ignore[import-not-found]
+
+    with Client(daemon.state_dir) as client:
+        first = client.executor("jobs", max_workers=2, retries=1)
+        try:
+            with client.executor("jobs", max_workers=2, retries=1) as second:  # the same keywords: joined
+                assert second.submit(jobsmod.add, 2, 3).result(timeout=30) == 5
+            for other in ({"max_workers": 3, "retries": 1}, {"max_workers": 2, "retries": 2}):
+                with pytest.raises(InvalidSpec, match="jobs"):
+                    client.executor("jobs", **other)
+            assert first.submit(jobsmod.add, 1, 1).result(timeout=30) == 2  # the first one goes on
+        finally:
+            first.shutdown()
+        assert cli(daemon.state_dir, "delete", "jobs").returncode == 0
+        with pytest.raises(UnknownReplica, match="unknown executor pool"):
+            client.call("task_submit", {"pool": "jobs", "target": "jobsmod:add", "args": [1, 2]})

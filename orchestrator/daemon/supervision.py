@@ -171,6 +171,8 @@ class Supervisor:
         if pool is not None and not pool.deleted:
             if runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy:
                 raise InvalidSpec(f"pool {name!r} runs another spec or policy: use another pool name")
+            if pool.desired != size:
+                raise InvalidSpec(f"pool {name!r} has {pool.desired} workers, not {size}: use another pool name")
             return pool, [r.id for r in pool.live.values()]
         if pool is None:
             pool = Pool(name, runtime, pol)

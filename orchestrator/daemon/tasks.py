@@ -555,7 +555,8 @@ class Tasks:
 
     def _exec_pool(self, name: Any) -> ExecPool:
         xp = self._pools.get(name) if isinstance(name, str) else None
-        if xp is None or xp.closing:
+        pool = self.table.pool(name) if xp is not None else None
+        if xp is None or xp.closing or pool is None or pool.deleted:
             raise UnknownReplica(f"unknown executor pool {name!r}")
         return xp
 
