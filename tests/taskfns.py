@@ -14,6 +14,13 @@ from orchestrator import Cancelled, TaskTimeout, Terminated
 _initialized: list[str] = []
 
 
+def _say(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` at once: a reader that sees the file sees all of it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(text)
+    os.rename(tmp, path)
+
+
 def square(x: int) -> int:
     return x * x
 
@@ -47,14 +54,14 @@ def wait_for_cancel(started: str, marker: str) -> str:
     """Says it started (a file), then sleeps until something interrupts it; its
     ``finally:`` writes the exception's type to ``marker``."""
     caught = "nothing"
-    Path(started).write_text(str(os.getpid()))
+    _say(started, str(os.getpid()))
     try:
         time.sleep(60)
     except BaseException as exc:
         caught = type(exc).__name__
         raise
     finally:
-        Path(marker).write_text(caught)
+        _say(marker, caught)
     return "not interrupted"
 
 
@@ -73,7 +80,7 @@ def ignores_cancel_with_grandchild(started: str) -> None:
     """A setsid'd grandchild (outside the worker's group and session), then it swallows
     every Terminated and goes on sleeping: only the kill after the grace ends it."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
-    Path(started).write_text(f"{os.getpid()} {child.pid}")
+    _say(started, f"{os.getpid()} {child.pid}")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -86,7 +93,7 @@ def timed(marker: str) -> None:
     try:
         time.sleep(60)
     except TaskTimeout:
-        Path(marker).write_text("TaskTimeout")
+        _say(marker, "TaskTimeout")
         raise
 
 

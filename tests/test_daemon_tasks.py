@@ -26,7 +26,8 @@ JOBS = textwrap.dedent("""
 
     def slow(seconds, value, started=None):
         if started:
-            Path(started).write_text(str(os.getpid()))
+            Path(started + ".tmp").write_text(str(os.getpid()))
+            os.rename(started + ".tmp", started)
         time.sleep(seconds)
         return value
 

@@ -55,7 +55,10 @@ _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
 SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
-KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)
+KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)...
+KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
+SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
+HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
 ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
 
 
@@ -167,6 +170,7 @@ class Session:
     tasks: dict[Any, Task] = field(default_factory=dict)  # ref -> task, until it ended
     events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
     seq: int = 0
+    held: int = 0  # bytes of the events waiting
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
     idle_timer: Timer | None = None
@@ -189,6 +193,7 @@ class Tasks:
         self._accepted: set[Worker] = set()  # connected, not identified yet
         self._live: dict[str, Task] = {}  # unfinished tasks by id
         self._ended: collections.OrderedDict[str, Task] = collections.OrderedDict()  # the latest KEEP_ENDED
+        self._ended_bytes = 0
         self.stop_reason = stop_reason
         self.result_max_bytes = result_max_bytes
 
@@ -241,6 +246,14 @@ class Tasks:
             worker = Worker(conn, BufferedWriter(out))
             self._accepted.add(worker)
             self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+            # The socket is abstract: anyone on the host may connect. One that does not say
+            # who it is holds an fd only this long.
+            self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+
+    def _hello_timeout(self, worker: Worker) -> None:
+        if worker in self._accepted:
+            log.warning("task socket: a connection that never said who it is; closed")
+            self._disconnected(worker)
 
     # -- commands -----------------------------------------------------------------------
 
@@ -493,7 +506,8 @@ class Tasks:
         self._touch(session)
         after = args.get("after", 0)
         while session.events and session.events[0][0] <= after:
-            session.events.popleft()
+            _, done = session.events.popleft()
+            session.held -= len(done[2]) if isinstance(done[2], str) else 0
         if session.events:
             return {"events": [e for _, e in session.events], "next": session.seq}
         timeout = protocol.seconds(args.get("timeout", 1.0), "timeout") or 0.0
@@ -659,8 +673,10 @@ class Tasks:
         self.table.metrics.task_ended(task.pool.name, task.state.value,
                                       task.ended_at - task.started_at if task.started_at is not None else None)
         self._ended[task.id] = task
-        if len(self._ended) > KEEP_ENDED:
-            self._ended.popitem(last=False)
+        self._ended_bytes += len(task.result or b"")
+        while self._ended and (len(self._ended) > KEEP_ENDED or self._ended_bytes > KEEP_ENDED_BYTES):
+            _, old_task = self._ended.popitem(last=False)  # the store still has it
+            self._ended_bytes -= len(old_task.result or b"")
         self._save(task, old)
         for reply, cmd_id in task.waiters:
             self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
@@ -693,9 +709,12 @@ class Tasks:
             return
         session.seq += 1
         # Over the channel (JSON): bytes travel as base64 text.
-        session.events.append((session.seq, [kind, task.ref, _text(data), task.id]))
-        if len(session.events) > SESSION_BACKLOG:  # a client that stopped polling: its oldest go
-            session.events.popleft()
+        text = _text(data)
+        session.events.append((session.seq, [kind, task.ref, text, task.id]))
+        session.held += len(text) if isinstance(text, str) else 0
+        while len(session.events) > SESSION_BACKLOG or session.held > SESSION_BACKLOG_BYTES:
+            _, dropped = session.events.popleft()  # a client that stopped polling: its oldest go
+            session.held -= len(dropped[2]) if isinstance(dropped[2], str) else 0
         if session.poll is not None and not session.flushing:
             # Answered soon, with everything this turn adds: one reply for a burst of ends.
             session.flushing = True
