@@ -6,10 +6,11 @@
         fut.result()      # concurrent.futures.CancelledError
 
 Where the parts are: this module is the submitting side (futures, pickling, one thread
-that turns what the loop reports into future states); the control loop (an embedded
-``Orchestrator``, with its watchdog) keeps the queue and hands each task to a worker
-(daemon/tasks.py); each worker is a replica running ``orchestrator.taskworker``. Tasks
-and results cross as pickled bytes that only this side and the worker load.
+that turns what the loop reports into future states); the control loop keeps the queue and
+hands each task to a worker (daemon/tasks.py): an embedded ``Orchestrator`` with its
+watchdog (``_Embedded``), or a running daemon reached over its channel (``_Remote``, with
+``state_dir``); each worker is a replica running ``orchestrator.taskworker``. Tasks and
+results cross as pickled bytes that only this side and the worker load.
 
 Differences from ``ProcessPoolExecutor``, each deliberate (README, "Executor"):
 ``cancel()`` of a running task returns True and raises ``orchestrator.Cancelled`` in it;
@@ -108,8 +109,10 @@ class Executor(futures_base.Executor):
     controller is enabled, else its RSS checked every second). ``env``, ``cwd``: the
     workers' environment additions and working directory.
 
-    ``state_dir``: None, the control loop runs in this process; a pool in a running
-    daemon is not available yet (InvalidSpec).
+    ``state_dir``: None, the control loop runs in this process (an ``Orchestrator`` with its
+    watchdog) and the pool goes with ``shutdown()``; a state dir, the pool lives in that
+    running daemon, outlives this executor (until ``delete``), and is joined if it exists
+    with the same keywords.
     """
 
     def __init__(
