@@ -248,6 +248,9 @@ class Executor(futures_base.Executor):
             _LIVE.discard(self)
 
     def _cancel(self, ref: int) -> bool:
+        if isinstance(self._backend, _Remote) and self._backend.unsend(ref):
+            self._futures.pop(ref, None)
+            return True  # never sent: cancelled here
         try:
             (cancelled,) = self._backend.call("task_cancel", {"session": self._session, "refs": [ref]})
         except (ShuttingDown, ChannelError, DaemonNotRunning):
@@ -276,7 +279,10 @@ class Executor(futures_base.Executor):
 
     def _submitted(self, ref: int, msg: dict) -> None:
         if not msg.get("ok"):  # refused by the loop (its pool is gone): that future's error
-            self._events.put(("refused", ref, msg, None))
+            if isinstance(self._backend, _Embedded):
+                self._events.put(("refused", ref, msg, None))  # from the loop's thread: the collector's to handle
+            else:
+                self._on_event(("refused", ref, msg, None))
 
     def _collect(self) -> None:
         """The one thread that moves what the embedded loop reports into the futures."""
@@ -298,7 +304,8 @@ class Executor(futures_base.Executor):
                 if fut._state == futures_base.PENDING:
                     fut.set_running_or_notify_cancel()
             return True
-        del self._futures[ref]
+        if self._futures.pop(ref, None) is None:
+            return True  # another thread ended it (a refusal and a report cannot both come)
         if isinstance(data, str) and kind in ("result", "raised"):
             data = base64.b64decode(data)  # from a daemon: base64 over its JSON channel
         if kind == "result":
@@ -367,12 +374,20 @@ class _Embedded(_Backend):
 
 
 class _Remote(_Backend):
-    """A running daemon, over its command channel (``Client``)."""
+    """A running daemon, over its command channel (``Client``). Submits are sent in batches
+    by a thread of their own: each waits for nothing, and a burst costs one round trip per
+    batch, not per task."""
 
     def __init__(self, state_dir: str | os.PathLike) -> None:
         from .client.channel import Client
 
         self.handle = Client(state_dir)
+        self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
+        self._wake = threading.Condition()
+        self._sending = threading.Lock()  # held while a batch is on its way
+        self._closed = False
+        self._sender = threading.Thread(target=self._send, name="executor-submit", daemon=True)
+        self._sender.start()
 
     def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
         if op == "executor" and isinstance(args.get("init"), bytes):
@@ -380,13 +395,52 @@ class _Remote(_Backend):
         return self.handle.call(op, args, timeout)
 
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
-        args = {**args, "payload": base64.b64encode(args["payload"]).decode("ascii")}
+        with self._wake:
+            if self._closed:
+                raise ShuttingDown("the executor is shutting down")
+            self._unsent.append((args, on_reply))
+            self._wake.notify()
+
+    def unsend(self, ref: int) -> bool:
+        """Take a task back before it was sent (its cancel); False if it has been sent,
+        in which case the daemon has it by the time this returns."""
+        with self._sending, self._wake:
+            for i, (args, _) in enumerate(self._unsent):
+                if args["ref"] == ref:
+                    del self._unsent[i]
+                    return True
+        return False
+
+    def _send(self) -> None:
+        while True:
+            with self._wake:
+                while not self._unsent and not self._closed:
+                    self._wake.wait()
+                if not self._unsent:
+                    return
+                self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
+                batch, self._unsent = self._unsent, []
+            try:
+                self._send_batch(batch)
+            finally:
+                self._sending.release()
+
+    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
+        first = batch[0][0]
+        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"]}
+                 for args, _ in batch]
         try:
-            self.handle.call("task_submit", args)
-        except (InvalidSpec, UnknownReplica) as err:  # refused: that future's error
-            on_reply({"ok": False, "error": str(err), "code": err.code})
+            self.handle.call("task_submit", {"pool": first["pool"], "session": first["session"], "tasks": tasks})
+        except OrchestratorError as err:  # refused, or the daemon is gone: each future's error
+            msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
+            for _, on_reply in batch:
+                on_reply(msg)
 
     def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._sender.join()
         self.handle.close()
 
 

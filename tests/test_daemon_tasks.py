@@ -233,3 +233,25 @@ def test_a_second_client_joins_the_pool_or_is_refused(daemon: DaemonUnderTest, j
         assert cli(daemon.state_dir, "delete", "jobs").returncode == 0
         with pytest.raises(UnknownReplica, match="unknown executor pool"):
             client.call("task_submit", {"pool": "jobs", "target": "jobsmod:add", "args": [1, 2]})
+
+
+def test_cancels_right_after_submit_through_the_daemon(daemon: DaemonUnderTest, jobs: Path) -> None:
+    daemon.start()
+    import jobsmod  # type: ignore[import-not-found]
+
+    with Client(daemon.state_dir) as client:
+        with client.executor("jobs", max_workers=2) as ex:
+            futs = [ex.submit(jobsmod.slow, 0.01, i) for i in range(60)]
+            outcomes = [f.cancel() if i % 2 else None for i, f in enumerate(futs)]
+            for i, (fut, cancelled) in enumerate(zip(futs, outcomes)):
+                if cancelled:
+                    assert fut.cancelled()
+                else:
+                    assert fut.result(timeout=60) == i  # a cancel that came too late leaves the result
+            assert ex.submit(jobsmod.add, 1, 2).result(timeout=30) == 3
+        assert cli(daemon.state_dir, "delete", "jobs").returncode == 0
+        with client.executor("jobs2", max_workers=1) as ex2:
+            assert cli(daemon.state_dir, "delete", "jobs2").returncode == 0
+            refused = ex2.submit(jobsmod.add, 1, 2)
+            with pytest.raises(UnknownReplica, match="unknown executor pool"):
+                refused.result(timeout=30)
