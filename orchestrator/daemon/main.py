@@ -54,6 +54,7 @@ from .logcapture import LogCapture
 from .metrics import LagMonitor, health
 from .osapi import OSApi, raise_fd_limit, set_child_subreaper
 from .reactor import drain
+from .sockets import adopt_inherited
 from .recovery import recover_leftovers
 
 log = logging.getLogger("orchestrator")
@@ -99,6 +100,7 @@ class Daemon:
         self.watchdog: WatchdogChild | None = None
         self.manager: ManagerBridge | None = None
         self.log_sink: logsink.LogSink | None = None
+        self.inherited_sockets: list[tuple[str, int]] = []  # (name, fd) from systemd's LISTEN_FDS
 
     @property
     def _engine(self) -> Engine:
@@ -113,6 +115,9 @@ class Daemon:
         from ..paths import check_state_dir
 
         paths = self.paths
+        # Before any fd is opened or any child started: systemd's sockets (socket
+        # activation) are taken, made close-on-exec, and their variables removed.
+        self.inherited_sockets = adopt_inherited()
         # Every file the daemon and its children create is 0600 (dirs 0700) unless they say
         # otherwise: the journal, its WAL (which holds launch environments), logs, the key.
         os.umask(0o077)
@@ -197,7 +202,8 @@ class Daemon:
         self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        config = EngineConfig(grace=self.grace, token=token, spawners=True)
+        config = EngineConfig(grace=self.grace, token=token, spawners=True,
+                              inherited_sockets=tuple(self.inherited_sockets))
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
         self.containment = containment.detect(
