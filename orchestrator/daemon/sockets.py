@@ -28,7 +28,7 @@ import stat
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import InvalidSpec
-from ..listenspec import ListenAddress, fdname_ok, parse
+from ..listenspec import MAX_SOCKETS, ListenAddress, fdname_ok, parse
 
 log = logging.getLogger("orchestrator")
 
@@ -123,6 +123,8 @@ class Listeners:
                 raise InvalidSpec(f"socket {text} is not open")
             fds.append(sock.fileno())
             names.append(own)
+        if len(fds) > MAX_SOCKETS:  # systemd may give many fds one name: the spawner takes so many
+            raise InvalidSpec(f"{len(fds)} listening sockets for one replica: at most {MAX_SOCKETS}")
         return fds, names
 
     def addresses(self) -> list[str]:
