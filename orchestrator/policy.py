@@ -18,6 +18,7 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     stop_signal    TERM, INT, HUP, ...              how a replica is asked to stop
     grace          seconds                          before SIGKILL (None: the daemon's)
     port_base      N                                slot s gets port N + s ({port}, $PORT)
+    sockets        ["tcp://127.0.0.1:8000", ...]    listening sockets the daemon binds; fds 3.. of each replica
     memory_max     bytes, or "512M"                 cgroup memory.max of each replica
     pids_max       N                                cgroup pids.max of each replica
     cpu_weight     1..10000                         cgroup cpu.weight of each replica
@@ -36,7 +37,7 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import probespec
+from . import listenspec, probespec
 from .errors import InvalidSpec
 
 RESTART_MODES = ("always", "on-failure", "never")
@@ -94,6 +95,7 @@ class Policy:
     stop_signal: str = "TERM"
     grace: float | None = None
     port_base: int | None = None
+    sockets: tuple[str, ...] = ()  # listenspec.py: tcp://HOST:PORT, unix:/PATH, fd:NAME
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
@@ -125,6 +127,7 @@ class Policy:
             _number(self.port_base, "port_base", low=1, integer=True)
             if self.port_base > 65535:
                 raise InvalidSpec(f"port_base must be at most 65535, got {self.port_base}")
+        object.__setattr__(self, "sockets", listenspec.parse_all(self.sockets))
         object.__setattr__(self, "stop_signal", signal.Signals(signal_number(self.stop_signal)).name[3:])
         if self.memory_max is not None:
             object.__setattr__(self, "memory_max", parse_size(self.memory_max, "memory_max"))

@@ -166,6 +166,9 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-signal", metavar="SIG", help="how a replica is asked to stop (default TERM)")
     g.add_argument("--grace", type=_seconds, metavar="S", help="stop signal to SIGKILL (default: the daemon's)")
     g.add_argument("--port-base", type=int, metavar="N", help="slot s gets port N+s: {port}, $PORT")
+    g.add_argument("--socket", dest="sockets", action="append", metavar="ADDR",
+                   help="tcp://HOST:PORT, unix:/PATH or fd:NAME: the daemon listens, every replica gets it "
+                   "as fd 3, 4, ... (LISTEN_FDS, as systemd passes them); repeatable")
     g.add_argument("--memory-max", metavar="BYTES", help="cgroup memory.max of each replica: bytes or 512M, 2G")
     g.add_argument("--pids-max", type=int, metavar="N", help="cgroup pids.max of each replica")
     g.add_argument("--cpu-weight", type=int, metavar="W", help="cgroup cpu.weight of each replica, 1..10000")
@@ -178,7 +181,7 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
                  "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight",
-                 "probe_timeout")
+                 "probe_timeout", "sockets")
 
 
 def _policy(args: argparse.Namespace) -> dict:

@@ -43,6 +43,7 @@ from .metrics import Metrics
 from .osapi import OSApi, Spawned
 from .pools import Pool
 from .reactor import Reactor, Timer
+from .sockets import Listeners
 from .spawning import Spawning
 from .supervision import Supervisor
 from .tasks import Tasks
@@ -68,6 +69,7 @@ class EngineConfig:
     task_socket: str | None = None  # where executor workers connect (None: an abstract socket)
     task_stop_reason: str = "interrupted: the executor shut down"  # a task cut short by a shutdown
     result_max_bytes: int | None = None  # a task result larger than this fails its task
+    inherited_sockets: tuple[tuple[str, int], ...] = ()  # (name, fd) systemd passed the daemon (sockets.py)
 
 
 @dataclass(eq=False, slots=True)
@@ -114,6 +116,7 @@ class Engine:
         base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
         self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.listeners = Listeners(self.reactor, self._sockets_in_use, self.config.inherited_sockets)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
                                  token=self.config.token, spawners=self.config.spawners, stdio=self.config.stdio)
@@ -235,6 +238,7 @@ class Engine:
             cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
             reply(protocol.error(cmd_id, ShuttingDown("the orchestrator is shutting down")))
         self.tasks.close()
+        self.listeners.close()
         self.reactor.close()
 
     @property
@@ -255,6 +259,9 @@ class Engine:
             return self.spawning.exited(pid)
         self._on_exit(proc)
         return True
+
+    def _sockets_in_use(self) -> set[str]:
+        return {a for pool in self._pools.values() if not pool.deleted for a in pool.policy.sockets}
 
     def start_spawners(self, wait: float = 0.0) -> None:
         """Start the default spawner; ``wait``: run the loop until it is ready (bounded)."""

@@ -55,6 +55,7 @@ from .logcapture import LogCapture
 from .metrics import LagMonitor, health
 from .osapi import OSApi, raise_fd_limit, set_child_subreaper
 from .reactor import drain
+from .sockets import adopt_inherited
 from .recovery import recover_leftovers
 
 log = logging.getLogger("orchestrator")
@@ -102,6 +103,7 @@ class Daemon:
         self.watchdog: WatchdogChild | None = None
         self.manager: ManagerBridge | None = None
         self.log_sink: logsink.LogSink | None = None
+        self.inherited_sockets: list[tuple[str, int]] = []  # (name, fd) from systemd's LISTEN_FDS
 
     @property
     def _engine(self) -> Engine:
@@ -116,6 +118,9 @@ class Daemon:
         from ..paths import check_state_dir
 
         paths = self.paths
+        # Before any fd is opened or any child started: systemd's sockets (socket
+        # activation) are taken, made close-on-exec, and their variables removed.
+        self.inherited_sockets = adopt_inherited()
         # Every file the daemon and its children create is 0600 (dirs 0700) unless they say
         # otherwise: the journal, its WAL (which holds launch environments), logs, the key.
         os.umask(0o077)
@@ -207,7 +212,8 @@ class Daemon:
         digest = hashlib.sha1(os.fsencode(os.path.abspath(paths.state_dir))).hexdigest()[:16]
         config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=f"@orchestrator-tasks-{digest}",
                               task_stop_reason="interrupted: the daemon stopped",
-                              result_max_bytes=self.result_max_bytes)
+                              result_max_bytes=self.result_max_bytes,
+                              inherited_sockets=tuple(self.inherited_sockets))
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
         self.containment = containment.detect(

@@ -4,7 +4,7 @@ Run by the daemon's loop thread, for the engine (engine.py). A launch makes PEND
 replicas and asks for a spawn; once per turn (``schedule``), at most ``spawn_batch`` of
 them are started, after their ids are committed (an id must be durable before its process
 exists). Each start is made ready here (its log files, its cgroup, its notify socket, its
-``LaunchPlan``) and asked of a spawner process (spawner.py) or forked at once; the whole
+listening sockets, its ``LaunchPlan``) and asked of a spawner process (spawner.py) or forked at once; the whole
 batch is asked before any answer is collected, so the spawners fork while we send. The
 answer goes back to the table (``Engine.spawned``, or ``Engine.failed`` with the reason).
 
@@ -30,6 +30,7 @@ from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
 from .osapi import OSApi, Spawned
 from .pools import Pool
 from .reactor import Reactor
+from .sockets import Listeners, env_for
 from .supervision import Supervisor
 
 
@@ -42,6 +43,7 @@ class Table(Protocol):
     containment: Cgroups | ProcessGroups
     watchdog: Any
     log_capture: Any  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+    listeners: Listeners  # the pools' listening sockets
 
     def pool(self, name: Any) -> Pool | None: ...
     def commit(self) -> bool: ...
@@ -183,6 +185,10 @@ class Spawning:
             req.cgroup = table.containment.claim(rep.id, pool.policy.limits)
             if req.cgroup is not None:
                 plan = dataclasses.replace(plan, cgroup=req.cgroup)
+            if pool.policy.sockets:  # socket activation: the pool's listeners on fds 3, 4, ...
+                fds, names = table.listeners.fds(pool.policy.sockets, pool.name)
+                plan = dataclasses.replace(plan, listen_fds=tuple(fds))
+                plan.env.update(env_for(fds, names))
             if pool.policy.ready == "notify":
                 req.notify = self.supervisor.notify_socket(rep)
                 plan.env.update(req.notify.env())

@@ -42,6 +42,7 @@ from .pools import CRASHLOOP, Pool, check_templates, expand_probe
 from .probebox import ProbeBox
 from .reactor import Reactor
 from .rollout import Rollout
+from .sockets import Listeners
 
 log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
@@ -70,6 +71,7 @@ class Table(Protocol):
     containment: Cgroups | ProcessGroups
     watchdog: Any  # the watchdog's ledger feed, for exec probes' cgroups
     log_capture: Any  # logcapture.LogCapture, for exec probes' output
+    listeners: Listeners  # the pools' listening sockets, opened when a pool declares them
     closing: bool
 
     def pool(self, name: Any) -> Pool | None: ...  # deleted ones too
@@ -204,6 +206,7 @@ class Supervisor:
         runtime = self.prepare(spec)
         pol = Policy.from_wire(policy)
         self.table.containment.check_limits(pol.limits)
+        self.table.listeners.open(pol.sockets)  # bound now: a bad address is this command's error
         if size is not None:
             check_templates(runtime, pol, size)
         return runtime, pol
@@ -223,6 +226,8 @@ class Supervisor:
                 if wire:
                     runtime = self.prepare(wire)
                     check_templates(runtime, policy, 0 if deleted else desired)
+                if not deleted:
+                    self.table.listeners.open(policy.sockets)
             except InvalidSpec as err:
                 problem = f"{_NOT_RESTORED}{err}"
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
@@ -354,6 +359,7 @@ class Supervisor:
         pool.desired = 0
         pool.deleted = True
         self.table.save_pool(pool)
+        self.table.listeners.changed()  # closed if no other pool uses them
         return {"pool": pool.name, "terminated": stopped}
 
     def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
