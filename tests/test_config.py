@@ -69,6 +69,7 @@ live_failures = 2
 stop_signal = "INT"
 grace = 3
 port_base = 8100
+after = ["jobs:started"]
 
 [pools.jobs]
 target = "myapp.jobs:main"
@@ -101,7 +102,7 @@ def test_every_key_is_parsed(tmp_path):
         restart="always", backoff=(0.5, 10.0), healthy_after=20, max_restarts=(3, 30.0),
         ready="http://127.0.0.1:{port}/", ready_timeout=15, probe_timeout=2, start_secs=1, live="tcp:127.0.0.1:{port}",
         live_interval=5, live_failures=2, stop_signal="INT", grace=3, port_base=8100,
-        log_max_bytes=65536, log_backups=1,
+        log_max_bytes=65536, log_backups=1, after=("jobs:started",),
     )
     # The wire forms are what launch sends: they round-trip through the daemon's readers.
     assert WorkerSpec.from_wire(web.spec).to_wire() == web.spec
@@ -120,7 +121,7 @@ def test_every_table_key_is_covered_by_the_full_example():
     assert set(config.POLICY_KEYS) == {
         "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "probe_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
-        "log_max_bytes", "log_backups",
+        "log_max_bytes", "log_backups", "after",
     }
 
 
