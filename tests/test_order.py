@@ -222,3 +222,38 @@ def test_a_config_file_declares_the_order():
                 '[pools.db]\ncommand = ["x"]\n\n[pools.migrate]\ncommand = ["x"]\nafter = ["db:started"]\n')
     assert cfg.pools["web"].policy["after"] == ["db:ready", "migrate:completed"]
     assert cfg.pools["migrate"].policy["after"] == ["db:started"]
+
+
+def test_the_example_file_declares_an_order():
+    from pathlib import Path
+
+    from orchestrator.daemon.config import load
+    from orchestrator.policy import after_order
+
+    cfg = load(Path(__file__).resolve().parent.parent / "examples" / "ordering.toml")
+    graph = {name: [e.split(":")[0] for e in decl.policy.get("after", ())] for name, decl in cfg.pools.items()}
+    assert after_order(graph) == [["db"], ["migrate"], ["web"]]
+
+
+def test_a_reload_that_removes_a_pool_and_its_dependent_stops_the_dependent_first(h, fake):
+    sup = h.engine.supervisor
+    assert sup.declare("db", SPEC, NEVER, 1) == "added"
+    assert sup.declare("web", SPEC, {**NEVER, "after": ["db"]}, 1) == "added"
+    h.turn()
+    (db,) = [r["id"] for r in h.status()["replicas"] if r["pool"] == "db"]
+    run(h, db)
+    settle(h)
+    (web,) = [r["id"] for r in h.status()["replicas"] if r["pool"] == "web"]
+    run(h, web)
+    assert sorted(sup.undeclare_missing(set())) == ["db", "web"]
+    h.turn()
+    assert h.state(web) == "STOPPING" and h.state(db) == "RUNNING"
+    assert h.status()["pools"] == []  # both deleted at once
+    assert fake.signals_to(pid_of(h, db)) == []
+    fake.exit(pid_of(h, web), 0)
+    settle(h)
+    assert h.state(web) == "TERMINATED" and h.state(db) == "STOPPING"
+    assert [sig for sig, _ in fake.signals_to(pid_of(h, db))] == [signal.SIGTERM]
+    fake.exit(pid_of(h, db), 0)
+    settle(h)
+    assert h.state(db) == "TERMINATED"

@@ -31,7 +31,7 @@ def launch(d: DaemonUnderTest, stamps: Path, pool: str, *flags: str, env: dict[s
 
 
 def ready_probe(stamps: Path, pool: str) -> list[str]:
-    return ["--ready", f"exec:test -f {stamps}/{pool}-{{slot}}.ready"]
+    return ["--ready", f"exec:test -f {stamps}/{pool}.slot{{slot}}.ready"]
 
 
 def stamp(stamps: Path, rid: str, what: str) -> float:
@@ -132,7 +132,7 @@ after = ["db"]
 [pools.db]
 target = "workers:stamped"
 env = {{ STAMPS = "{stamps}", READY_AFTER = "0.3" }}
-ready = "exec:test -f {stamps}/db-{{slot}}.ready"
+ready = "exec:test -f {stamps}/db.slot{{slot}}.ready"
 """
 
 
@@ -187,7 +187,7 @@ def test_a_restart_after_kill_9_of_the_daemon_follows_the_order(daemon: DaemonUn
     finally:
         os.close(fd)
     wait_for(lambda: cli(daemon.state_dir, "status").returncode == 3, 30, "the daemon to be gone")
-    (stamps / "db-0.ready").unlink()  # db-1's: its probe must not find it for db-2
+    (stamps / "db.slot0.ready").unlink()  # db-1's: its probe must not find it for db-2
     daemon.start()  # waits for the watchdog's sweep; the journal's pools come back
     wait_for(lambda: [r["state"] for r in replicas(daemon, "web")] == ["RUNNING"], 30, "web to run again")
     (db,), (web,) = [r["id"] for r in replicas(daemon, "db")], [r["id"] for r in replicas(daemon, "web")]

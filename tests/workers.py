@@ -55,7 +55,7 @@ def orphan_maker() -> None:
 def stamped() -> None:
     """Writes the system-wide monotonic time of what it does to $STAMPS/<replica id>.<what>:
     ``start``; ``ready`` (after $GO exists, if set, and $READY_AFTER seconds), also made
-    visible as $STAMPS/<pool>-<slot>.ready for an exec readiness probe; on SIGTERM ``term``,
+    visible as $STAMPS/<pool>.slot<slot>.ready for an exec readiness probe; on SIGTERM ``term``,
     then $STOP_SECS later ``end`` and a clean exit. $EXIT: exit with that code once ready
     (a one-shot job)."""
     import sys
@@ -63,7 +63,7 @@ def stamped() -> None:
     from orchestrator import Terminated
 
     stamps, rid = os.environ["STAMPS"], os.environ["ORCHESTRATOR_REPLICA_ID"]
-    marker = os.path.join(stamps, f"{os.environ['ORCHESTRATOR_POOL']}-{os.environ['ORCHESTRATOR_SLOT']}.ready")
+    marker = os.path.join(stamps, f"{os.environ['ORCHESTRATOR_POOL']}.slot{os.environ['ORCHESTRATOR_SLOT']}.ready")
 
     def stamp(what: str, path: str | None = None) -> None:
         path = path or os.path.join(stamps, f"{rid}.{what}")
