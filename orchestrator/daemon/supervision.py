@@ -516,8 +516,10 @@ class Supervisor:
         bound = 10.0 + max(p.policy.grace if p.policy.grace is not None else self.table.config.grace for p in first)
 
         def next_layer(_ended: bool) -> None:
-            for name in layers[1]:
-                for rep in list(self._pool_of_name(name).live.values()):
+            for pool in map(self._pool_of_name, layers[1]):
+                if not pool.deleted:
+                    continue  # launched again meanwhile: it is a new pool of that name
+                for rep in list(pool.live.values()):
                     self.table.stop(rep, reason="pool deleted", lower_desired=False)
             self._stop_in_order(layers[1:])
 
