@@ -73,6 +73,7 @@ stop_signal = "INT"
 grace = 3
 port_base = 8100
 sockets = ["tcp://127.0.0.1:8000", "unix:/run/web.sock"]
+after = ["jobs:started"]
 
 [pools.jobs]
 target = "myapp.jobs:main"
@@ -106,6 +107,7 @@ def test_every_key_is_parsed(tmp_path):
         ready="http://127.0.0.1:{port}/", ready_timeout=15, probe_timeout=2, start_secs=1, live="tcp:127.0.0.1:{port}",
         live_interval=5, live_failures=2, stop_signal="INT", grace=3, port_base=8100,
         log_max_bytes=65536, log_backups=1, sockets=("tcp://127.0.0.1:8000", "unix:/run/web.sock"),
+        after=("jobs:started",),
     )
     # The wire forms are what launch sends: they round-trip through the daemon's readers.
     assert WorkerSpec.from_wire(web.spec).to_wire() == web.spec
@@ -124,7 +126,7 @@ def test_every_table_key_is_covered_by_the_full_example():
     assert set(config.POLICY_KEYS) == {
         "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "probe_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
-        "log_max_bytes", "log_backups", "sockets",
+        "log_max_bytes", "log_backups", "sockets", "after",
     }
 
 

@@ -118,3 +118,40 @@ def report_listen_sockets() -> None:
     ready()
     del socket
     time.sleep(1000)
+def stamped() -> None:
+    """Writes the system-wide monotonic time of what it does to $STAMPS/<replica id>.<what>:
+    ``start``; ``ready`` (after $GO exists, if set, and $READY_AFTER seconds), also made
+    visible as $STAMPS/<pool>.slot<slot>.ready for an exec readiness probe; on SIGTERM ``term``,
+    then $STOP_SECS later ``end`` and a clean exit. $EXIT: exit with that code once ready
+    (a one-shot job)."""
+    import sys
+
+    from orchestrator import Terminated
+
+    stamps, rid = os.environ["STAMPS"], os.environ["ORCHESTRATOR_REPLICA_ID"]
+    marker = os.path.join(stamps, f"{os.environ['ORCHESTRATOR_POOL']}.slot{os.environ['ORCHESTRATOR_SLOT']}.ready")
+
+    def stamp(what: str, path: str | None = None) -> None:
+        path = path or os.path.join(stamps, f"{rid}.{what}")
+        with open(path + ".tmp", "w") as f:
+            f.write(repr(time.monotonic()))
+        os.rename(path + ".tmp", path)
+
+    try:
+        if os.path.exists(marker):
+            os.unlink(marker)  # an earlier replica's in this slot
+        stamp("start")
+        go = os.environ.get("GO")
+        deadline = time.monotonic() + 60
+        while go and not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(float(os.environ.get("READY_AFTER", "0")))
+        stamp("ready")
+        stamp("ready", marker)
+        if "EXIT" in os.environ:
+            sys.exit(int(os.environ["EXIT"]))
+        time.sleep(1000)
+    except Terminated:
+        stamp("term")
+        time.sleep(float(os.environ.get("STOP_SECS", "0")))
+        stamp("end")

@@ -177,6 +177,9 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
                    "20K, 10M; at least 16K (default: the daemon's, 10M)")
     g.add_argument("--log-backups", metavar="K", help="rotated files kept per stream, 0..100 "
                    "(default: the daemon's, 3)")
+    g.add_argument("--after", action="append", metavar="POOL[:ready|started|completed]",
+                   help="start only once POOL is ready (default), started, or completed (its replicas "
+                   "exited 0); repeatable")
 
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
@@ -202,6 +205,8 @@ def _policy(args: argparse.Namespace) -> dict:
             wire["log_backups"] = int(args.log_backups)
         except ValueError:
             wire["log_backups"] = args.log_backups  # refused by Policy, in its words
+    if args.after:
+        wire["after"] = args.after
     return Policy.from_wire(wire).to_wire()  # refused here, with the same words as the daemon's
 
 

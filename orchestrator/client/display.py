@@ -63,7 +63,8 @@ def stored_status(paths: Paths, include_terminal: bool) -> dict:
 
 
 def format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
-    """The table: daemon, pools, then one line per replica with its uptime, restarts, CPU%
+    """The table: daemon, pools (in the order they start, each with the pools it starts
+    after and what its PENDING replicas wait for), then one line per replica with its uptime, restarts, CPU%
     and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
     command it runs. With the daemon down, replicas are what the store last knew."""
     d = data["daemon"]
@@ -82,7 +83,13 @@ def format_status(data: dict, *, samples: dict | None = None, health: str | None
     for p in data["pools"]:
         state = p.get("state") or ("stopped" if not d["running"] else "ok")
         extra = f" ({p['reason']})" if p.get("reason") else ""
-        out.append(f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}")
+        line = f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}"
+        after = p.get("after") or (p.get("policy") or {}).get("after")
+        if after:
+            line += f", after {' '.join(after)}"
+        if p.get("waiting"):
+            line += f"; {p['waiting']}"
+        out.append(line)
     commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
     if not data["replicas"]:
         out.append("no replicas")

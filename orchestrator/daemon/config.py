@@ -20,6 +20,7 @@
     env = { MODE = "prod" }
     env_file = "web.env"        # KEY=VALUE lines, relative to this file; `env` wins
     cwd = "srv"                 # relative to this file's directory (the default)
+    after = ["db", "migrate:completed"]   # starts once those pools of this file are ready / done
 
     [pools.tasks]               # an executor pool: workers that run submitted tasks
     kind = "executor"
@@ -59,7 +60,10 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError, InvalidSpec
 from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
-from ..policy import LIMIT_KEYS, RESULT_MAX_BYTES, Policy, log_backups, log_max_bytes, parse_size, result_max_bytes
+from ..policy import (
+    LIMIT_KEYS, RESULT_MAX_BYTES, AfterCycle, Policy, after_order, log_backups, log_max_bytes, parse_size,
+    result_max_bytes, split_after,
+)
 from ..protocol import MAX_COUNT, pool_name
 from ..spec import make_spec
 from ..store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -260,6 +264,7 @@ class _Reader:
         pools: dict[str, PoolDecl] = {}
         for name, table in pools_doc.items():
             pools[name] = self._pool(name, table)
+        self._order(pools)
         return Config(daemon=daemon, pools=pools, source=self.source)
 
     def _syntax(self, err: tomllib.TOMLDecodeError) -> ConfigError:
@@ -414,6 +419,20 @@ class _Reader:
             executor=options,
             line=self.lines.find(here),
         )
+
+    def _order(self, pools: dict[str, PoolDecl]) -> None:
+        """Each pool's ``after`` names pools of this file (the file is the desired state:
+        what it declares cannot wait for what it may delete), and makes no cycle."""
+        graph = {name: [split_after(e)[0] for e in decl.policy.get("after", ())] for name, decl in pools.items()}
+        for name, deps in graph.items():
+            for dep in deps:
+                if dep not in graph:
+                    raise self.fail(("pools", name, "after"), f"unknown pool {dep!r}: not a pool of this file")
+        try:
+            after_order(graph)
+        except AfterCycle as err:
+            first = min(err.cycle, key=lambda n: self.lines.find(("pools", n, "after")))
+            raise self.fail(("pools", first, "after"), _unprefixed(str(err), "after")) from None
 
     def _spec(self, here: tuple[str, ...], table: dict, preload: tuple[str, ...] = ()) -> dict:
         has_command, has_target = "command" in table, "target" in table

@@ -204,22 +204,31 @@ class Engine:
         self.reactor.run_once(timeout)
 
     def shutdown(self, budget: float | None = None) -> None:
-        """Stop every replica, all at once (stop signal, grace, KILL), and wait until all are
-        reaped; from now on every command is refused. With a ``budget`` (seconds) every
-        grace is cut so that all is over inside it (systemd's TimeoutStopSec, Kubernetes'
-        terminationGracePeriodSeconds). Desired sizes are kept: the next start brings the
-        pools back."""
+        """Stop every replica (stop signal, grace, KILL) and wait until all are reaped;
+        from now on every command is refused. Pools stop in the order of their ``after``
+        (Supervisor.stop_layers): the pools nobody starts after all at once, and the pools
+        they start after once those have ended, and so on. With a ``budget`` (seconds)
+        every grace is cut so that all is over inside it (systemd's TimeoutStopSec,
+        Kubernetes' terminationGracePeriodSeconds), each layer getting an equal share of
+        what is left. Desired sizes are kept: the next start brings the pools back."""
         if self.closed:
             return
         self.closing = True
-        wait = self.config.grace + 1.0
-        if budget is not None:
-            self._stop_deadline = self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
-            wait = max(0.0, budget - SHUTDOWN_MARGIN)
-        for rep in [r for pool in self._pools.values() for r in pool.live.values()]:
-            self.stop(rep, reason="shutdown", lower_desired=False)
+        end = None if budget is None else self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
+        layers = self.supervisor.stop_layers()
+        for i, names in enumerate(layers):
+            wait = self.config.grace + 1.0
+            if end is not None:
+                now = self.os.monotonic()
+                self._stop_deadline = now + max(0.0, end - now) / (len(layers) - i)
+                wait = self._stop_deadline - now
+            members = set(names)
+            for rep in [r for name in names for r in self._pools[name].live.values()]:
+                self.stop(rep, reason="shutdown", lower_desired=False)
+            self.reactor.run_until(lambda: not any(p.replica.pool in members for p in
+                                                   (*self._procs.values(), *self._draining.values())), wait)
         done = lambda: not self._procs and not self._draining  # noqa: E731
-        if not self.reactor.run_until(done, wait):
+        if not done():
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
             self.reactor.run_until(done, 5.0)
@@ -340,13 +349,12 @@ class Engine:
         else:
             replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
         pools = []
-        for p in self._pools.values():
-            if not p.deleted:
-                row = p.to_dict()
-                counts = self.tasks.pool_counts(p.name)
-                if counts is not None:
-                    row["tasks"] = counts
-                pools.append(row)
+        for name in self.supervisor.start_order():
+            row = {**self._pools[name].to_dict(), "waiting": self.supervisor.pool_waiting(self._pools[name])}
+            counts = self.tasks.pool_counts(name)
+            if counts is not None:
+                row["tasks"] = counts
+            pools.append(row)
         result = {"pools": pools, "replicas": replicas}
         if self.extra_status is not None:
             result.update(self.extra_status())
@@ -373,6 +381,7 @@ class Engine:
         now = self.os.time()
         assert pool.runtime is not None, "launch from a pool with a usable spec"
         for slot in slots if slots is not None else pool.free_slots(count):
+            pool.failed.pop(slot, None)  # filled again: no longer a failure for its dependents
             n = pool.next_n
             pool.next_n += 1
             rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
@@ -569,6 +578,7 @@ class Engine:
 
     def settle(self) -> None:
         """The end of a turn: rollouts and waiters checked, one commit, then the replies."""
+        self.spawning.release()  # replicas that waited for the pools theirs starts after
         if self._dirty:
             self._dirty = False
             self.supervisor.settle()
