@@ -234,6 +234,11 @@ def test_cancel_of_queued_tasks_and_result_without_wait(daemon: DaemonUnderTest,
         got = cli(daemon.state_dir, "result", task_id, "--wait", "--timeout", "30")
         assert "CANCELLED" in one_line_error(got), task_id
 
+    timed = cli(daemon.state_dir, "submit", "--pool", "jobs", "--target", "taskfns:sleep_then", "--arg", "60",
+                "--arg", "1", "--timeout", "0.5", "--wait")
+    assert "TIMED_OUT" in one_line_error(timed)
+    assert "TIMED_OUT" in cli(daemon.state_dir, "tasks", "--all").stdout
+
 
 def test_tasks_watch_redraws_until_ctrl_c(daemon: DaemonUnderTest, executors: list[Executor]) -> None:
     daemon.start()

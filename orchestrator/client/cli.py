@@ -2,7 +2,7 @@
 
 Client side: it runs in a user's shell, and imports at module level only what every process
 shares (errors, paths, retention's defaults, version) and its own light modules (argtypes,
-logcli's parser). What one command needs is imported in that command: ``start`` the daemon
+logcli's parser, taskcli's parsers). What one command needs is imported in that command: ``start`` the daemon
 (control.py spawns it, or daemon/main.py runs it in the foreground), ``status`` the channel
 and the table (display.py), ``logs`` its readers, so that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
 

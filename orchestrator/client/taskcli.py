@@ -3,6 +3,8 @@ command line. Client side: it speaks the daemon's task commands (daemon/tasks.py
 meaning) and, with the daemon down, reads the journal (state.db) read-only, so a finished
 task's result can be fetched later from any shell.
 
+The CLI imports this module for its parsers: what only a command needs is imported in it.
+
 A result travels as bytes (base64 over the channel) with a one-byte head: ``j`` JSON (a
 ``--target`` task's result, when it is JSON), ``p`` pickle, ``d`` dill. JSON is printed as
 JSON, a pickle as the repr of what it loads; a dill pickle is not loaded here (the CLI never
@@ -12,17 +14,14 @@ imports dill: it is for Python callers), and is said to be one.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
-import pickle
 import sys
 import time
 from typing import Any, Sequence
 
 from ..errors import ChannelError, DaemonNotRunning
 from ..paths import Paths, running_pid
-from ..states import TaskState
 from .argtypes import natural, positive_seconds, seconds
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
@@ -140,8 +139,14 @@ def _wait(client: Any, task_id: str, timeout: float | None) -> dict:
         chunk = WAIT_CHUNK if deadline is None else max(0.0, min(WAIT_CHUNK, deadline - time.monotonic()))
         outcome: dict = client.call("task_result", {"id": task_id, "wait": True, "timeout": chunk},
                                     timeout=chunk + 3.0)
-        if TaskState(outcome["state"]).terminal or (deadline is not None and time.monotonic() >= deadline):
+        if _ended(outcome["state"]) or (deadline is not None and time.monotonic() >= deadline):
             return outcome
+
+
+def _ended(state: str) -> bool:
+    from ..states import TaskState
+
+    return TaskState(state).terminal
 
 
 def _stored_outcome(paths: Paths, task_id: str) -> dict:
@@ -160,7 +165,7 @@ def _stored_outcome(paths: Paths, task_id: str) -> dict:
     if not rows:
         raise DaemonNotRunning(f"{down}, and its journal has no task {task_id!r}")
     row = rows[0]
-    if not TaskState(row["state"]).terminal:
+    if not _ended(row["state"]):
         raise DaemonNotRunning(f"{down}; task {task_id} was {row['state']} when it stopped")
     return {k: row.get(k) for k in ("id", "state", "kind", "result", "reason")}
 
@@ -168,6 +173,8 @@ def _stored_outcome(paths: Paths, task_id: str) -> dict:
 def _report(args: argparse.Namespace, outcome: dict, waited: float | None) -> int:
     """Print an outcome (``task_result``'s answer): the value of a DONE task, else one line
     on stderr that says why there is none; the exit code."""
+    from ..states import TaskState
+
     task_id, state = outcome["id"], TaskState(outcome["state"])
     value, text = _value(task_id, outcome.get("result")) if state is TaskState.DONE else (None, None)
     if args.json:
@@ -189,6 +196,9 @@ def _report(args: argparse.Namespace, outcome: dict, waited: float | None) -> in
 
 def _value(task_id: str, result: Any) -> tuple[Any, str | None]:
     """(the JSON value, None) of a JSON result; (None, a line to print) of any other."""
+    import base64
+    import pickle
+
     data = base64.b64decode(result) if isinstance(result, str) else result
     if not isinstance(data, bytes) or not data:
         return None, "None"
@@ -253,10 +263,10 @@ def _table(rows: Sequence[dict], *, running: bool) -> str:
         return "\n".join([*out, "no tasks"])
     width = max(len("ID"), *(len(r["id"]) for r in rows))
     worker = max(len("WORKER"), *(len(r["worker"] or "") for r in rows))
-    out.append(f"{'ID':<{width}} {'STATE':<9} {'WORKER':<{worker}} {'QUEUED':<19} {'STARTED':<19} {'ENDED':<19} REASON")
+    out.append(f"{'ID':<{width}} {'STATE':<11} {'WORKER':<{worker}} {'QUEUED':<19} {'STARTED':<19} {'ENDED':<19} REASON")
     for r in rows:
         state = r["state"] if running else f"({r['state']})"
-        out.append(f"{r['id']:<{width}} {state:<9} {r['worker'] or '-':<{worker}} {clock(r['queued_at']):<19} "
+        out.append(f"{r['id']:<{width}} {state:<11} {r['worker'] or '-':<{worker}} {clock(r['queued_at']):<19} "
                    f"{clock(r['started_at']):<19} {clock(r['ended_at']):<19} {r['reason'] or ''}".rstrip())
     return "\n".join(out)
 
