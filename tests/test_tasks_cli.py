@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -320,3 +321,21 @@ def test_a_python_clients_executor_closes_its_connections(daemon: DaemonUnderTes
         ex.shutdown(wait=True)
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_a_wait_on_a_task_whose_daemon_is_killed_ends_in_one_line(daemon: DaemonUnderTest,
+                                                                   executors: list[Executor]) -> None:
+    pid = daemon.start()
+    make_pool(daemon, executors)
+    queued = cli(daemon.state_dir, "submit", "--pool", "jobs", "--target", "taskfns:sleep_then", "--arg", "60",
+                 "--arg", "1")
+    (task_id,) = queued.stdout.split()
+    wait_for(lambda: [r["state"] for r in tasks_json(daemon)] == ["RUNNING"], 30, "the task to run")
+    with subprocess.Popen([sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "result",
+                           task_id, "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=cli_env(), stdin=subprocess.DEVNULL) as waiting:
+        daemon.snapshot()
+        os.kill(pid, signal.SIGKILL)
+        out, err = waiting.communicate(timeout=30)  # the contract's bound is 5 s; 30 is the test's
+    assert waiting.returncode in (1, 3) and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert out == "", out
