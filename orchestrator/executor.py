@@ -261,21 +261,24 @@ class Executor(futures_base.Executor):
         """A daemon's pool: what its loop reports, fetched (long polls on the channel) and
         handed to the collector. A daemon that went away fails every pending future."""
         after = 0
-        while not self._stopping:
-            try:
-                got = self._backend.call("task_events", {"session": self._session, "after": after, "timeout": 1.0},
-                                         timeout=POLL_TIMEOUT)
-            except OrchestratorError as err:
-                if self._stopping:
+        try:
+            while not self._stopping:
+                try:
+                    got = self._backend.call("task_events", {"session": self._session, "after": after,
+                                                             "timeout": 1.0}, timeout=POLL_TIMEOUT)
+                except OrchestratorError as err:
+                    if self._stopping:
+                        break
+                    for fut in list(self._futures.values()):
+                        _fail(fut, err if isinstance(err, (ChannelError, DaemonNotRunning)) else
+                              ChannelError(f"the daemon went away: {err}"))
+                    self._futures.clear()
                     break
-                for fut in list(self._futures.values()):
-                    _fail(fut, err if isinstance(err, (ChannelError, DaemonNotRunning)) else
-                          ChannelError(f"the daemon went away: {err}"))
-                self._futures.clear()
-                break
-            after = got["next"]
-            for event in got["events"]:
-                self._on_event(event)
+                after = got["next"]
+                for event in got["events"]:
+                    self._on_event(event)
+        finally:
+            self._backend.handle.close_thread()  # the Client's close() closes only its caller's
 
     def _submitted(self, ref: int, msg: dict) -> None:
         if not msg.get("ok"):  # refused by the loop (its pool is gone): that future's error

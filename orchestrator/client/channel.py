@@ -305,6 +305,11 @@ class Client(Verbs):
             os.close(self._dirfd)
             self._dirfd = None
 
+    def close_thread(self) -> None:
+        """Close the calling thread's connection (a thread that ends calls it: ``close``
+        closes only its caller's, as closing a socket another thread waits on is unsafe)."""
+        self._drop_connection()
+
     def __enter__(self) -> "Client":
         return self
 

@@ -2,7 +2,7 @@
 
 Client side: it runs in a user's shell, and imports at module level only what every process
 shares (errors, paths, retention's defaults, version) and its own light modules (argtypes,
-logcli's parser). What one command needs is imported in that command: ``start`` the daemon
+logcli's parser, taskcli's parsers). What one command needs is imported in that command: ``start`` the daemon
 (control.py spawns it, or daemon/main.py runs it in the foreground), ``status`` the channel
 and the table (display.py), ``logs`` its readers, so that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
 
@@ -34,6 +34,8 @@ from .argtypes import positive_seconds as _positive_seconds
 from .argtypes import seconds as _seconds
 from .logcli import add_parser as _add_logs_parser
 from .logcli import cmd_logs
+from .taskcli import COMMANDS as _TASK_COMMANDS
+from .taskcli import add_parsers as _add_task_parsers
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -140,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replica")
     p.add_argument("--since", type=_seconds, help="only events at or after this unix time")
     p.add_argument("--limit", type=_natural, default=None, help="at most this many (the newest)")
+
+    _add_task_parsers(sub, common)
 
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
@@ -411,19 +415,16 @@ def cmd_status(args: argparse.Namespace, paths: Any) -> int:
 
 
 def _watch(args: argparse.Namespace, paths: Any) -> int:
-    """Redraw the table in place (cursor home, clear to the end) until Ctrl-C."""
-    from .display import format_status
+    """Redraw the table in place until Ctrl-C (CPU% since the last redraw)."""
+    from .display import format_status, redraw
 
     samples: dict[int, tuple[float, float]] = {}
-    try:
-        while True:
-            _, data = _status(args, paths)
-            table = format_status(data, samples=samples, health=_health_line(paths, data))
-            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + table + "\n")
-            sys.stdout.flush()
-            time.sleep(args.interval)  # a terminal's redraw rate, not a wait on the daemon
-    except KeyboardInterrupt:
-        return EXIT_OK
+
+    def frame() -> str:
+        _, data = _status(args, paths)
+        return format_status(data, samples=samples, health=_health_line(paths, data))
+
+    return redraw(args.interval, frame)
 
 
 def _health_line(paths: Any, data: dict) -> str:
@@ -537,7 +538,7 @@ def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_events(args: argparse.Namespace, paths: Any) -> int:
-    from .display import open_store_readonly
+    from .display import clock, open_store_readonly
     from .logcli import stdout_gone
 
     if not paths.db.exists() and not args.follow:
@@ -552,7 +553,7 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
                 if args.json:
                     print(json.dumps(ev), flush=args.follow)
                 else:
-                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev["ts"]))
+                    when = clock(ev["ts"])
                     who = ev["replica"] or "-"
                     print(f"{ev['seq']:>8} {when} {ev['kind']:<10} {who:<16} {json.dumps(ev['data'])}",
                           flush=args.follow)
@@ -586,4 +587,5 @@ _COMMANDS = {
     "health": cmd_health,
     "metrics": cmd_metrics,
     "logs": cmd_logs,
+    **_TASK_COMMANDS,
 }
