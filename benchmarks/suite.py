@@ -38,6 +38,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "spawn": ("benchmarks.bench_spawn", "launch cost against the launcher's size"),
     "scale": ("benchmarks.scale", "2,000 live replicas"),
     "soak": ("benchmarks.soak", "soak: RSS, fds, loop lag over time"),
+    "daemon-tasks": ("benchmarks.sec_daemon_tasks", "tasks in the daemon: tiny tasks/s through 1 and 4 clients, "
+                     "queue-to-start latency, the embedded executor beside them"),
 }
 
 

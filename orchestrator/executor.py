@@ -6,10 +6,11 @@
         fut.result()      # concurrent.futures.CancelledError
 
 Where the parts are: this module is the submitting side (futures, pickling, one thread
-that turns what the loop reports into future states); the control loop (an embedded
-``Orchestrator``, with its watchdog) keeps the queue and hands each task to a worker
-(daemon/tasks.py); each worker is a replica running ``orchestrator.taskworker``. Tasks
-and results cross as pickled bytes that only this side and the worker load.
+that turns what the loop reports into future states); the control loop keeps the queue and
+hands each task to a worker (daemon/tasks.py): an embedded ``Orchestrator`` with its
+watchdog (``_Embedded``), or a running daemon reached over its channel (``_Remote``, with
+``state_dir``); each worker is a replica running ``orchestrator.taskworker``. Tasks and
+results cross as pickled bytes that only this side and the worker load.
 
 Differences from ``ProcessPoolExecutor``, each deliberate (README, "Executor"):
 ``cancel()`` of a running task returns True and raises ``orchestrator.Cancelled`` in it;
@@ -20,18 +21,24 @@ outlives ``shutdown()``, nor the host's SIGKILL (the watchdog).
 
 from __future__ import annotations
 
+import atexit
+import base64
 import itertools
 import os
 import pickle
 import queue
 import secrets
 import threading
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
 from typing import Any, Callable, Sequence
 
 from . import taskwire as w
-from .errors import InvalidSpec, ShuttingDown, TaskTimeoutError, WorkerLost
+from .errors import (
+    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskTimeoutError, UnknownReplica,
+    WorkerLost,
+)
 
 __all__ = ["Executor"]
 
@@ -102,8 +109,10 @@ class Executor(futures_base.Executor):
     controller is enabled, else its RSS checked every second). ``env``, ``cwd``: the
     workers' environment additions and working directory.
 
-    ``state_dir``: None, the control loop runs in this process; a pool in a running
-    daemon is not available yet (InvalidSpec).
+    ``state_dir``: None, the control loop runs in this process (an ``Orchestrator`` with its
+    watchdog) and the pool goes with ``shutdown()``; a state dir, the pool lives in that
+    running daemon, outlives this executor (until ``delete``), and is joined if it exists
+    with the same keywords.
     """
 
     def __init__(
@@ -133,18 +142,16 @@ class Executor(futures_base.Executor):
                 isinstance(max_tasks_per_child, bool) or not isinstance(max_tasks_per_child, int)
                 or max_tasks_per_child < 1):
             raise ValueError("max_tasks_per_child must be >= 1")
-        if state_dir is not None:
-            raise InvalidSpec("Executor(state_dir=...) is not supported yet: leave it out to run the pool "
-                              "in this process")
         from .spec import make_spec
 
         self._pool = pool or f"tasks-{secrets.token_hex(4)}"
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
                                    "grace": grace, "retries": retries, "memory_max": memory_max}
         init = w.dumps((initializer, tuple(initargs)), by_value=_by_value(initializer)) if initializer else b""
+        # The worker's own module is preloaded too: each fresh worker starts with it imported
+        # (a process per task would otherwise import it every time).
         spec = make_spec(target=_WORKER_TARGET, env=env, cwd=os.getcwd() if cwd is None else cwd,
-                         preload=preload).to_wire()
-        self._timeout = timeout
+                         preload=("orchestrator.taskworker", *preload)).to_wire()
         self._futures: dict[int, _TaskFuture] = {}
         self._refs = itertools.count(1)
         self._lock = threading.Lock()
@@ -152,19 +159,21 @@ class Executor(futures_base.Executor):
         self._closed = threading.Event()
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._session = secrets.token_hex(8)
-        from .daemon.embedded import Orchestrator  # the control loop, in this process
-
-        self._orch = Orchestrator(grace=grace, watchdog=True, inherit_output=True)
-        self._orch.start()
+        self._stopping = False
+        self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir)
+        args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
+                "session": self._session}
+        if isinstance(self._backend, _Embedded):
+            args["sink"] = self._events.put  # in this process: the loop hands each event over at once
         try:
-            self._orch.call("executor", {"pool": self._pool, "size": max_workers, "spec": spec,
-                                         "options": options, "init": init, "session": self._session,
-                                         "sink": self._events.put})
+            self._backend.call("executor", args)
         except BaseException:
-            self._orch.close()
+            self._backend.close()
             raise
-        self._collector = threading.Thread(target=self._collect, name=f"executor-{self._pool}", daemon=True)
+        target = self._collect if isinstance(self._backend, _Embedded) else self._poll
+        self._collector = threading.Thread(target=target, name=f"executor-{self._pool}", daemon=True)
         self._collector.start()
+        _LIVE.add(self)
 
     @property
     def pool(self) -> str:
@@ -173,8 +182,9 @@ class Executor(futures_base.Executor):
 
     @property
     def orchestrator(self) -> Any:
-        """The embedded ``Orchestrator`` that runs the pool (``status()``, ``watchdog_pid``)."""
-        return self._orch
+        """What runs the pool: the embedded ``Orchestrator`` (``status()``, ``watchdog_pid``),
+        or the daemon's ``Client`` for an executor made with ``state_dir``."""
+        return self._backend.handle
 
     # -- the Executor API ---------------------------------------------------------------
 
@@ -193,8 +203,8 @@ class Executor(futures_base.Executor):
             return fut
         args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload}
         try:
-            self._orch.send("task_submit", args_, lambda msg: self._submitted(ref, msg))
-        except ShuttingDown as err:
+            self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
+        except OrchestratorError as err:
             self._futures.pop(ref, None)
             fut.set_exception(err)
         return fut
@@ -218,76 +228,237 @@ class Executor(futures_base.Executor):
             if not cancel:
                 futures_base.wait(list(self._futures.values()))  # as the standard library: pending work runs
             try:
-                self._orch.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": cancel},
-                                timeout=None)
-            except ShuttingDown:
+                # Embedded, the pool is this executor's and goes with it; a daemon's pool
+                # outlives its clients (until `delete`): only this session ends.
+                self._backend.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": cancel,
+                                                      "delete": isinstance(self._backend, _Embedded)}, timeout=None)
+            except (ShuttingDown, ChannelError, DaemonNotRunning):
                 pass
             finally:
-                self._orch.close()
+                self._stopping = True
+                self._backend.close()
         finally:
             self._events.put(_STOP)
-            self._collector.join()
+            if self._collector is not threading.current_thread():
+                self._collector.join()
             for fut in list(self._futures.values()):  # the loop ended first (it failed): nothing waits forever
                 _fail(fut, ShuttingDown("the executor shut down"))
             self._futures.clear()
             self._closed.set()
+            _LIVE.discard(self)
 
     def _cancel(self, ref: int) -> bool:
+        if isinstance(self._backend, _Remote) and self._backend.unsend(ref):
+            self._futures.pop(ref, None)
+            return True  # never sent: cancelled here
         try:
-            (cancelled,) = self._orch.call("task_cancel", {"session": self._session, "refs": [ref]})
-        except ShuttingDown:
+            (cancelled,) = self._backend.call("task_cancel", {"session": self._session, "refs": [ref]})
+        except (ShuttingDown, ChannelError, DaemonNotRunning):
             return False
         return bool(cancelled)
 
+    def _poll(self) -> None:
+        """A daemon's pool: what its loop reports, fetched (long polls on the channel) and
+        handed to the collector. A daemon that went away fails every pending future."""
+        after = 0
+        try:
+            while not self._stopping:
+                try:
+                    got = self._backend.call("task_events", {"session": self._session, "after": after,
+                                                             "timeout": 1.0}, timeout=POLL_TIMEOUT)
+                except OrchestratorError as err:
+                    if self._stopping:
+                        break
+                    for fut in list(self._futures.values()):
+                        _fail(fut, err if isinstance(err, (ChannelError, DaemonNotRunning)) else
+                              ChannelError(f"the daemon went away: {err}"))
+                    self._futures.clear()
+                    break
+                after = got["next"]
+                for event in got["events"]:
+                    self._on_event(event)
+        finally:
+            self._backend.handle.close_thread()  # the Client's close() closes only its caller's
+
     def _submitted(self, ref: int, msg: dict) -> None:
         if not msg.get("ok"):  # refused by the loop (its pool is gone): that future's error
-            self._events.put(("refused", ref, msg, None))
+            if isinstance(self._backend, _Embedded):
+                self._events.put(("refused", ref, msg, None))  # from the loop's thread: the collector's to handle
+            else:
+                self._on_event(("refused", ref, msg, None))
 
     def _collect(self) -> None:
-        """The one thread that moves what the loop reports into the futures."""
+        """The one thread that moves what the embedded loop reports into the futures."""
         get = self._events.get
-        while True:
-            kind, ref, data, task_id = get()
-            if kind == "stop":
-                return
-            fut = self._futures.get(ref)
-            if fut is None:
-                continue
-            if kind == "started":
-                fut.task_id = task_id
-                with fut._condition:
-                    if fut._state == futures_base.PENDING:
-                        fut.set_running_or_notify_cancel()
-                continue
-            del self._futures[ref]
-            if kind == "result":
-                try:
-                    value = w.loads(data)
-                except Exception as err:
-                    _fail(fut, pickle.UnpicklingError(f"task {task_id}: its result cannot be unpickled here: "
-                                                      f"{type(err).__name__}: {err}"))
-                else:
-                    _resolve(fut, value)
-            elif kind == "raised":
-                _fail(fut, _remote_exception(task_id, data))
-            elif kind == "error":
-                _fail(fut, pickle.PicklingError(data))
-            elif kind == "timeout":
-                line, limit = data
-                _fail(fut, TaskTimeoutError(line, task=task_id, timeout=limit))
-            elif kind == "lost":
-                _fail(fut, WorkerLost(f"task {task_id}: its worker was lost: {data}", reason=data, task=task_id))
-            elif kind == "unrun":
-                _fail(fut, WorkerLost(f"task {task_id} did not run: {data}", reason=data, task=task_id))
-            elif kind == "cancelled":
-                fut._cancelled_now()
-            elif kind == "refused":
-                from .protocol import raise_reply
+        while self._on_event(get()):
+            pass
 
-                try:
-                    raise_reply(data)
-                except Exception as err:
-                    _fail(fut, err)
+    def _on_event(self, event: tuple | list) -> bool:
+        """One report of the loop into its future; False for the end of the reports."""
+        kind, ref, data, task_id = event
+        if kind == "stop":
+            return False
+        fut = self._futures.get(ref)
+        if fut is None:
+            return True
+        if kind == "started":
+            fut.task_id = task_id
+            with fut._condition:
+                if fut._state == futures_base.PENDING:
+                    fut.set_running_or_notify_cancel()
+            return True
+        if self._futures.pop(ref, None) is None:
+            return True  # another thread ended it (a refusal and a report cannot both come)
+        if isinstance(data, str) and kind in ("result", "raised"):
+            data = base64.b64decode(data)  # from a daemon: base64 over its JSON channel
+        if kind == "result":
+            try:
+                value = w.loads(data)
+            except Exception as err:
+                _fail(fut, pickle.UnpicklingError(f"task {task_id}: its result cannot be unpickled here: "
+                                                  f"{type(err).__name__}: {err}"))
+            else:
+                _resolve(fut, value)
+        elif kind == "raised":
+            _fail(fut, _remote_exception(task_id, data))
+        elif kind == "error":
+            _fail(fut, pickle.PicklingError(data))
+        elif kind == "timeout":
+            line, limit = data
+            _fail(fut, TaskTimeoutError(line, task=task_id, timeout=limit))
+        elif kind == "lost":
+            _fail(fut, WorkerLost(f"task {task_id}: its worker was lost: {data}", reason=data, task=task_id))
+        elif kind == "unrun":
+            _fail(fut, WorkerLost(f"task {task_id} did not run: {data}", reason=data, task=task_id))
+        elif kind == "cancelled":
+            fut._cancelled_now()
+        elif kind == "refused":
+            from .protocol import raise_reply
+
+            try:
+                raise_reply(data)
+            except Exception as err:
+                _fail(fut, err)
+        return True
+
+
+class _Backend:
+    """How an executor reaches the control loop that runs its pool."""
+
+    handle: Any
+
+    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _Embedded(_Backend):
+    """The loop in this process (an ``Orchestrator`` with its watchdog); submits do not wait."""
+
+    def __init__(self, grace: float) -> None:
+        from .daemon.embedded import Orchestrator
+
+        self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=True)
+        self.handle.start()
+
+    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+        return self.handle.call(op, args, timeout)
+
+    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+        self.handle.send("task_submit", args, on_reply)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class _Remote(_Backend):
+    """A running daemon, over its command channel (``Client``). Submits are sent in batches
+    by a thread of their own: each waits for nothing, and a burst costs one round trip per
+    batch, not per task."""
+
+    def __init__(self, state_dir: str | os.PathLike) -> None:
+        from .client.channel import Client
+
+        self.handle = Client(state_dir)
+        self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
+        self._wake = threading.Condition()
+        self._sending = threading.Lock()  # held while a batch is on its way
+        self._closed = False
+        self._sender = threading.Thread(target=self._send, name="executor-submit", daemon=True)
+        self._sender.start()
+
+    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+        if op == "executor" and isinstance(args.get("init"), bytes):
+            args = {**args, "init": base64.b64encode(args["init"]).decode("ascii")}  # JSON carries no bytes
+        return self.handle.call(op, args, timeout)
+
+    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+        with self._wake:
+            if self._closed:
+                raise ShuttingDown("the executor is shutting down")
+            self._unsent.append((args, on_reply))
+            self._wake.notify()
+
+    def unsend(self, ref: int) -> bool:
+        """Take a task back before it was sent (its cancel); False if it has been sent,
+        in which case the daemon has it by the time this returns."""
+        with self._sending, self._wake:
+            for i, (args, _) in enumerate(self._unsent):
+                if args["ref"] == ref:
+                    del self._unsent[i]
+                    return True
+        return False
+
+    def _send(self) -> None:
+        while True:
+            with self._wake:
+                while not self._unsent and not self._closed:
+                    self._wake.wait()
+                if not self._unsent:
+                    return
+                self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
+                batch, self._unsent = self._unsent, []
+            try:
+                self._send_batch(batch)
+            finally:
+                self._sending.release()
+
+    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
+        first = batch[0][0]
+        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"]}
+                 for args, _ in batch]
+        try:
+            self.handle.call("task_submit", {"pool": first["pool"], "session": first["session"], "tasks": tasks})
+        except OrchestratorError as err:  # refused, or the daemon is gone: each future's error
+            msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
+            for _, on_reply in batch:
+                on_reply(msg)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._sender.join()
+        self.handle.close()
+
+
+POLL_TIMEOUT = 4.0  # a poll waits 1 s in the daemon: a dead daemon is an error within this
+
+
+_LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """As the standard library's executors: an interpreter that exits first lets the
+    submitted tasks finish, then stops the workers (none is left behind)."""
+    for executor in list(_LIVE):
+        executor.shutdown(wait=True)
 
 
 def _by_value(fn: Any) -> bool:

@@ -18,11 +18,14 @@ table are the same names (``--max-restarts`` is ``max_restarts``).
     stop_signal    TERM, INT, HUP, ...              how a replica is asked to stop
     grace          seconds                          before SIGKILL (None: the daemon's)
     port_base      N                                slot s gets port N + s ({port}, $PORT)
+    sockets        ["tcp://127.0.0.1:8000", ...]    listening sockets the daemon binds; fds 3.. of each replica
     memory_max     bytes, or "512M"                 cgroup memory.max of each replica
     pids_max       N                                cgroup pids.max of each replica
     cpu_weight     1..10000                         cgroup cpu.weight of each replica
     log_max_bytes  bytes, or "10M"                  a replica's log file is rotated at this size
     log_backups    0..100                           rotated files kept per stream (None: the daemon's)
+    after          ["db", "migrate:completed"]      start only once those pools meet the condition
+                                                    (ready, started or completed; see after_order)
 
 The three limits need cgroup containment with the controller enabled (containment.py):
 elsewhere a launch that sets one is refused with one line.
@@ -30,13 +33,14 @@ elsewhere a launch that sets one is refused with one line.
 
 from __future__ import annotations
 
+import graphlib
 import math
 import re
 import signal
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Iterable, Mapping
 
-from . import probespec
+from . import listenspec, probespec
 from .errors import InvalidSpec
 
 RESTART_MODES = ("always", "on-failure", "never")
@@ -49,6 +53,8 @@ CPU_WEIGHT_MAX = 10_000
 LOG_MIN_BYTES = 16 << 10
 LOG_MAX_BACKUPS = 100
 LOG_MAX_BYTES_LIMIT = 1 << 40  # 1 TiB: beyond it "never rotate" in all but name
+AFTER_CONDITIONS = ("ready", "started", "completed")  # the first is the default
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # protocol.pool_name's
 
 
 def _number(value: Any, key: str, *, low: float = 0.0, integer: bool = False, above: bool = False) -> Any:
@@ -94,11 +100,13 @@ class Policy:
     stop_signal: str = "TERM"
     grace: float | None = None
     port_base: int | None = None
+    sockets: tuple[str, ...] = ()  # listenspec.py: tcp://HOST:PORT, unix:/PATH, fd:NAME
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
     log_max_bytes: int | None = None  # None: the daemon's ([daemon] log_max_bytes, 10 MiB)
     log_backups: int | None = None  # None: the daemon's ([daemon] log_backups, 3)
+    after: tuple[str, ...] = ()  # "POOL:CONDITION", sorted: the pools this one starts after
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_MODES:
@@ -125,6 +133,7 @@ class Policy:
             _number(self.port_base, "port_base", low=1, integer=True)
             if self.port_base > 65535:
                 raise InvalidSpec(f"port_base must be at most 65535, got {self.port_base}")
+        object.__setattr__(self, "sockets", listenspec.parse_all(self.sockets))
         object.__setattr__(self, "stop_signal", signal.Signals(signal_number(self.stop_signal)).name[3:])
         if self.memory_max is not None:
             object.__setattr__(self, "memory_max", parse_size(self.memory_max, "memory_max"))
@@ -138,6 +147,7 @@ class Policy:
             object.__setattr__(self, "log_max_bytes", log_max_bytes(self.log_max_bytes))
         if self.log_backups is not None:
             log_backups(self.log_backups)
+        object.__setattr__(self, "after", after_entries(self.after))
         for key in ("ready", "live"):
             text = getattr(self, key)
             if text is not None:
@@ -155,6 +165,11 @@ class Policy:
     def limits(self) -> dict[str, int]:
         """The cgroup limits that are set (``memory_max``, ``pids_max``, ``cpu_weight``)."""
         return self._derived()[1]
+
+    @property
+    def after_pools(self) -> dict[str, str]:
+        """The pools this one starts after: name -> condition."""
+        return dict(split_after(e) for e in self.after)
 
     def to_wire(self) -> dict:
         """Only what differs from the defaults: short in the journal, stable to compare."""
@@ -218,12 +233,93 @@ def log_max_bytes(value: Any, key: str = "log_max_bytes") -> int:
     return n
 
 
+RESULT_MAX_BYTES = 16 << 20  # a daemon task's result larger than this fails the task
+RESULT_MAX_BYTES_LIMIT = 1 << 30  # a frame of the task wire is at most 1 GiB
+
+
+def result_max_bytes(value: Any, key: str = "result_max_bytes") -> int:
+    """The bound on a daemon task's result: bytes (or "16M"), 1 to 1 GiB."""
+    try:
+        n = parse_size(value, key)
+    except OverflowError:
+        n = RESULT_MAX_BYTES_LIMIT + 1
+    if not 1 <= n <= RESULT_MAX_BYTES_LIMIT:
+        raise InvalidSpec(f"{key} must be from 1 byte to {RESULT_MAX_BYTES_LIMIT} (1G), got {value!r}")
+    return n
+
+
 def log_backups(value: Any, key: str = "log_backups") -> int:
     """Rotated files kept per stream: a whole number 0..``LOG_MAX_BACKUPS``."""
     _number(value, key, integer=True)
     if value > LOG_MAX_BACKUPS:
         raise InvalidSpec(f"{key} must be at most {LOG_MAX_BACKUPS}, got {value!r}")
     return value
+
+
+def split_after(entry: str) -> tuple[str, str]:
+    """``db`` -> (db, ready); ``migrate:completed`` -> (migrate, completed). InvalidSpec
+    for anything else."""
+    if not isinstance(entry, str):
+        raise InvalidSpec(f"after takes POOL[:CONDITION] strings, got {entry!r}")
+    name, _, condition = entry.partition(":")
+    condition = condition or AFTER_CONDITIONS[0]
+    if not _POOL_NAME.fullmatch(name):
+        raise InvalidSpec(f"after: invalid pool name {name!r} in {entry!r}")
+    if condition not in AFTER_CONDITIONS:
+        raise InvalidSpec(f"after: {entry!r}: the condition must be one of {', '.join(AFTER_CONDITIONS)}")
+    return name, condition
+
+
+def after_entries(value: Any) -> tuple[str, ...]:
+    """``after`` in its one form: ``POOL:CONDITION`` strings, sorted, each pool once (so
+    that two launches that mean the same compare equal)."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise InvalidSpec(f"after must be a list of POOL[:CONDITION], got {value!r}")
+    pairs = [split_after(e) for e in value]
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InvalidSpec(f"after names pool {twice[0]!r} more than once")
+    return tuple(sorted(f"{name}:{condition}" for name, condition in pairs))
+
+
+class AfterCycle(InvalidSpec):
+    """Pools that start after each other in a circle: ``cycle`` names them, each pool
+    before the one it starts after, the first one again at the end."""
+
+    def __init__(self, cycle: list[str]) -> None:
+        super().__init__(f"after: a cycle: {' -> '.join(cycle)} (each starts after the next)")
+        self.cycle = cycle
+
+
+def after_order(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The start order of pools, ``graph``: pool -> the pools it starts after (each one
+    known). Layers: every pool of a layer starts after pools of earlier layers only (a stop
+    goes through them backwards). AfterCycle (an InvalidSpec, one line) for a cycle."""
+    sorter: graphlib.TopologicalSorter[str] = graphlib.TopologicalSorter()
+    for name, deps in graph.items():
+        sorter.add(name, *deps)
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as err:
+        # graphlib names each node before the one that waits for it: read it backwards
+        raise AfterCycle(list(reversed(err.args[1]))) from None
+    layers: list[list[str]] = []
+    while sorter.is_active():
+        layer = sorted(sorter.get_ready())
+        layers.append(layer)
+        sorter.done(*layer)
+    return layers
+
+
+def check_after(graph: Mapping[str, Iterable[str]], *, names: Iterable[str] | None = None) -> list[list[str]]:
+    """after_order() of ``graph``, every pool it names known first: InvalidSpec names an
+    unknown one (of the pools in ``names`` only, when given)."""
+    for name in graph if names is None else names:
+        for dep in graph.get(name, ()):
+            if dep not in graph:
+                raise InvalidSpec(f"after: unknown pool {dep!r} (pool {name} starts after it)")
+    return after_order(graph)
 
 
 def _pair(value: Any, key: str) -> tuple[Any, Any]:

@@ -55,6 +55,9 @@ class LaunchPlan:
     cgroup: str | None = None  # the replica's cgroup dir, joined first thing in the child
     preload: tuple[str, ...] = ()  # imported before the target (at once if the spawner has them)
     pythonpath: tuple[str, ...] = ()  # the launching caller's, for the preload modules
+    # Listening sockets put on fds 3, 4, ... in the child (socket activation; LISTEN_FDS and
+    # LISTEN_FDNAMES are in env, LISTEN_PID is set by the child itself)
+    listen_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,6 +34,11 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     that is missing) once its state is terminal; a partial index on it drives retention.
     ``extra`` keeps any keys of the saved record beyond the known ones, so the control loop can
     persist more without a schema change.
+``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
+started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL) WITHOUT ROWID``
+    The tasks of executor pools (daemon/tasks.py): ``payload`` (the pickled call) is kept
+    while the task is unfinished, so that a queued task runs after a restart; ``result`` once
+    it ended. Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -94,7 +99,7 @@ from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
 from .storesql import (
     REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
-    SQL_SELECT_REPLICAS, dumps, loads,
+    SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, dumps, loads,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -167,6 +172,7 @@ class Store:
         self._replicas: dict[str, tuple] = {}
         self._bump: dict[str, int] = {}          # pool -> next_n implied by replicas saved
         self._events: list[tuple] = []
+        self._tasks: dict[str, tuple] = {}
         self._since_prune = 0
         self._retired_since_prune = 0
         self._last_prune = time.monotonic()
@@ -444,10 +450,19 @@ class Store:
         self._events.append((time.time() if ts is None else ts, kind, replica,
                              None if data is None else dumps(data)))
 
+    def save_task(self, rec: dict) -> None:
+        """Upsert a task record (buffered; the last save of an id in a turn wins): the keys
+        of TASK_COLS but ``retire_key``, which is its ``ended_at`` once it has ended."""
+        if self.readonly:
+            self._writer()
+        g = rec.get
+        retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING") else None
+        self._tasks[rec["id"]] = tuple(g(k) for k in TASK_COLS[:-1]) + (retire,)
+
     @property
     def pending(self) -> int:
         """Number of buffered rows not yet committed."""
-        return len(self._pools) + len(self._replicas) + len(self._events)
+        return len(self._pools) + len(self._replicas) + len(self._events) + len(self._tasks)
 
     def file_id(self) -> tuple[int, int] | None:
         """(st_dev, st_ino) of the database file now; None if it is gone."""
@@ -465,6 +480,8 @@ class Store:
         for pool, n in self._bump.items():
             other._bump[pool] = max(n, other._bump.get(pool, 0))
         other._events.extend(self._events)
+        other._tasks.update(self._tasks)
+        self._tasks.clear()
         self._pools.clear()
         self._replicas.clear()
         self._bump.clear()
@@ -475,7 +492,7 @@ class Store:
         """Write everything buffered in one transaction. No-op when nothing is buffered.
 
         On failure raises StoreError and keeps the buffer (a later commit() retries it)."""
-        if not (self._pools or self._replicas or self._events):
+        if not (self._pools or self._replicas or self._events or self._tasks):
             return
         conn = self._writer()
         try:
@@ -489,14 +506,18 @@ class Store:
                     conn.executemany(SQL_REPLICA, self._replicas.values())
                 if self._events:
                     conn.executemany(SQL_EVENT, self._events)
+                if self._tasks:
+                    conn.executemany(SQL_TASK, self._tasks.values())
                 conn.execute("COMMIT")
             except BaseException:
                 self._rollback(conn)
                 raise
         except sqlite3.Error as e:
             raise self._sql_error(e, "writing") from e
-        written = len(self._pools) + len(self._replicas) + len(self._events)
+        written = len(self._pools) + len(self._replicas) + len(self._events) + len(self._tasks)
         self._retired_since_prune += sum(1 for row in self._replicas.values() if row[10] is not None)
+        self._retired_since_prune += sum(1 for row in self._tasks.values() if row[-1] is not None)
+        self._tasks.clear()
         self._pools.clear()
         self._replicas.clear()
         self._bump.clear()
@@ -556,6 +577,10 @@ class Store:
                 "DELETE FROM replicas WHERE id IN (SELECT id FROM replicas "
                 "WHERE retire_key IS NOT NULL ORDER BY retire_key DESC, id DESC "
                 "LIMIT -1 OFFSET ?) RETURNING id", (self.keep_replicas,)).fetchall()]
+            # Ended tasks, as ended replicas: by age, then the keep_replicas most recent.
+            conn.execute("DELETE FROM tasks WHERE retire_key IS NOT NULL AND retire_key < ?", (cut,))
+            conn.execute("DELETE FROM tasks WHERE id IN (SELECT id FROM tasks WHERE retire_key IS NOT NULL "
+                         "ORDER BY retire_key DESC, id DESC LIMIT -1 OFFSET ?)", (self.keep_replicas,))
             conn.execute("COMMIT")
         except BaseException:
             self._rollback(conn)
@@ -619,6 +644,28 @@ class Store:
             if m is not None and m + 1 > p["next_n"]:
                 p["next_n"] = m + 1
         return pools, self.replicas(include_terminal=False)
+
+    def tasks(self, *, pool: str | None = None, include_terminal: bool = False, task_id: str | None = None,
+              limit: int | None = None) -> list[dict]:
+        """Task records (committed state) in (pool, n) order: unfinished ones, with ended
+        ones too if ``include_terminal``; one with ``task_id``."""
+        where, args = [], []
+        if task_id is not None:
+            where.append("id = ?")
+            args.append(task_id)
+        elif not include_terminal:
+            where.append("retire_key IS NULL")
+        if pool is not None:
+            where.append("pool = ?")
+            args.append(pool)
+        sql = SQL_SELECT_TASKS + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+
+    def task_numbers(self) -> dict[str, int]:
+        """Each pool's highest task number ever stored (ids are never reused)."""
+        return dict(self._rows("SELECT pool, max(n) FROM tasks GROUP BY pool"))
 
     def events(self, *, replica: str | None = None, since: float | None = None,
                after_seq: int = 0, limit: int | None = None) -> list[dict]:

@@ -45,6 +45,27 @@ SCHEMA = (
     )""",
     # No index on events.replica or events.ts: each would cost every insert (the hot path)
     # while `events --replica` / `--since` are rare CLI reads over <= keep_events rows.
+    # Tasks of executor pools: the payload is kept until the task ends (a queued task runs
+    # after a restart), the result once it has; both opaque bytes the daemon never loads.
+    """CREATE TABLE IF NOT EXISTS tasks (
+        id         TEXT PRIMARY KEY,
+        pool       TEXT NOT NULL,
+        n          INTEGER NOT NULL,
+        state      TEXT NOT NULL,
+        attempts   INTEGER NOT NULL,
+        retries    INTEGER NOT NULL,
+        timeout    REAL,
+        worker     TEXT,
+        queued_at  REAL,
+        started_at REAL,
+        ended_at   REAL,
+        reason     TEXT,
+        payload    BLOB,
+        kind       TEXT,
+        result     BLOB,
+        retire_key REAL
+    ) WITHOUT ROWID""",
+    """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
 
 # Constant SQL strings: sqlite3 caches the prepared statement per string.
@@ -68,6 +89,13 @@ SQL_REPLICA = (
     "retire_key = excluded.retire_key, extra = excluded.extra"
 )
 SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
+
+TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
+             "started_at", "ended_at", "reason", "payload", "kind", "result", "retire_key")
+SQL_TASK = (
+    "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
+)
+SQL_SELECT_TASKS = "SELECT " + ", ".join(TASK_COLS) + " FROM tasks"
 
 REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
                  "created_at", "ended_at")

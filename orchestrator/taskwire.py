@@ -14,7 +14,8 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
     worker -> loop   READY       its initializer ran: it takes tasks from now on
     loop -> worker   TASK        number: the task's; payload: the pickled (fn, args, kwargs)
     worker -> loop   RESULT      payload: the pickled return value
-                     RAISED      payload: the pickled (exception, remote traceback text)
+                     RAISED      payload: a line saying what was raised (u16 length, UTF-8),
+                                 then the pickled (exception, remote traceback text)
                      UNPICKLABLE payload: one line, UTF-8 (the result or exception could not
                                  be pickled; the worker lives on)
                      STOPPED     payload: the cause (CANCEL or TIMEOUT): the task ended on
@@ -32,6 +33,7 @@ another number and does nothing: a cancel can never land in another task.
 
 from __future__ import annotations
 
+import json
 import pickle
 import signal
 import struct
@@ -99,8 +101,45 @@ def dumps(obj: Any, *, by_value: bool = False) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    if data[:1] == b"d":
+    """What ``dumps`` (or a target task's JSON result, ``j``) made."""
+    head = data[:1]
+    if head == b"d":
         import dill
 
         return dill.loads(data[1:])
+    if head == b"j":
+        return json.loads(data[1:])
     return pickle.loads(data[1:])
+
+
+_LINE = struct.Struct("!H")
+
+
+def raised(line: str, pickled: bytes) -> bytes:
+    """A RAISED payload: ``Type: message`` (one line, for ``tasks`` and the command line,
+    which do not unpickle) in front of the pickled exception."""
+    text = " ".join(line.split())[:1000].encode("utf-8", "replace")
+    return _LINE.pack(len(text)) + text + pickled
+
+
+def split_raised(payload: bytes) -> tuple[str, bytes]:
+    """(line, pickled) of a RAISED payload."""
+    (size,) = _LINE.unpack_from(payload)
+    end = _LINE.size + size
+    return payload[_LINE.size:end].decode("utf-8", "replace"), payload[end:]
+
+
+def target_payload(call: dict) -> bytes:
+    """A ``module:function`` task (``submit --target``): JSON the daemon can build and the
+    worker reads, {"target", "args", "kwargs", "pythonpath", "cwd"}. TypeError or ValueError
+    if the arguments are not JSON."""
+    return b"t" + json.dumps(call, allow_nan=False).encode("utf-8")
+
+
+def json_result(value: Any) -> bytes | None:
+    """A target task's result as JSON (``j``), for the command line to print; None if it
+    is not JSON."""
+    try:
+        return b"j" + json.dumps(value, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError):
+        return None

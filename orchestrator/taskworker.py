@@ -110,7 +110,10 @@ def _run(number: int, payload: bytes) -> bytes:
         try:
             _current = number
             _interrupt(0, None)  # a cancel that came before we knew the task's number
-            fn, args, kwargs = w.loads(payload)
+            if payload[:1] == b"t":
+                fn, args, kwargs = _target(payload)
+            else:
+                fn, args, kwargs = w.loads(payload)
             value = fn(*args, **kwargs)
         finally:
             _current = 0
@@ -122,15 +125,28 @@ def _run(number: int, payload: bytes) -> bytes:
     except Exception as exc:  # a Terminated (SIGTERM) is not the task's error: the worker ends
         return _raised(number, exc)
     try:
-        return w.frame(w.RESULT, number, w.dumps(value))
+        data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
+        return w.frame(w.RESULT, number, data if data is not None else w.dumps(value))
     except Exception as err:
         return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
+
+
+def _target(payload: bytes) -> tuple[Any, list, dict]:
+    """A ``module:function`` task: imported here, from the submitter's PYTHONPATH and cwd
+    (a target that cannot be imported fails this task, with the reason; the worker lives)."""
+    import json
+
+    from .targets import TargetRef, load_target
+
+    call = json.loads(payload[1:])
+    fn = load_target(TargetRef(call["target"], tuple(call.get("pythonpath") or ())), call.get("cwd"))
+    return fn, call.get("args") or [], call.get("kwargs") or {}
 
 
 def _raised(number: int, exc: BaseException) -> bytes:
     text = traceback.format_exc()
     try:
-        return w.frame(w.RAISED, number, w.dumps((exc, text)))
+        return w.frame(w.RAISED, number, w.raised(f"{type(exc).__name__}: {exc}", w.dumps((exc, text))))
     except Exception as err:
         return _unpicklable(number, f"it raised {type(exc).__name__}: {exc}, which cannot be pickled ({err})")
 

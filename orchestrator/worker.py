@@ -1,9 +1,9 @@
-"""What a worker sees of the orchestrator: ``Terminated`` and ``ready()``.
+"""What a worker sees of the orchestrator: ``Terminated``, ``ready()`` and ``listen_sockets()``.
 
 Imported by the spawner (so it is in every forked worker already) and by user code in any
 replica, command or Python target: it imports nothing but ``os``, ``sys`` and ``_signal`` at
-the top (``socket`` only when ``ready()`` has a socket to send to), and does nothing when
-imported.
+the top (``socket`` only when ``ready()`` has a socket to send to, or ``listen_sockets()``
+is called), and does nothing when imported.
 
 SIGTERM in a Python target's worker
     The spawner installs ``install_sigterm_handler()`` in the forked child of a Python
@@ -28,6 +28,11 @@ SIGTERM in a Python target's worker
 Readiness
     ``ready()`` is systemd's ``sd_notify(0, "READY=1")``: one datagram on the AF_UNIX socket
     named by ``$NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace).
+
+Socket activation
+    ``listen_sockets()`` is systemd's ``sd_listen_fds(0)`` for a pool with ``sockets``: the
+    listening sockets the daemon passed as fds 3, 4, ... (``LISTEN_FDS``, checked against
+    ``LISTEN_PID``), as ``socket.socket`` objects, in the order of the pool's addresses.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ import _signal  # type: ignore[import-not-found]  # no stub; the module signal w
 import os
 import sys
 
-__all__ = ["Terminated", "Cancelled", "TaskTimeout", "install_sigterm_handler", "exit_as_killed", "ready"]
+__all__ = ["Terminated", "Cancelled", "TaskTimeout", "install_sigterm_handler", "exit_as_killed", "ready",
+           "listen_sockets"]
+
+SD_LISTEN_FDS_START = 3
+_listening: tuple[int, list] | None = None  # (pid, sockets): one object per fd, made once
 
 
 class Terminated(BaseException):
@@ -160,6 +169,34 @@ def ready(**fields: object) -> bool:
     key that is not a word is a programming error: ValueError.
     """
     return sd_notify(os.environ.get("NOTIFY_SOCKET"), **fields)
+
+
+def listen_sockets() -> list:
+    """The listening sockets of this replica's pool (``--socket``, key ``sockets``), in their
+    order there: ``socket.socket`` objects on fds 3, 4, ..., as ``sd_listen_fds(0)`` finds
+    them: only when ``$LISTEN_PID`` is this process (a child this worker forks inherits the
+    variables, not the right to them) and ``$LISTEN_FDS`` says how many. Made close-on-exec,
+    as sd_listen_fds does. An empty list when the pool has none. Each call returns the same
+    objects: closing one closes the fd for good.
+    """
+    global _listening
+    pid = os.getpid()
+    if _listening is not None and _listening[0] == pid:
+        return list(_listening[1])
+    try:
+        if int(os.environ.get("LISTEN_PID", "")) != pid:
+            return []
+        count = int(os.environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return []
+    import socket  # only for a worker that has sockets to take
+
+    socks = []
+    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + max(0, count)):
+        os.set_inheritable(fd, False)
+        socks.append(socket.socket(fileno=fd))  # family and type read from the fd
+    _listening = (pid, socks)
+    return list(socks)
 
 
 def sd_notify(addr: str | None, **fields: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import textwrap
+import tomllib
 
 import pytest
 
@@ -43,8 +44,10 @@ log_backups = 5
 keep_replicas = 100
 keep_events = 200
 keep_days = 2
+result_max_bytes = "4M"
 
 [pools.web]
+kind = "replicas"
 command = ["python3", "-m", "http.server", "{port}"]
 size = 3
 env = { MODE = "prod", PORT_COPY = "{port}" }
@@ -69,6 +72,8 @@ live_failures = 2
 stop_signal = "INT"
 grace = 3
 port_base = 8100
+sockets = ["tcp://127.0.0.1:8000", "unix:/run/web.sock"]
+after = ["jobs:started"]
 
 [pools.jobs]
 target = "myapp.jobs:main"
@@ -84,7 +89,7 @@ def test_every_key_is_parsed(tmp_path):
     cfg = load(write(tmp_path, FULL))
     assert cfg.daemon == DaemonSettings(
         grace=2.5, stop_budget=20.0, metrics_port=9464, cgroup="/sys/fs/cgroup/orch", log_max_bytes=1 << 20,
-        log_backups=5, keep_replicas=100, keep_events=200, keep_days=2.0,
+        log_backups=5, keep_replicas=100, keep_events=200, keep_days=2.0, result_max_bytes=4 << 20,
     )
     assert list(cfg.pools) == ["web", "jobs"]
     web = cfg.pools["web"]
@@ -101,7 +106,8 @@ def test_every_key_is_parsed(tmp_path):
         restart="always", backoff=(0.5, 10.0), healthy_after=20, max_restarts=(3, 30.0),
         ready="http://127.0.0.1:{port}/", ready_timeout=15, probe_timeout=2, start_secs=1, live="tcp:127.0.0.1:{port}",
         live_interval=5, live_failures=2, stop_signal="INT", grace=3, port_base=8100,
-        log_max_bytes=65536, log_backups=1,
+        log_max_bytes=65536, log_backups=1, sockets=("tcp://127.0.0.1:8000", "unix:/run/web.sock"),
+        after=("jobs:started",),
     )
     # The wire forms are what launch sends: they round-trip through the daemon's readers.
     assert WorkerSpec.from_wire(web.spec).to_wire() == web.spec
@@ -120,7 +126,7 @@ def test_every_table_key_is_covered_by_the_full_example():
     assert set(config.POLICY_KEYS) == {
         "restart", "backoff", "healthy_after", "max_restarts", "ready", "ready_timeout", "probe_timeout", "start_secs",
         "live", "live_interval", "live_failures", "stop_signal", "grace", "port_base",
-        "log_max_bytes", "log_backups",
+        "log_max_bytes", "log_backups", "sockets", "after",
     }
 
 
@@ -463,3 +469,46 @@ def test_pool_decl_is_frozen():
     decl = PoolDecl(name="a", spec={"command": ["x"]})
     with pytest.raises(AttributeError):
         decl.size = 3  # type: ignore[misc]
+
+
+def test_an_executor_pool_table(tmp_path):
+    (tmp_path / "code").mkdir()
+    text = """
+[pools.tasks]
+kind = "executor"
+size = 4
+target = "app.tasks:handle"
+preload = ["json"]
+cwd = "code"
+env = { MODE = "prod" }
+memory_max = "200M"
+max_tasks_per_child = 100
+timeout = 30
+grace = 2
+retries = 1
+log_max_bytes = "1M"
+log_backups = 2
+"""
+    assert set(tomllib.loads(text)["pools"]["tasks"]) | {"env_file"} == set(config.EXECUTOR_KEYS)
+    decl = load(write(tmp_path, text)).pools["tasks"]
+    assert decl.size == 4
+    assert decl.executor == {"max_tasks_per_child": 100, "timeout": 30.0, "grace": 2.0, "retries": 1,
+                             "memory_max": 200 << 20, "target": "app.tasks:handle"}
+    assert decl.spec["target"] == "orchestrator.taskworker:main"
+    assert decl.spec["preload"] == ["orchestrator.taskworker", "json"]
+    assert decl.spec["cwd"] == str(tmp_path / "code") and decl.spec["env"] == {"MODE": "prod"}
+    assert decl.policy == {"restart": "always", "grace": 2.0, "log_max_bytes": 1 << 20, "log_backups": 2}
+
+
+@pytest.mark.parametrize("body, key", [
+    ('kind = "executor"\ncommand = ["x"]', "command"),
+    ('kind = "executor"\nretries = -1', "retries"),
+    ('kind = "executor"\ntarget = "nocolon"', "target"),
+    ('kind = "jobs"', "kind"),
+    ('kind = "executor"\nsize = 0', "size"),
+])
+def test_a_bad_executor_pool_is_one_line(tmp_path, body, key):
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, f"[pools.p]\n{body}\n"))
+    assert f": {key}:" in str(info.value) or f".{key}:" in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)

@@ -45,3 +45,14 @@ def natural(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
+
+
+def result_size(text: str) -> int:
+    """A task result's bound: bytes, or a size such as ``16M``."""
+    from ..errors import InvalidSpec
+    from ..policy import result_max_bytes
+
+    try:
+        return result_max_bytes(text, "--result-max-bytes")
+    except InvalidSpec as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

@@ -305,6 +305,11 @@ class Client(Verbs):
             os.close(self._dirfd)
             self._dirfd = None
 
+    def close_thread(self) -> None:
+        """Close the calling thread's connection (a thread that ends calls it: ``close``
+        closes only its caller's, as closing a socket another thread waits on is unsafe)."""
+        self._drop_connection()
+
     def __enter__(self) -> "Client":
         return self
 
@@ -378,6 +383,13 @@ class Client(Verbs):
         if conn is not None:
             del self._tls.connection
             conn.close()
+
+    def executor(self, pool: str | None = None, **keywords: Any) -> Any:
+        """An ``orchestrator.Executor`` whose pool ``pool`` lives in this daemon (made, or
+        joined if it runs with the same keywords): it outlives this client until ``delete``."""
+        from ..executor import Executor
+
+        return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
 
     def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""

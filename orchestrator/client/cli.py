@@ -2,7 +2,7 @@
 
 Client side: it runs in a user's shell, and imports at module level only what every process
 shares (errors, paths, retention's defaults, version) and its own light modules (argtypes,
-logcli's parser). What one command needs is imported in that command: ``start`` the daemon
+logcli's parser, taskcli's parsers). What one command needs is imported in that command: ``start`` the daemon
 (control.py spawns it, or daemon/main.py runs it in the foreground), ``status`` the channel
 and the table (display.py), ``logs`` its readers, so that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
 
@@ -29,10 +29,13 @@ from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from ..version import __version__
 from .argtypes import natural as _natural
 from .argtypes import port as _port
+from .argtypes import result_size as _size
 from .argtypes import positive_seconds as _positive_seconds
 from .argtypes import seconds as _seconds
 from .logcli import add_parser as _add_logs_parser
 from .logcli import cmd_logs
+from .taskcli import COMMANDS as _TASK_COMMANDS
+from .taskcli import add_parsers as _add_task_parsers
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 
@@ -65,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--keep-replicas", type=_natural, help=f"ended replicas kept in state.db (default {KEEP_REPLICAS})")
     p.add_argument("--keep-events", type=_natural, help=f"journal events kept in state.db (default {KEEP_EVENTS})")
+    p.add_argument("--result-max-bytes", type=_size, metavar="BYTES",
+                   help="a task's result larger than this fails the task (default 16M)")
     p.add_argument("--keep-days", type=_positive_seconds,
                    help=f"history older than this many days is pruned (default {KEEP_SECONDS / 86400:g})")
 
@@ -138,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=_seconds, help="only events at or after this unix time")
     p.add_argument("--limit", type=_natural, default=None, help="at most this many (the newest)")
 
+    _add_task_parsers(sub, common)
+
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
     p.add_argument("--seconds", type=_seconds, default=4.0)
@@ -163,6 +170,9 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-signal", metavar="SIG", help="how a replica is asked to stop (default TERM)")
     g.add_argument("--grace", type=_seconds, metavar="S", help="stop signal to SIGKILL (default: the daemon's)")
     g.add_argument("--port-base", type=int, metavar="N", help="slot s gets port N+s: {port}, $PORT")
+    g.add_argument("--socket", dest="sockets", action="append", metavar="ADDR",
+                   help="tcp://HOST:PORT, unix:/PATH or fd:NAME: the daemon listens, every replica gets it "
+                   "as fd 3, 4, ... (LISTEN_FDS, as systemd passes them); repeatable")
     g.add_argument("--memory-max", metavar="BYTES", help="cgroup memory.max of each replica: bytes or 512M, 2G")
     g.add_argument("--pids-max", type=int, metavar="N", help="cgroup pids.max of each replica")
     g.add_argument("--cpu-weight", type=int, metavar="W", help="cgroup cpu.weight of each replica, 1..10000")
@@ -171,11 +181,14 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
                    "20K, 10M; at least 16K (default: the daemon's, 10M)")
     g.add_argument("--log-backups", metavar="K", help="rotated files kept per stream, 0..100 "
                    "(default: the daemon's, 3)")
+    g.add_argument("--after", action="append", metavar="POOL[:ready|started|completed]",
+                   help="start only once POOL is ready (default), started, or completed (its replicas "
+                   "exited 0); repeatable")
 
 
 _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_secs", "live", "live_interval",
                  "live_failures", "stop_signal", "grace", "port_base", "memory_max", "pids_max", "cpu_weight",
-                 "probe_timeout")
+                 "probe_timeout", "sockets")
 
 
 def _policy(args: argparse.Namespace) -> dict:
@@ -196,6 +209,8 @@ def _policy(args: argparse.Namespace) -> dict:
             wire["log_backups"] = int(args.log_backups)
         except ValueError:
             wire["log_backups"] = args.log_backups  # refused by Policy, in its words
+    if args.after:
+        wire["after"] = args.after
     return Policy.from_wire(wire).to_wire()  # refused here, with the same words as the daemon's
 
 
@@ -306,7 +321,7 @@ def _client(paths: Any, timeout: float | None = None) -> Any:
 # start's settings: flag -> Daemon keyword (only the ones given are passed on, so that a
 # config file's [daemon] table fills in the rest)
 _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
-                   "--config": "config_path", "--cgroup": "cgroup"}
+                   "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes"}
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 
@@ -400,19 +415,16 @@ def cmd_status(args: argparse.Namespace, paths: Any) -> int:
 
 
 def _watch(args: argparse.Namespace, paths: Any) -> int:
-    """Redraw the table in place (cursor home, clear to the end) until Ctrl-C."""
-    from .display import format_status
+    """Redraw the table in place until Ctrl-C (CPU% since the last redraw)."""
+    from .display import format_status, redraw
 
     samples: dict[int, tuple[float, float]] = {}
-    try:
-        while True:
-            _, data = _status(args, paths)
-            table = format_status(data, samples=samples, health=_health_line(paths, data))
-            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + table + "\n")
-            sys.stdout.flush()
-            time.sleep(args.interval)  # a terminal's redraw rate, not a wait on the daemon
-    except KeyboardInterrupt:
-        return EXIT_OK
+
+    def frame() -> str:
+        _, data = _status(args, paths)
+        return format_status(data, samples=samples, health=_health_line(paths, data))
+
+    return redraw(args.interval, frame)
 
 
 def _health_line(paths: Any, data: dict) -> str:
@@ -526,7 +538,7 @@ def cmd_scale(args: argparse.Namespace, paths: Any) -> int:
 
 
 def cmd_events(args: argparse.Namespace, paths: Any) -> int:
-    from .display import open_store_readonly
+    from .display import clock, open_store_readonly
     from .logcli import stdout_gone
 
     if not paths.db.exists() and not args.follow:
@@ -541,7 +553,7 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
                 if args.json:
                     print(json.dumps(ev), flush=args.follow)
                 else:
-                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev["ts"]))
+                    when = clock(ev["ts"])
                     who = ev["replica"] or "-"
                     print(f"{ev['seq']:>8} {when} {ev['kind']:<10} {who:<16} {json.dumps(ev['data'])}",
                           flush=args.follow)
@@ -575,4 +587,5 @@ _COMMANDS = {
     "health": cmd_health,
     "metrics": cmd_metrics,
     "logs": cmd_logs,
+    **_TASK_COMMANDS,
 }

@@ -5,8 +5,9 @@ daemon answered (or what state.db last recorded) and imports nothing of the daem
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import OrchestratorError
 from ..paths import Paths
@@ -63,7 +64,8 @@ def stored_status(paths: Paths, include_terminal: bool) -> dict:
 
 
 def format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
-    """The table: daemon, pools, then one line per replica with its uptime, restarts, CPU%
+    """The table: daemon, pools (in the order they start, each with the pools it starts
+    after and what its PENDING replicas wait for), then one line per replica with its uptime, restarts, CPU%
     and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
     command it runs. With the daemon down, replicas are what the store last knew."""
     d = data["daemon"]
@@ -82,7 +84,15 @@ def format_status(data: dict, *, samples: dict | None = None, health: str | None
     for p in data["pools"]:
         state = p.get("state") or ("stopped" if not d["running"] else "ok")
         extra = f" ({p['reason']})" if p.get("reason") else ""
-        out.append(f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}")
+        line = f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}"
+        if p.get("kind") == "executor" and p.get("tasks"):
+            line += f", tasks {_task_counts(p['tasks'])}"
+        after = p.get("after") or (p.get("policy") or {}).get("after")
+        if after:
+            line += f", after {' '.join(after)}"
+        if p.get("waiting"):
+            line += f"; {p['waiting']}"
+        out.append(line)
     commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
     if not data["replicas"]:
         out.append("no replicas")
@@ -97,6 +107,28 @@ def format_status(data: dict, *, samples: dict | None = None, health: str | None
         out.append(f"{r['id']:<18} {state:<12} {r['pid'] or '':>7} {uptime:>8} {r.get('restarts', 0):>8} "
                    f"{cpu:>6} {rss:>8}  {tail}")
     return "\n".join(out)
+
+
+def _task_counts(counts: Mapping[str, int]) -> str:
+    return f"{counts.get('queued', 0)} queued, {counts.get('running', 0)} running, {counts.get('done', 0)} done"
+
+
+def clock(ts: float | None) -> str:
+    """A wall-clock time as the tables and ``events`` show it (local time; ``-`` for none)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts is not None else "-"
+
+
+def redraw(interval: float, frame: Callable[[], str]) -> int:
+    """``--watch``: redraw ``frame()`` in place (cursor home, clear to the end) every
+    ``interval`` seconds until Ctrl-C; the exit code (0)."""
+    try:
+        while True:
+            text = frame()
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + text + "\n")
+            sys.stdout.flush()
+            time.sleep(interval)  # a terminal's redraw rate, not a wait on the daemon
+    except KeyboardInterrupt:
+        return 0
 
 
 def _command_text(spec: dict | None) -> str:

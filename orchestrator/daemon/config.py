@@ -10,6 +10,7 @@
     keep_replicas = 5000        # history kept in state.db
     keep_events = 20000
     keep_days = 7
+    result_max_bytes = "16M"    # a task's result larger than this fails the task
 
     [pools.web]                 # the keys of a pool are the flags of `launch`, with `_`
     command = ["python3", "-m", "http.server", "{port}"]   # or target = "module:function"
@@ -19,6 +20,14 @@
     env = { MODE = "prod" }
     env_file = "web.env"        # KEY=VALUE lines, relative to this file; `env` wins
     cwd = "srv"                 # relative to this file's directory (the default)
+    after = ["db", "migrate:completed"]   # starts once those pools of this file are ready / done
+
+    [pools.tasks]               # an executor pool: workers that run submitted tasks
+    kind = "executor"
+    size = 4                    # workers
+    target = "app.tasks:handle" # optional: what `submit` without --target runs
+    preload = ["app"]
+    max_tasks_per_child = 100   # also: timeout, grace, retries, memory_max, env, cwd
 
 ``load(path)`` / ``parse(text, source)`` give a :class:`Config`, or raise :class:`ConfigError`,
 one line ``FILE:LINE: KEY: what is wrong``. An unknown key is an error (a typo must not be
@@ -51,7 +60,10 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError, InvalidSpec
 from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
-from ..policy import LIMIT_KEYS, Policy, log_backups, log_max_bytes, parse_size
+from ..policy import (
+    LIMIT_KEYS, RESULT_MAX_BYTES, AfterCycle, Policy, after_order, log_backups, log_max_bytes, parse_size,
+    result_max_bytes, split_after,
+)
 from ..protocol import MAX_COUNT, pool_name
 from ..spec import make_spec
 from ..store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -66,9 +78,15 @@ ENV_FILES_MAX_BYTES = 4 << 20  # all the env files one config file names, togeth
 # The cgroup limits are Policy fields too, but a [pools.NAME] table's own keys here (PoolDecl).
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in fields(Policy) if f.name not in LIMIT_KEYS)
 SPEC_KEYS = ("command", "target", "env", "env_file", "cwd")
-POOL_KEYS: tuple[str, ...] = ("size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
+POOL_KEYS: tuple[str, ...] = ("kind", "size", *SPEC_KEYS, "preload", *LIMIT_KEYS, *POLICY_KEYS)  # log_* are policy keys
+POOL_KINDS = ("replicas", "executor")
+# An executor pool (kind = "executor"): its workers run the tasks submitted to it; ``target``
+# is optional, the task a `submit` without --target runs.
+EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "env_file", "cwd", "memory_max",
+                                  "max_tasks_per_child", "timeout", "grace", "retries", "log_max_bytes",
+                                  "log_backups")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
-               "keep_replicas", "keep_events", "keep_days")
+               "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
 
 
@@ -86,6 +104,7 @@ class DaemonSettings:
     keep_replicas: int = KEEP_REPLICAS
     keep_events: int = KEEP_EVENTS
     keep_days: float = KEEP_SECONDS / 86400
+    result_max_bytes: int = RESULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,7 @@ class PoolDecl:
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
+    executor: dict | None = None  # kind = "executor": the executor's options (daemon/tasks.py)
     line: int = field(default=0, compare=False)  # of its table header, for messages
 
     def key(self) -> str:
@@ -121,6 +141,7 @@ class PoolDecl:
                 "memory_max": self.memory_max,
                 "pids_max": self.pids_max,
                 "cpu_weight": self.cpu_weight,
+                "executor": self.executor,
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -243,6 +264,7 @@ class _Reader:
         pools: dict[str, PoolDecl] = {}
         for name, table in pools_doc.items():
             pools[name] = self._pool(name, table)
+        self._order(pools)
         return Config(daemon=daemon, pools=pools, source=self.source)
 
     def _syntax(self, err: tomllib.TOMLDecodeError) -> ConfigError:
@@ -297,6 +319,8 @@ class _Reader:
             return log_backups(value, key)
         if key in ("keep_replicas", "keep_events"):
             return _integer(value, key, low=0)
+        if key == "result_max_bytes":
+            return result_max_bytes(value, key)
         raise AssertionError(key)  # pragma: no cover - DAEMON_KEYS and this stay in step
 
     # [pools.NAME]
@@ -309,6 +333,11 @@ class _Reader:
             raise self.fail(here, str(err)) from None
         if not isinstance(table, dict):
             raise self.fail(here, f"must be a table: [pools.{name}]")
+        kind = table.get("kind", "replicas")
+        if kind not in POOL_KINDS:
+            raise self.fail((*here, "kind"), f"must be one of {', '.join(POOL_KINDS)}, got {kind!r}")
+        if kind == "executor":
+            return self._executor_pool(name, table)
         for key in table:
             if key not in POOL_KEYS:
                 raise self.unknown((*here, key), POOL_KEYS, "a [pools.NAME] table")
@@ -340,6 +369,70 @@ class _Reader:
             cpu_weight=check("cpu_weight", _integer, low=1, high=CPU_WEIGHT_MAX),
             line=self.lines.find(here),
         )
+
+    def _executor_pool(self, name: str, table: dict) -> PoolDecl:
+        """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
+        from .tasks import WORKER_TARGET, check_options
+
+        here = ("pools", name)
+        for key in table:
+            if key not in EXECUTOR_KEYS:
+                raise self.unknown((*here, key), EXECUTOR_KEYS, 'an executor pool (kind = "executor")')
+
+        def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
+            if key not in table:
+                return None
+            try:
+                return fn(table[key], key, *args, **kw)
+            except InvalidSpec as err:
+                raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+
+        size = check("size", _integer, low=1, high=MAX_COUNT)
+        preload = check("preload", _modules) or ()
+        target = table.get("target")
+        if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
+            raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
+        raw = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
+        if "memory_max" in table:
+            raw["memory_max"] = check("memory_max", parse_size)
+        try:
+            options = check_options(raw)
+        except InvalidSpec as err:
+            key = next((k for k in raw if k in str(err)), "kind")
+            raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+        if target is not None:
+            options["target"] = target
+        spec_table = {k: table[k] for k in ("env", "env_file", "cwd") if k in table}
+        spec = self._spec(here, {**spec_table, "target": WORKER_TARGET}, ("orchestrator.taskworker", *preload))
+        policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
+        for key, fn in (("log_max_bytes", log_max_bytes), ("log_backups", log_backups)):
+            if key in table:
+                policy[key] = check(key, fn)
+        return PoolDecl(
+            name=name,
+            size=1 if size is None else size,
+            spec=spec,
+            policy=policy,
+            preload=tuple(preload),
+            log_max_bytes=check("log_max_bytes", log_max_bytes),
+            log_backups=check("log_backups", log_backups),
+            executor=options,
+            line=self.lines.find(here),
+        )
+
+    def _order(self, pools: dict[str, PoolDecl]) -> None:
+        """Each pool's ``after`` names pools of this file (the file is the desired state:
+        what it declares cannot wait for what it may delete), and makes no cycle."""
+        graph = {name: [split_after(e)[0] for e in decl.policy.get("after", ())] for name, decl in pools.items()}
+        for name, deps in graph.items():
+            for dep in deps:
+                if dep not in graph:
+                    raise self.fail(("pools", name, "after"), f"unknown pool {dep!r}: not a pool of this file")
+        try:
+            after_order(graph)
+        except AfterCycle as err:
+            first = min(err.cycle, key=lambda n: self.lines.find(("pools", n, "after")))
+            raise self.fail(("pools", first, "after"), _unprefixed(str(err), "after")) from None
 
     def _spec(self, here: tuple[str, ...], table: dict, preload: tuple[str, ...] = ()) -> dict:
         has_command, has_target = "command" in table, "target" in table

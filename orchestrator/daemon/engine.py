@@ -43,6 +43,7 @@ from .metrics import Metrics
 from .osapi import OSApi, Spawned
 from .pools import Pool
 from .reactor import Reactor, Timer
+from .sockets import Listeners
 from .spawning import Spawning
 from .supervision import Supervisor
 from .tasks import Tasks
@@ -66,6 +67,9 @@ class EngineConfig:
     spawners: bool = False  # replicas made by spawner processes (spawner.py, launcher.py), not forked here
     stdio: tuple[int, int] | None = None  # fds for replicas' stdout and stderr without a log capture (None: /dev/null)
     task_socket: str | None = None  # where executor workers connect (None: an abstract socket)
+    task_stop_reason: str = "interrupted: the executor shut down"  # a task cut short by a shutdown
+    result_max_bytes: int | None = None  # a task result larger than this fails its task
+    inherited_sockets: tuple[tuple[str, int], ...] = ()  # (name, fd) systemd passed the daemon (sockets.py)
 
 
 @dataclass(eq=False, slots=True)
@@ -112,11 +116,13 @@ class Engine:
         base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
         self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.listeners = Listeners(self.reactor, self._sockets_in_use, self.config.inherited_sockets)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
                                  token=self.config.token, spawners=self.config.spawners, stdio=self.config.stdio)
         self.spawners = self.spawning.spawners
-        self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token)
+        self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
+                           stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
@@ -198,22 +204,31 @@ class Engine:
         self.reactor.run_once(timeout)
 
     def shutdown(self, budget: float | None = None) -> None:
-        """Stop every replica, all at once (stop signal, grace, KILL), and wait until all are
-        reaped; from now on every command is refused. With a ``budget`` (seconds) every
-        grace is cut so that all is over inside it (systemd's TimeoutStopSec, Kubernetes'
-        terminationGracePeriodSeconds). Desired sizes are kept: the next start brings the
-        pools back."""
+        """Stop every replica (stop signal, grace, KILL) and wait until all are reaped;
+        from now on every command is refused. Pools stop in the order of their ``after``
+        (Supervisor.stop_layers): the pools nobody starts after all at once, and the pools
+        they start after once those have ended, and so on. With a ``budget`` (seconds)
+        every grace is cut so that all is over inside it (systemd's TimeoutStopSec,
+        Kubernetes' terminationGracePeriodSeconds), each layer getting an equal share of
+        what is left. Desired sizes are kept: the next start brings the pools back."""
         if self.closed:
             return
         self.closing = True
-        wait = self.config.grace + 1.0
-        if budget is not None:
-            self._stop_deadline = self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
-            wait = max(0.0, budget - SHUTDOWN_MARGIN)
-        for rep in [r for pool in self._pools.values() for r in pool.live.values()]:
-            self.stop(rep, reason="shutdown", lower_desired=False)
+        end = None if budget is None else self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
+        layers = self.supervisor.stop_layers()
+        for i, names in enumerate(layers):
+            wait = self.config.grace + 1.0
+            if end is not None:
+                now = self.os.monotonic()
+                self._stop_deadline = now + max(0.0, end - now) / (len(layers) - i)
+                wait = self._stop_deadline - now
+            members = set(names)
+            for rep in [r for name in names for r in self._pools[name].live.values()]:
+                self.stop(rep, reason="shutdown", lower_desired=False)
+            self.reactor.run_until(lambda: not any(p.replica.pool in members for p in
+                                                   (*self._procs.values(), *self._draining.values())), wait)
         done = lambda: not self._procs and not self._draining  # noqa: E731
-        if not self.reactor.run_until(done, wait):
+        if not done():
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
             self.reactor.run_until(done, 5.0)
@@ -232,6 +247,7 @@ class Engine:
             cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
             reply(protocol.error(cmd_id, ShuttingDown("the orchestrator is shutting down")))
         self.tasks.close()
+        self.listeners.close()
         self.reactor.close()
 
     @property
@@ -252,6 +268,9 @@ class Engine:
             return self.spawning.exited(pid)
         self._on_exit(proc)
         return True
+
+    def _sockets_in_use(self) -> set[str]:
+        return {a for pool in self._pools.values() if not pool.deleted for a in pool.policy.sockets}
 
     def start_spawners(self, wait: float = 0.0) -> None:
         """Start the default spawner; ``wait``: run the loop until it is ready (bounded)."""
@@ -329,10 +348,14 @@ class Engine:
             replicas = sorted(rows.values(), key=lambda r: (r["created_at"], r["id"]))
         else:
             replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
-        result = {
-            "pools": [p.to_dict() for p in self._pools.values() if not p.deleted],
-            "replicas": replicas,
-        }
+        pools = []
+        for name in self.supervisor.start_order():
+            row = {**self._pools[name].to_dict(), "waiting": self.supervisor.pool_waiting(self._pools[name])}
+            counts = self.tasks.pool_counts(name)
+            if counts is not None:
+                row["tasks"] = counts
+            pools.append(row)
+        result = {"pools": pools, "replicas": replicas}
         if self.extra_status is not None:
             result.update(self.extra_status())
         return result
@@ -358,6 +381,7 @@ class Engine:
         now = self.os.time()
         assert pool.runtime is not None, "launch from a pool with a usable spec"
         for slot in slots if slots is not None else pool.free_slots(count):
+            pool.failed.pop(slot, None)  # filled again: no longer a failure for its dependents
             n = pool.next_n
             pool.next_n += 1
             rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
@@ -554,6 +578,7 @@ class Engine:
 
     def settle(self) -> None:
         """The end of a turn: rollouts and waiters checked, one commit, then the replies."""
+        self.spawning.release()  # replicas that waited for the pools theirs starts after
         if self._dirty:
             self._dirty = False
             self.supervisor.settle()

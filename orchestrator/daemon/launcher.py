@@ -169,8 +169,8 @@ class Spawner:
         spawner is gone; ``ready_w`` may be closed once this returns (the message holds it)."""
         if self.sock is None or not self.ready:
             raise SpawnerLost("not running")
-        fds = [ready_w] + [fd for fd in (plan.stdout, plan.stderr) if fd is not None]
-        request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None),
+        fds = [ready_w] + [fd for fd in (plan.stdout, plan.stderr) if fd is not None] + list(plan.listen_fds)
+        request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None, listen_fds=()),
                    "stdout": plan.stdout is not None, "stderr": plan.stderr is not None,
                    "pdeathsig": pdeathsig, "nofile": nofile}
         try:

@@ -26,6 +26,7 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 from __future__ import annotations
 
 import json
+import hashlib
 import logging
 import os
 import secrets
@@ -41,7 +42,7 @@ from watchdog.ledger import Entry
 from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
 from ..logfiles import remove as remove_logs
 from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
-from ..policy import LIMIT_KEYS
+from ..policy import LIMIT_KEYS, RESULT_MAX_BYTES
 from ..store import Store, StoreError
 from ..version import __version__
 from ..worker import sd_notify
@@ -54,6 +55,7 @@ from .logcapture import LogCapture
 from .metrics import LagMonitor, health
 from .osapi import OSApi, raise_fd_limit, set_child_subreaper
 from .reactor import drain
+from .sockets import adopt_inherited
 from .recovery import recover_leftovers
 
 log = logging.getLogger("orchestrator")
@@ -72,7 +74,7 @@ class Daemon:
     def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
                  retention: dict | None = None, config_path: str | None = None,
                  stop_budget: float | None = None, metrics_port: int | None = None,
-                 cgroup: str | None = None) -> None:
+                 cgroup: str | None = None, result_max_bytes: int | None = None) -> None:
         self.paths = paths
         self.cgroup = cgroup  # auto | off | PATH (containment.detect); None: the config's, else auto
         self.containment: Any = None
@@ -84,6 +86,8 @@ class Daemon:
         self.grace = 5.0 if grace is None else grace
         self.stop_budget = 30.0 if stop_budget is None else stop_budget
         self.metrics_port = metrics_port
+        self._given_result_max_bytes = result_max_bytes
+        self.result_max_bytes = RESULT_MAX_BYTES if result_max_bytes is None else result_max_bytes
         self.retention = retention or {}
         self.metrics_server: MetricsServer | None = None
         self.log_capture: Any = None
@@ -99,6 +103,7 @@ class Daemon:
         self.watchdog: WatchdogChild | None = None
         self.manager: ManagerBridge | None = None
         self.log_sink: logsink.LogSink | None = None
+        self.inherited_sockets: list[tuple[str, int]] = []  # (name, fd) from systemd's LISTEN_FDS
 
     @property
     def _engine(self) -> Engine:
@@ -113,6 +118,9 @@ class Daemon:
         from ..paths import check_state_dir
 
         paths = self.paths
+        # Before any fd is opened or any child started: systemd's sockets (socket
+        # activation) are taken, made close-on-exec, and their variables removed.
+        self.inherited_sockets = adopt_inherited()
         # Every file the daemon and its children create is 0600 (dirs 0700) unless they say
         # otherwise: the journal, its WAL (which holds launch environments), logs, the key.
         os.umask(0o077)
@@ -178,6 +186,8 @@ class Daemon:
         self.grace = d.grace if self._given_grace is None else self._given_grace
         self.stop_budget = d.stop_budget if self._given_stop_budget is None else self._given_stop_budget
         self.metrics_port = d.metrics_port if self._given_metrics_port is None else self._given_metrics_port
+        if self._given_result_max_bytes is None:
+            self.result_max_bytes = d.result_max_bytes
         if not self.retention:
             self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
                               "keep_seconds": d.keep_days * 86400}
@@ -197,7 +207,13 @@ class Daemon:
         self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        config = EngineConfig(grace=self.grace, token=token, spawners=True)
+        # Executor workers connect to an abstract socket named after the state dir: the same
+        # for every run of this daemon (the stored pools' specs carry it), no file to clean.
+        digest = hashlib.sha1(os.fsencode(os.path.abspath(paths.state_dir))).hexdigest()[:16]
+        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=f"@orchestrator-tasks-{digest}",
+                              task_stop_reason="interrupted: the daemon stopped",
+                              result_max_bytes=self.result_max_bytes,
+                              inherited_sockets=tuple(self.inherited_sockets))
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
         self.containment = containment.detect(
@@ -232,6 +248,7 @@ class Daemon:
             engine.start_spawners()  # until one is ready, replicas are forked here
             # Pools first, then the channel: no command may see a half-restored table.
             engine.supervisor.restore(self.store.load()[0])
+            engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
             if self.config is not None:
                 self._apply(self.config)
             engine.settle()
@@ -390,7 +407,11 @@ class Daemon:
                 later.append(decl.name)
                 done["added"].append(decl.name)
                 continue
-            what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size, prepared.get(decl.name))
+            if decl.executor is not None:
+                what = engine.tasks.declare(decl.name, decl.spec, _policy_of(decl), decl.size, decl.executor)
+            else:
+                what = engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size,
+                                                 prepared.get(decl.name))
             done[what].append(decl.name)
         done["removed"] = removed
         if later:
@@ -410,7 +431,10 @@ class Daemon:
             if decl is None:
                 continue
             try:
-                self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
+                if decl.executor is not None:
+                    self._engine.tasks.declare(decl.name, decl.spec, _policy_of(decl), decl.size, decl.executor)
+                else:
+                    self._engine.supervisor.declare(decl.name, decl.spec, _policy_of(decl), decl.size)
             except OrchestratorError as err:  # its spec no longer resolves (e.g. a binary removed meanwhile)
                 log.error("config: pool %s: %s", name, err)
 
@@ -434,6 +458,10 @@ class Daemon:
                 prepared[decl.name] = self._engine.supervisor.check_declaration(decl.spec, _policy_of(decl), decl.size)
             except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
                 raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
+        try:  # a launched pool may start after one this file no longer declares
+            self._engine.supervisor.check_declared_order({n: pol.after_pools for n, (_, pol) in prepared.items()})
+        except InvalidSpec as err:
+            raise config_file.ConfigError.at(new.source, None, "after", str(err).removeprefix("after: ")) from None
         done = self._apply(new, prepared)
         later = config_file.diff(self.config, new).daemon_changed
         self.config = new

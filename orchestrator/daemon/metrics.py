@@ -39,6 +39,10 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     log_bytes                               gauge      as last set by set_log_totals
     log_dropped                             gauge      as last set by set_log_totals
     store_failures_total                    counter
+    tasks_ended_total{pool,state}           counter    DONE, FAILED, CANCELLED, TIMED_OUT, LOST
+    tasks{pool,state}                       gauge      from status: QUEUED and RUNNING tasks of each executor pool
+    task_queue_wait_seconds{pool}           histogram  queued -> handed to a worker
+    task_run_seconds{pool}                  histogram  handed to a worker -> ended
     http_requests_total{outcome}            counter    what MetricsServer did with a client
     daemon_start_time_seconds               gauge      wall clock
     daemon_uptime_seconds                   gauge
@@ -76,6 +80,9 @@ LIVE_STATES = tuple(s.value for s in ReplicaState if not s.terminal)
 # Seconds; the last finite bucket is long enough for a command that waits (--wait).
 COMMAND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 300.0)
+# Seconds a task waited in its queue, or ran: from a tiny task to a long job.
+TASK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 300.0, 1800.0, 3600.0)
 CHURN_WINDOW = 60  # seconds
 LAG_WINDOW = 60.0  # seconds
 LAG_LIMIT = 1.0  # seconds: a loop later than this is unhealthy
@@ -138,6 +145,9 @@ class Metrics:
         self._http: dict[str, int] = collections.Counter()
         self._log_bytes = 0
         self._log_dropped = 0
+        self._tasks_ended: dict[tuple[str, str], int] = collections.Counter()
+        self._task_wait: dict[str, _Histogram] = {}
+        self._task_run: dict[str, _Histogram] = {}
         self._churn: collections.deque[list[int]] = collections.deque()  # [second, launches]
         self._collector = _Collector(self)
         self._registry = CollectorRegistry(auto_describe=False)
@@ -187,6 +197,14 @@ class Metrics:
     def store_failure(self) -> None:
         self._store_failures += 1
 
+    def task_started(self, pool: str, waited: float) -> None:
+        _observe(self._task_wait, str(pool), waited)
+
+    def task_ended(self, pool: str, state: str, ran: float | None) -> None:
+        self._tasks_ended[(str(pool), str(state))] += 1
+        if ran is not None:
+            _observe(self._task_run, str(pool), ran)
+
     def http_request(self, outcome: str) -> None:
         """What MetricsServer did with one client (its ``on_outcome``)."""
         self._http[str(outcome)] += 1
@@ -201,6 +219,10 @@ class Metrics:
             counter.pop(pool, None)
         for key in [k for k in self._exits if k[0] == pool]:
             del self._exits[key]
+        for key in [k for k in self._tasks_ended if k[0] == pool]:
+            del self._tasks_ended[key]
+        self._task_wait.pop(pool, None)
+        self._task_run.pop(pool, None)
 
     # -- churn --
 
@@ -284,6 +306,7 @@ class Metrics:
                                 value=_number(self._log_dropped))
         yield CounterMetricFamily(PREFIX + "store_failures", "Failed writes to the state store.",
                                   value=self._store_failures)
+        yield from self._task_families(pools)
         yield _family(CounterMetricFamily, "http_requests", "Metrics endpoint clients, by outcome.", ("outcome",),
                       sorted(self._http.items()))
         started = daemon.get("started_at")
@@ -298,6 +321,33 @@ class Metrics:
         if daemon.get("version") is not None:
             yield _family(GaugeMetricFamily, "build_info", "The daemon's version.", ("version",),
                           [(daemon["version"], 1)])
+
+
+    def _task_families(self, pools: list[Mapping[str, Any]]) -> Iterator[Metric]:
+        queued_running = []
+        for p in sorted(pools, key=lambda p: str(p.get("name"))):
+            counts = p.get("tasks")
+            if isinstance(counts, Mapping):
+                queued_running += [((str(p.get("name")), "QUEUED"), _number(counts.get("queued"))),
+                                   ((str(p.get("name")), "RUNNING"), _number(counts.get("running")))]
+        yield _family(GaugeMetricFamily, "tasks", "Unfinished tasks of each executor pool, by state.",
+                      ("pool", "state"), queued_running)
+        yield _family(CounterMetricFamily, "tasks_ended", "Tasks ended, by pool and state.", ("pool", "state"),
+                      sorted(self._tasks_ended.items()))
+        for name, by_pool, text in (("task_queue_wait_seconds", self._task_wait, "Time tasks waited in their queue."),
+                                    ("task_run_seconds", self._task_run, "Time tasks ran, to their end.")):
+            family = HistogramMetricFamily(PREFIX + name, text, labels=("pool",))
+            for pool in sorted(by_pool):
+                h = by_pool[pool]
+                family.add_metric((pool,), buckets=h.buckets(), sum_value=h.sum)
+            yield family
+
+
+def _observe(by_pool: dict[str, _Histogram], pool: str, seconds: float) -> None:
+    h = by_pool.get(pool)
+    if h is None:
+        h = by_pool[pool] = _Histogram(TASK_BUCKETS)
+    h.observe(seconds)
 
 
 class _Collector(Collector):

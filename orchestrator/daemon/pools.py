@@ -9,6 +9,10 @@ it and act. A pool's states, as ``status`` shows them:
                 stopped (``reason`` says why) until an operator acts (scale, restart
                 --pool, launch --replace), and the pool's size follows what is left
 
+A pool whose replica failed and was not replaced (``--restart never``, a crash loop)
+remembers that slot's failure (``failed``) until a replica is launched into the slot or
+an operator acts: a pool that starts after it (``after``) waits meanwhile.
+
 Slots: each live replica holds a slot 0..size-1 (a replacement takes the slot of the one
 it replaces; a surge replacement shares it for a moment), so N replicas of a server each
 get their own port (``port_base + slot``). Backoff is per slot: exponential from MIN to MAX
@@ -52,6 +56,11 @@ class Pool:
     # resolve): written back as they were, so that a later start can try them again.
     unresolved: tuple[Any, Any] | None = None
     slot_restarts: dict[int, int] = field(default_factory=dict)
+    # An executor pool's options (daemon/tasks.py): stored with the pool, so that a restart
+    # makes it an executor pool again with its unfinished tasks.
+    executor: dict | None = None
+    # slot -> how its last replica failed, when it was not replaced: a dependency that failed
+    failed: dict[int, str] = field(default_factory=dict)
     _recent: collections.deque = field(default_factory=collections.deque)  # monotonic times
     _delay: dict[int, float] = field(default_factory=dict)  # slot -> current backoff
 
@@ -104,8 +113,9 @@ class Pool:
         self.state, self.reason = CRASHLOOP, reason
 
     def clear(self) -> None:
-        """An operator acted: forget the crash loop and the backoff history."""
+        """An operator acted: forget the crash loop, the failed slots and the backoff history."""
         self.state, self.reason = OK, None
+        self.failed.clear()
         self._recent.clear()
         self._delay.clear()
 
@@ -125,12 +135,19 @@ class Pool:
             row["deleted"] = True
         if self.declared:
             row["declared"] = True
+        if self.executor is not None:
+            row["executor"] = self.executor
+        if self.failed:
+            row["failed"] = {str(slot): text for slot, text in self.failed.items()}
         return row
 
     def to_dict(self) -> dict:
         spec, policy = self._declared()
-        return {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
-                "restarts": self.restarts, "spec": spec, "policy": policy}
+        out = {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
+               "restarts": self.restarts, "spec": spec, "policy": policy, "after": list(self.policy.after)}
+        if self.executor is not None:
+            out["kind"] = "executor"
+        return out
 
     def _declared(self) -> tuple[Any, Any]:
         """(spec, policy) as declared: what runs, or what was stored and no longer resolves."""

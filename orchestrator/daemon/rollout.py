@@ -7,7 +7,9 @@ slots at a time. Two orders, by what the slot holds:
     stop first (port_base)  old one asked to stop → ended → new one launched → ready
 
 (with ``port_base``, the old replica still holds its slot's port, so the new one could not
-bind it while the old runs). A new replica that fails or is not ready stops the rollout:
+bind it while the old runs; a pool with ``sockets`` surges even so: its replicas accept on
+the daemon's listener, which stays open throughout, so no connection is refused). A new
+replica that fails or is not ready stops the rollout:
 what is in flight finishes, nothing more is started, and the reply says which failed.
 
 Run by the daemon's loop thread. A rollout is advanced by the supervisor (supervision.py)
@@ -50,7 +52,8 @@ class Rollout:
         # resize while it runs changes it, so the size that is applied last is the latest.
         self.then_scale = then_scale
         self.pool = pool
-        self.stop_first = pool.policy.port_base is not None
+        # A socket pool's replicas share the daemon's listener: nothing in the slot to free.
+        self.stop_first = pool.policy.port_base is not None and not pool.policy.sockets
         self.width = max(1, max_unavailable)
         self._queue = collections.deque(olds)
         self._active: list[_Step] = []

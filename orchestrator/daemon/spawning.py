@@ -4,11 +4,12 @@ Run by the daemon's loop thread, for the engine (engine.py). A launch makes PEND
 replicas and asks for a spawn; once per turn (``schedule``), at most ``spawn_batch`` of
 them are started, after their ids are committed (an id must be durable before its process
 exists). Each start is made ready here (its log files, its cgroup, its notify socket, its
-``LaunchPlan``) and asked of a spawner process (spawner.py) or forked at once; the whole
+listening sockets, its ``LaunchPlan``) and asked of a spawner process (spawner.py) or forked at once; the whole
 batch is asked before any answer is collected, so the spawners fork while we send. The
 answer goes back to the table (``Engine.spawned``, or ``Engine.failed`` with the reason).
 
-    launch ─► PENDING ─► (held: its pool's preload spawner is not ready yet)
+    launch ─► PENDING ─► (held: a pool it starts after is not ready, or its preload
+                 │       spawner is not: the reason says which; released at a turn's end)
                  └─► begin: logs, cgroup, notify socket, plan ─► spawner / fork
                                         └─► end: the answer ─► Engine.spawned: STARTING
 """
@@ -30,6 +31,7 @@ from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
 from .osapi import OSApi, Spawned
 from .pools import Pool
 from .reactor import Reactor
+from .sockets import Listeners, env_for
 from .supervision import Supervisor
 
 
@@ -39,9 +41,11 @@ class Table(Protocol):
     reactor: Reactor
     os: OSApi
     journal: Journal
+    closing: bool  # a shutdown: nothing more is started (the pools stop in order)
     containment: Cgroups | ProcessGroups
     watchdog: Any
     log_capture: Any  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+    listeners: Listeners  # the pools' listening sockets
 
     def pool(self, name: Any) -> Pool | None: ...
     def commit(self) -> bool: ...
@@ -79,6 +83,8 @@ class Spawning:
                                  output=self._spawner_output) if spawners else None
         self._pending: collections.deque[tuple[Replica, Runtime]] = collections.deque()
         self._held: list[tuple[Replica, Runtime]] = []  # waiting for their pool's preload spawner
+        # pool -> its replicas waiting for the pools it starts after (Supervisor.waiting)
+        self._gated: dict[str, list[tuple[Replica, Runtime]]] = {}
         self._scheduled = False
 
     # -- the spawner processes ------------------------------------------------------------
@@ -115,6 +121,25 @@ class Spawning:
         self._held.clear()
         self.schedule()
 
+    def release(self) -> None:
+        """At a turn's end: the replicas held for the pools their pool starts after are
+        queued once those meet their conditions; the others' reason says what they wait
+        for now (``waiting for db (1 of 2 ready)``)."""
+        if not self._gated or self.table.closing:
+            return
+        for name, held in list(self._gated.items()):
+            held = [(rep, rt) for rep, rt in held if rep.state is S.PENDING]  # not interrupted meanwhile
+            pool = self.table.pool(name)
+            why = self.supervisor.waiting(pool) if held and pool is not None else None
+            for rep, _ in held:
+                rep.reason = why
+            if why is None:
+                del self._gated[name]
+                self._pending.extend(held)
+            else:
+                self._gated[name] = held
+        self.schedule()
+
     # -- the queue ------------------------------------------------------------------------
 
     def add(self, rep: Replica, runtime: Runtime) -> None:
@@ -128,7 +153,7 @@ class Spawning:
 
     def _spawn_pending(self) -> None:
         self._scheduled = False
-        if not self._pending:
+        if not self._pending or self.table.closing:
             return
         if self.table.journal.pending and not self.table.commit():
             # A replica's id must be durable before its process exists: after a kill -9
@@ -140,6 +165,12 @@ class Spawning:
         for _ in range(min(len(self._pending), self._batch)):
             rep, rt = self._pending.popleft()
             if rep.state is not S.PENDING:  # interrupted while it waited
+                continue
+            pool = self._pool(rep)
+            why = self.supervisor.waiting(pool) if pool.policy.after else None
+            if why is not None:
+                rep.reason = why  # status says what it waits for
+                self._gated.setdefault(rep.pool, []).append((rep, rt))
                 continue
             via = self.spawners.pick(rt.key, self._pool(rep).policy.ready_timeout) \
                 if self.spawners is not None else None
@@ -183,6 +214,10 @@ class Spawning:
             req.cgroup = table.containment.claim(rep.id, pool.policy.limits)
             if req.cgroup is not None:
                 plan = dataclasses.replace(plan, cgroup=req.cgroup)
+            if pool.policy.sockets:  # socket activation: the pool's listeners on fds 3, 4, ...
+                fds, names = table.listeners.fds(pool.policy.sockets, pool.name)
+                plan = dataclasses.replace(plan, listen_fds=tuple(fds))
+                plan.env.update(env_for(fds, names))
             if pool.policy.ready == "notify":
                 req.notify = self.supervisor.notify_socket(rep)
                 plan.env.update(req.notify.env())

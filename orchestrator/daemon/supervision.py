@@ -15,6 +15,12 @@ spawning.py asks it for a replica's ``notify_socket`` and reports a ``bad_templa
           ▼
     ended on its own ─► restart policy ─► slot backoff ─► replacement (new id, same slot)
                                └ (N+1)-th within S s ─► pool crashloop, size follows it out
+
+The order of pools (policy ``after``): a pool's replicas start only once each pool it
+starts after meets its condition (``waiting``, asked by spawning.py, which holds them
+PENDING with the reason meanwhile); a launch, a config file and ``delete`` that would make
+a cycle or name an unknown pool are refused; a shutdown stops the pools in ``stop_layers``
+order, dependents first.
 """
 
 from __future__ import annotations
@@ -22,11 +28,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from .. import protocol
 from ..errors import InvalidSpec, UnknownReplica
-from ..policy import Policy, signal_number
+from ..policy import AfterCycle, Policy, after_order, check_after, signal_number
 from ..probespec import ProbeSpec
 from ..spec import Runtime, prepare
 from ..states import Replica
@@ -42,6 +48,7 @@ from .pools import CRASHLOOP, Pool, check_templates, expand_probe
 from .probebox import ProbeBox
 from .reactor import Reactor
 from .rollout import Rollout
+from .sockets import Listeners
 
 log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
@@ -70,7 +77,9 @@ class Table(Protocol):
     containment: Cgroups | ProcessGroups
     watchdog: Any  # the watchdog's ledger feed, for exec probes' cgroups
     log_capture: Any  # logcapture.LogCapture, for exec probes' output
+    listeners: Listeners  # the pools' listening sockets, opened when a pool declares them
     closing: bool
+    config: Any  # engine.EngineConfig: the daemon's grace
 
     def pool(self, name: Any) -> Pool | None: ...  # deleted ones too
     def pools(self) -> Iterable[Pool]: ...
@@ -137,19 +146,33 @@ class Supervisor:
         renewed = self._renewing.pop(rep.id, None)
         if self._slot_taken(pool, rep.slot):
             return  # a rolling restart's new replica holds the slot already: nothing to do
-        if renewed is not None and not self.table.closing and not pool.deleted:
+        if pool.deleted:
+            return  # its size is 0 already (a reload's delete stops dependencies last)
+        if renewed is not None and not self.table.closing:
             self._replace(rep, reason=renewed, backoff=False)
             return
         if self.table.closing or rep.slot is None or not pool.wants_replacement(failed) or pool.state == CRASHLOOP:
             pool.desired -= 1
+            if failed and not self.table.closing and rep.slot is not None:
+                # the pools that start after this one wait, with this reason, until the
+                # slot is filled again or an operator acts
+                pool.failed[rep.slot] = f"{rep.id} {rep.state.value} ({rep.reason})"
             self.table.save_pool(pool)
             return
         self._replace(rep, reason=rep.reason or "ended", backoff=True)
 
-    def renew(self, rep: Replica, reason: str) -> None:
+    def renew(self, rep: Replica, reason: str, *, now: bool = False) -> None:
         """``rep`` is about to end by its pool's own design, not as a failure (an executor's
         worker that retires after ``max_tasks_per_child`` tasks, or is killed because a task
-        outran its cancel): replaced at once when it ends, and not counted toward a crash loop."""
+        outran its cancel): replaced without a backoff and not counted toward a crash loop.
+        ``now``: its replacement starts at once, sharing its slot while it ends (a surge),
+        so a process per task does not wait for each exit."""
+        pool = self._pool_of(rep)
+        if now and rep.slot is not None and not self.table.closing and not pool.deleted:
+            self.table.launch(pool, 1, slots=[rep.slot], grow=False)
+            pool.slot_restarts[rep.slot] = pool.slot_restarts.get(rep.slot, 0) + 1
+            self.table.metrics.restarted(pool.name)
+            return  # when it ends, the new one holds its slot: nothing more to do
         self._renewing[rep.id] = reason
 
     # -- declaring pools ----------------------------------------------------------------
@@ -163,6 +186,8 @@ class Supervisor:
         if pool is not None and not pool.deleted:
             if runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy:
                 raise InvalidSpec(f"pool {name!r} runs another spec or policy: use another pool name")
+            if pool.desired != size:
+                raise InvalidSpec(f"pool {name!r} has {pool.desired} workers, not {size}: use another pool name")
             return pool, [r.id for r in pool.live.values()]
         if pool is None:
             pool = Pool(name, runtime, pol)
@@ -176,7 +201,7 @@ class Supervisor:
         """``delete`` of pool ``name``: every replica it still has, ending or not."""
         pool = self._pool(name)
         ids = list(pool.live)
-        self._cmd_delete({"pool": name}, lambda _msg: None, None)
+        self._delete(pool)
         return ids
 
     def wait_ended(self, ids: list[str], reply: Reply, cmd_id: Any, timeout: float) -> Any:
@@ -194,6 +219,7 @@ class Supervisor:
         runtime = self.prepare(spec)
         pol = Policy.from_wire(policy)
         self.table.containment.check_limits(pol.limits)
+        self.table.listeners.open(pol.sockets)  # bound now: a bad address is this command's error
         if size is not None:
             check_templates(runtime, pol, size)
         return runtime, pol
@@ -213,13 +239,19 @@ class Supervisor:
                 if wire:
                     runtime = self.prepare(wire)
                     check_templates(runtime, policy, 0 if deleted else desired)
+                if not deleted:
+                    self.table.listeners.open(policy.sockets)
             except InvalidSpec as err:
                 problem = f"{_NOT_RESTORED}{err}"
             pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
             pool.deleted = deleted
             pool.declared = bool(extra.get("declared"))
+            pool.executor = extra.get("executor")
             if extra.get("crashloop") and not str(extra["crashloop"]).startswith(_NOT_RESTORED):
                 pool.crashloop(extra["crashloop"])  # (one of an earlier restore is judged anew)
+            failed = extra.get("failed")
+            if isinstance(failed, dict):
+                pool.failed = {int(k): str(v) for k, v in failed.items() if isinstance(k, str) and k.isdigit()}
             self.table.add_pool(pool)
             if problem is not None:
                 # Kept as stored (its size too: a later start tries again, say once a
@@ -255,6 +287,7 @@ class Supervisor:
         else:
             size = pool.desired + (1 if count is None else count)
         check_templates(runtime, policy, size)
+        self.check_order(name, policy.after_pools)
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
             pool.deleted, pool.runtime, pool.policy = False, runtime, policy
             pool.clear()
@@ -336,13 +369,23 @@ class Supervisor:
         return self._start_rollout(self._pool(pool_name), olds, len(olds), reply, cmd_id, timeout)
 
     def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """Terminate a pool's replicas and forget the pool (it does not come back on start)."""
+        """Terminate a pool's replicas and forget the pool (it does not come back on start).
+        Refused while another pool starts after it: its dependents go first."""
         pool = self._pool(args.get("pool"))
+        needed_by = self._dependents(pool.name)
+        if needed_by:
+            raise InvalidSpec(f"pool {pool.name!r} is in the after of {', '.join(needed_by)}: delete "
+                              f"{'that' if len(needed_by) == 1 else 'those'} first, or launch --replace without it")
+        return self._delete(pool)
+
+    def _delete(self, pool: Pool, *, stop: bool = True) -> dict:
+        """Forget ``pool``; ``stop``: its replicas are terminated now (else the caller does)."""
         self._cancel_replacements(pool)
-        stopped = [r.id for r in list(pool.live.values()) if self.table.stop(r, reason="pool deleted")]
+        stopped = [r.id for r in list(pool.live.values()) if self.table.stop(r, reason="pool deleted")] if stop else []
         pool.desired = 0
         pool.deleted = True
         self.table.save_pool(pool)
+        self.table.listeners.changed()  # closed if no other pool uses them
         return {"pool": pool.name, "terminated": stopped}
 
     def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
@@ -461,11 +504,40 @@ class Supervisor:
         return sorted(olds, key=lambda r: (r.slot if r.slot is not None else -1, r.n))
 
     def undeclare_missing(self, names: set[str]) -> list[str]:
-        """Delete the pools an earlier config declared that the current one does not."""
-        gone = [p.name for p in self.table.pools() if p.declared and not p.deleted and p.name not in names]
-        for name in gone:
-            self._cmd_delete({"pool": name}, lambda _msg: None, None)
-        return gone
+        """Delete the pools an earlier config declared that the current one does not. All
+        are deleted now, but their replicas stop in order: the pools that start after
+        others first, and the pools they start after once those have ended."""
+        gone = [p for p in self.table.pools() if p.declared and not p.deleted and p.name not in names]
+        layers = self.stop_layers({p.name for p in gone})
+        for pool in gone:
+            self._delete(pool, stop=pool.name in layers[0])
+        self._stop_in_order(layers)
+        return [p.name for p in gone]
+
+    def _stop_in_order(self, layers: list[list[str]]) -> None:
+        """Once the replicas of ``layers[0]``'s (deleted) pools have ended, those of
+        ``layers[1]`` are stopped, and so on (a stuck one is SIGKILLed after its grace: the
+        wait is bounded by it)."""
+        if len(layers) < 2:
+            return
+        first = [self._pool_of_name(n) for n in layers[0]]
+        ids = [rid for pool in first for rid in pool.live]
+        bound = 10.0 + max(p.policy.grace if p.policy.grace is not None else self.table.config.grace for p in first)
+
+        def next_layer(_ended: bool) -> None:
+            for pool in map(self._pool_of_name, layers[1]):
+                if not pool.deleted:
+                    continue  # launched again meanwhile: it is a new pool of that name
+                for rep in list(pool.live.values()):
+                    self.table.stop(rep, reason="pool deleted", lower_desired=False)
+            self._stop_in_order(layers[1:])
+
+        self.when_ended(ids, next_layer, bound)
+
+    def _pool_of_name(self, name: str) -> Pool:
+        pool = self.table.pool(name)
+        assert pool is not None  # a pool is never forgotten, only marked deleted
+        return pool
 
     def has_pool(self, name: str) -> bool:
         """Is ``name`` a pool of the table now (not deleted)? Else declaring it adds it."""
@@ -480,6 +552,104 @@ class Supervisor:
         """Call ``then(True)`` in the turn in which all of ``ids`` have ended and been
         reaped, or ``then(False)`` after ``timeout`` seconds if they have not."""
         self.table.wait_for(ids, "ended", lambda msg: then(bool(msg.get("ok"))), None, timeout, durable=False)
+
+    # -- the order of pools (after) ----------------------------------------------------
+
+    def _graph(self) -> dict[str, list[str]]:
+        """Pool -> the pools it starts after, of the pools there are (not deleted)."""
+        return {p.name: list(p.policy.after_pools) for p in self.table.pools() if not p.deleted}
+
+    def _dependents(self, name: str) -> list[str]:
+        return sorted(n for n, deps in self._graph().items() if name in deps and n != name)
+
+    def check_order(self, name: str, after: Mapping[str, str]) -> None:
+        """Pool ``name`` is to start after ``after``: InvalidSpec (one line) if one of them
+        is not a pool, or if that makes a cycle."""
+        if not after:
+            return  # a pool that starts after nothing is in no cycle
+        graph = self._graph()
+        graph[name] = list(after)
+        check_after(graph, names=[name])
+
+    def check_declared_order(self, declared: Mapping[str, Mapping[str, str]]) -> None:
+        """A config file's pools (name -> its after) are to replace those of the file
+        before: InvalidSpec if a pool left (a launched one) starts after a pool the file
+        no longer declares, or if they make a cycle."""
+        graph = {p.name: list(p.policy.after_pools) for p in self.table.pools() if not p.deleted and not p.declared}
+        graph.update({name: list(after) for name, after in declared.items()})
+        check_after(graph)
+
+    def start_order(self) -> list[str]:
+        """The pools (not deleted) in the order they start: each after those it starts
+        after; as they were made where that does not decide (or after a cycle or an
+        unknown pool found in a journal)."""
+        names = [p.name for p in self.table.pools() if not p.deleted]
+        graph = self._graph()
+        try:
+            layers = after_order({n: [d for d in deps if d in graph] for n, deps in graph.items()})
+        except AfterCycle:
+            return names
+        rank = {name: i for i, layer in enumerate(layers) for name in layer}
+        return sorted(names, key=lambda n: rank[n])
+
+    def stop_layers(self, only: set[str] | None = None) -> list[list[str]]:
+        """Pools in the order they stop, in layers: a pool stops before every pool it
+        starts after, so a layer is stopped once the layers before it have ended.
+        ``only``: of those pools; default: every pool, deleted ones (still ending) in the
+        first layer."""
+        pools = [p for p in self.table.pools() if only is None or p.name in only]
+        names = {p.name for p in pools if only is not None or not p.deleted}
+        graph: dict[str, list[str]] = {n: [] for n in names}
+        for pool in pools:
+            if pool.name in names:
+                for dep in pool.policy.after_pools:
+                    if dep in names and dep != pool.name:
+                        graph[dep].append(pool.name)  # dep stops after pool
+        try:
+            layers = after_order(graph)
+        except AfterCycle:  # only from a journal written by hand: all at once
+            layers = [sorted(names)]
+        first = sorted(set(layers[0] if layers else ()) | {p.name for p in pools if p.name not in names})
+        return [first, *layers[1:]]
+
+    def waiting(self, pool: Pool) -> str | None:
+        """Why ``pool``'s replicas may not start yet: the first pool of its ``after`` that
+        does not meet its condition; None when they may start."""
+        for name, condition in pool.policy.after_pools.items():
+            why = self._unmet(name, condition)
+            if why is not None:
+                return why
+        return None
+
+    def pool_waiting(self, pool: Pool) -> str | None:
+        """What ``pool``'s PENDING replicas wait for (status), None if none waits."""
+        if not pool.policy.after or not any(r.state is S.PENDING for r in pool.live.values()):
+            return None
+        return self.waiting(pool)
+
+    def _unmet(self, name: str, condition: str) -> str | None:
+        """Pool ``name`` and ``condition`` (ready: every replica it should have RUNNING,
+        hence ready; started: each spawned, none waiting to start; completed: none left,
+        the last one of each slot EXITED with 0): None when met, else why not. A pool that
+        failed (a crash loop, or a replica that failed and was not replaced) meets none."""
+        dep = self._known_pool(name)
+        if dep is None:
+            return f"waiting for {name}: no such pool"
+        if dep.state == CRASHLOOP:
+            return f"waiting for {name}: crash loop ({dep.reason})"
+        if dep.failed:
+            return f"waiting for {name}: {dep.failed[min(dep.failed)]}"
+        live = [r for r in dep.live.values() if not self._leaving(r)]
+        if condition == "completed":
+            left = len(live) + len(dep.pending)
+            return f"waiting for {name} to complete ({left} still to run)" if left else None
+        if condition == "started":
+            done = sum(r.state is not S.PENDING for r in live)
+        else:
+            done = sum(r.state is S.RUNNING for r in live)
+        if done >= dep.desired and not dep.pending:
+            return None
+        return f"waiting for {name} ({done} of {dep.desired} {condition})"
 
     # -- rollouts -------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ error (data: a line), cancelled, timeout, lost (data: the reason).
 
 from __future__ import annotations
 
+import base64
 import collections
 import errno
 import functools
@@ -51,7 +52,14 @@ WORKER_TARGET = "orchestrator.taskworker:main"
 RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max")
+OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
+SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
+SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
+KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)...
+KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
+SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
+HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
+ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
 
 
 class Table(Protocol):
@@ -61,9 +69,12 @@ class Table(Protocol):
     os: Any
     containment: Any
     supervisor: Any
+    journal: Any
+    metrics: Any
     closing: bool
 
     def pool(self, name: Any) -> Pool | None: ...
+    def save_pool(self, pool: Pool) -> None: ...
     def proc_by_pid(self, pid: int) -> Any: ...
     def proc_of(self, rep: Replica) -> Any: ...
     def changed(self) -> None: ...
@@ -75,7 +86,7 @@ class Task:
     id: str
     n: int
     pool: "ExecPool"
-    payload: bytes
+    payload: bytes | None  # the pickled call (or a target's JSON), until the task ends
     ref: Any  # the submitting session's name for it
     session: "Session | None"
     timeout: float | None
@@ -83,11 +94,24 @@ class Task:
     state: T = T.QUEUED
     attempts: int = 0
     worker: "Worker | None" = None
-    queued_at: float = 0.0
+    worker_id: str | None = None  # the replica that runs (or last ran) it
+    queued_at: float = 0.0  # wall clock, as every time of a task
     started_at: float | None = None
     ended_at: float | None = None
     reason: str | None = None
+    kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, cancelled
+    result: bytes | None = None  # the pickled result or exception (kind result or raised)
     timer: Timer | None = None
+    waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
+
+    def record(self) -> dict:
+        """The task's row (store.save_task) and, without payload and result, its listing."""
+        return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
+                "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
+                "worker": self.worker_id, "queued_at": self.queued_at, "started_at": self.started_at,
+                "ended_at": self.ended_at, "reason": self.reason,
+                "payload": self.payload if not self.state.terminal else None,
+                "kind": self.kind, "result": self.result}
 
 
 @dataclass(eq=False)
@@ -118,10 +142,12 @@ class ExecPool:
     idle: collections.deque = field(default_factory=collections.deque)
     workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
     next_n: int = 1
+    reserved: int = 0  # task numbers below it are recorded as handed out (the pool's row)
     rss_timer: Timer | None = None
     rss_check: bool = False  # memory_max by RSS: no memory controller here
     said: str | None = None  # the last worker's complaint (its initializer failed)
     closing: bool = False
+    done: int = 0  # tasks ended since the daemon started
 
     @property
     def max_tasks(self) -> int:
@@ -134,27 +160,47 @@ class ExecPool:
 
 @dataclass(eq=False)
 class Session:
-    """One submitter (an embedded ``Executor``): where its tasks' ends are told."""
+    """One submitter: where its tasks' ends are told. An embedded ``Executor`` gives a
+    ``sink`` (called in the loop); a client of the daemon polls ``task_events`` instead, and
+    its events wait here (bounded) until it does. Ends with ``executor_close``, or when a
+    polling client has not polled for SESSION_IDLE seconds (it died: its tasks go on)."""
 
     name: str
-    sink: Sink
+    sink: Sink | None
     tasks: dict[Any, Task] = field(default_factory=dict)  # ref -> task, until it ended
+    events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
+    seq: int = 0
+    held: int = 0  # bytes of the events waiting
+    poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
+    flushing: bool = False  # its poll's answer is scheduled
+    idle_timer: Timer | None = None
 
 
 class Tasks:
     """See the module docstring."""
 
-    def __init__(self, table: Table, *, address: str | None = None, token: str | None = None) -> None:
+    def __init__(self, table: Table, *, address: str | None = None, token: str | None = None,
+                 stop_reason: str = "interrupted: the executor shut down",
+                 result_max_bytes: int | None = None) -> None:
+        """``address``: the workers' listener (None: an abstract socket of this process);
+        ``stop_reason``: what a task cut short by a shutdown ends with; ``result_max_bytes``:
+        a larger result fails its task (None: no bound)."""
         self.table = table
         self._address = address or f"@orchestrator-tasks-{token or os.getpid()}-{os.getpid()}"
         self._listener: socket.socket | None = None
         self._pools: dict[str, ExecPool] = {}
         self._sessions: dict[str, Session] = {}
         self._accepted: set[Worker] = set()  # connected, not identified yet
+        self._live: dict[str, Task] = {}  # unfinished tasks by id
+        self._ended: collections.OrderedDict[str, Task] = collections.OrderedDict()  # the latest KEEP_ENDED
+        self._ended_bytes = 0
+        self.stop_reason = stop_reason
+        self.result_max_bytes = result_max_bytes
 
     def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
         return {"executor": self._cmd_executor, "task_submit": self._cmd_submit,
-                "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close}
+                "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
+                "task_events": self._cmd_events, "tasks": self._cmd_tasks, "task_result": self._cmd_result}
 
     # -- the listener -------------------------------------------------------------------
 
@@ -200,6 +246,14 @@ class Tasks:
             worker = Worker(conn, BufferedWriter(out))
             self._accepted.add(worker)
             self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+            # The socket is abstract: anyone on the host may connect. One that does not say
+            # who it is holds an fd only this long.
+            self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+
+    def _hello_timeout(self, worker: Worker) -> None:
+        if worker in self._accepted:
+            log.warning("task socket: a connection that never said who it is; closed")
+            self._disconnected(worker)
 
     # -- commands -----------------------------------------------------------------------
 
@@ -208,94 +262,315 @@ class Tasks:
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
         options = _options(args.get("options"))
-        init = args.get("init") or b""
-        if not isinstance(init, bytes):
-            raise InvalidSpec("init must be bytes")
+        init = _bytes(args.get("init") or b"", "init")
         spec = args.get("spec")
         if not isinstance(spec, dict) or spec.get("target") != WORKER_TARGET:
             raise InvalidSpec("an executor pool's spec runs " + WORKER_TARGET)
         self._listen()
         spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
         policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
-        rss = False
-        if options.get("memory_max") is not None:
-            try:
-                self.table.containment.check_limits({"memory_max": options["memory_max"]})
-                policy["memory_max"] = options["memory_max"]
-            except InvalidSpec:
-                rss = True  # no memory controller here: the worker's RSS, checked every second
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
         xp = self._pools.get(name)
-        if xp is not None and not xp.closing:
-            if xp.options != options or xp.init != init:
-                raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
+        if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
+            raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
         pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
         if xp is None or xp.closing:
-            xp = self._pools[name] = ExecPool(name, options, init, next_n=xp.next_n if xp else 1)
-            xp.rss_check = rss
-            if rss:
-                xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+            xp = self._adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
         session = args.get("session")
-        sink = args.get("sink")
         if session is not None:
-            if not callable(sink):
-                raise InvalidSpec("a session needs a sink")
-            self._sessions[str(session)] = Session(str(session), sink)
+            sink = args.get("sink")
+            if sink is not None and not callable(sink):
+                raise InvalidSpec("a session's sink must be callable")
+            self._open_session(str(session), sink)
         return {"pool": pool.name, "ids": ids}
 
+    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+        """An executor pool of the config file (``kind = "executor"``): declared as any pool
+        (supervision.declare: made, rolled or resized), then its options in force for the
+        tasks handed out from now on. Returns what declare did."""
+        options = _options(options)
+        self._listen()
+        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
+        policy = dict(policy)
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
+        what = self.table.supervisor.declare(name, spec, policy, size)
+        pool = self.table.pool(name)
+        assert pool is not None  # declared just now
+        xp = self._pools.get(name)
+        if xp is None or xp.closing:
+            self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
+        elif xp.options != options:
+            xp.options = options
+            if pool.executor is not None:
+                pool.executor["options"] = options
+            self.table.save_pool(pool)
+            what = "changed" if what == "unchanged" else what
+        return what
+
+    def _cgroup_memory(self, limit: int) -> bool:
+        """Whether the cgroup's memory.max can bound a worker here (else: its RSS, polled)."""
+        try:
+            self.table.containment.check_limits({"memory_max": limit})
+        except InvalidSpec:
+            return False
+        return True
+
+    def _adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1) -> ExecPool:
+        """``pool`` is an executor pool from now on (made, or restored from the store)."""
+        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=next_n)
+        pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
+        self._reserve(xp, pool)
+        if options.get("memory_max") is not None and not self._cgroup_memory(options["memory_max"]):
+            xp.rss_check = True
+            xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+        return xp
+
+    def _reserve(self, xp: ExecPool, pool: Pool | None = None) -> None:
+        """Record in the pool's row that task numbers up to a block ahead are handed out, so
+        that an id is never given twice even once its task's row is pruned."""
+        if xp.next_n < xp.reserved:
+            return
+        pool = pool or self.table.pool(xp.name)
+        if pool is None or pool.executor is None:
+            return
+        xp.reserved = xp.next_n + ID_BLOCK
+        pool.executor["next_task"] = xp.reserved
+        self.table.save_pool(pool)
+
+    def _open_session(self, name: str, sink: Sink | None) -> Session:
+        session = self._sessions.get(name)
+        if session is None:
+            session = self._sessions[name] = Session(name, sink)
+        elif sink is not None:
+            session.sink = sink
+        self._touch(session)
+        return session
+
+    def _touch(self, session: Session) -> None:
+        """A polling session is alive: its idle clock starts over."""
+        if session.sink is not None:
+            return
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self._drop_session(session))
+
+    def _drop_session(self, session: Session) -> None:
+        if self._sessions.get(session.name) is session:
+            del self._sessions[session.name]
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        if session.poll is not None:
+            reply, cmd_id, timer = session.poll
+            timer.cancel()
+            session.poll = None
+            self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+        for task in session.tasks.values():
+            task.session = None  # it runs on; any client can fetch its result
+        session.tasks.clear()
+
     def _cmd_submit(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
+        batch of them (``tasks``: a list of such objects); its id, or their ids."""
         xp = self._exec_pool(args.get("pool"))
-        session = self._sessions.get(str(args.get("session")))
-        payload = args.get("payload")
-        if not isinstance(payload, bytes):
-            raise InvalidSpec("a task's payload must be bytes")
+        session = self._sessions.get(str(args["session"])) if args.get("session") is not None else None
+        if session is not None:
+            self._touch(session)
+        batch = args.get("tasks")
+        if batch is None:
+            return self._submit(xp, session, args).id
+        if not isinstance(batch, list):
+            raise InvalidSpec("tasks must be a list")
+        made = [self._task(xp, session, one) for one in batch]  # all checked before any is queued
+        return [self._queue(xp, task).id for task in made]
+
+    def _submit(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
+        return self._queue(xp, self._task(xp, session, one))
+
+    def _task(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
+        if not isinstance(one, dict):
+            raise InvalidSpec("a task must be an object")
+        payload = one.get("payload")
+        if payload is None and one.get("target") is None and xp.options.get("target"):
+            pool = self.table.pool(xp.name)  # the pool's own target, from its PYTHONPATH and cwd
+            wire = pool.runtime.wire if pool is not None and pool.runtime is not None else {}
+            one = {**one, "target": xp.options["target"], "pythonpath": wire.get("pythonpath") or [],
+                   "cwd": wire.get("cwd")}
+        if payload is None and one.get("target") is not None:
+            payload = _target_payload(one)
+        payload = _bytes(payload, "payload")
+        if not payload:
+            raise InvalidSpec("a task needs a payload or a target")
         opts = xp.options
-        timeout = args.get("timeout", opts.get("timeout"))
+        timeout = one.get("timeout", opts.get("timeout"))
         if timeout is not None:
             timeout = protocol.seconds(timeout, "timeout")
-        retries = args.get("retries", opts.get("retries", 0))
-        task = Task(f"{xp.name}/{xp.next_n}", xp.next_n, xp, payload, args.get("ref"), session,
-                    timeout, int(retries), queued_at=self.table.os.monotonic())
+        retries = one.get("retries", opts.get("retries", 0))
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidSpec(f"retries must be a whole number of at least 0, got {retries!r}")
+        return Task("", 0, xp, payload, one.get("ref"), session, timeout, retries)
+
+    def _queue(self, xp: ExecPool, task: Task) -> Task:
+        task.n = xp.next_n
+        task.id = f"{xp.name}/{task.n}"
         xp.next_n += 1
-        if session is not None:
-            session.tasks[task.ref] = task
+        self._reserve(xp)
+        task.queued_at = self.table.os.time()
+        if task.session is not None and task.ref is not None:
+            task.session.tasks[task.ref] = task
+        self._live[task.id] = task
         xp.queue.append(task)
+        self._save(task, None)
         self._dispatch(xp)
         if task.state is T.QUEUED:
             self._hopeless(xp)
-        return task.id
+        return task
 
     def _cmd_cancel(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """Cancel tasks, by the session's refs: for each, True if it is cancelled (now or
-        before), False if it had ended otherwise (its result stands)."""
+        """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
+        it is cancelled (now or before), False if it had ended otherwise (its result
+        stands). An id never handed out is UnknownReplica, and nothing is cancelled."""
+        if args.get("ids") is not None:
+            ids = args["ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+                raise InvalidSpec("ids must be a non-empty list of task ids")
+            found = [self._find(i) for i in ids]  # all or nothing
+            return [self.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
+                    for i, t in zip(ids, found)]
         session = self._sessions.get(str(args.get("session")))
         if session is None:
             raise UnknownReplica(f"unknown session {args.get('session')!r}")
+        self._touch(session)
         # A ref it no longer holds has ended: cancelled (the submitter knows it is) or with a
         # result on its way, which stands.
         return [self.cancel(task) if (task := session.tasks.get(ref)) is not None else False
                 for ref in args.get("refs") or ()]
 
+    def _find(self, task_id: Any) -> Task | None:
+        """The task in memory; None if it ended long ago (in the store only); UnknownReplica
+        if no such id was ever handed out."""
+        if not isinstance(task_id, str):
+            raise InvalidSpec(f"not a task id: {task_id!r}")
+        task = self._live.get(task_id) or self._ended.get(task_id)
+        if task is not None:
+            return task
+        pool, _, n = task_id.rpartition("/")
+        xp = self._pools.get(pool)
+        if xp is not None and n.isdigit() and 0 < int(n) < xp.next_n:
+            return None
+        if self._stored(task_id) is not None:
+            return None
+        raise UnknownReplica(f"unknown task {task_id!r}")
+
+    def _stored(self, task_id: str) -> dict | None:
+        store = self.table.journal.store
+        rows = store.tasks(task_id=task_id) if store is not None else []
+        return rows[0] if rows else None
+
+    def _stored_state(self, task_id: str) -> str | None:
+        row = self._stored(task_id)
+        return row["state"] if row is not None else None
+
     def _cmd_close(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """Shut an executor pool down: its unfinished tasks cancelled (``cancel``) or
-        failed, its workers stopped; the reply once every one of them is reaped."""
+        """A session ends: its unfinished tasks cancelled (``cancel``), or left to run; with
+        ``delete`` (an embedded executor's pool) the pool goes too, its queued tasks failed,
+        its workers stopped, and the reply waits until every one of them is reaped."""
+        session = self._sessions.get(str(args.get("session")))
+        cancel, delete = bool(args.get("cancel")), bool(args.get("delete"))
+        if session is not None:
+            if cancel:
+                for task in list(session.tasks.values()):
+                    self.cancel(task)
+            self._drop_session(session)
+        if not delete:
+            return None
         xp = self._exec_pool(args.get("pool"))
-        cancel = bool(args.get("cancel"))
-        for task in [t for t in xp.queue] + [wk.task for wk in xp.workers.values() if wk.task is not None]:
+        for task in [t for t in self._live.values() if t.pool is xp]:
             if cancel:
                 self.cancel(task)
-            elif not task.state.terminal:
-                self._end(task, T.FAILED, "lost", "interrupted: the executor shut down")
+            else:
+                self._end(task, T.FAILED, "lost", self.stop_reason)
         xp.closing = True
         if xp.rss_timer is not None:
             xp.rss_timer.cancel()
-        self._sessions.pop(str(args.get("session")), None)
         ids = self.table.supervisor.delete_pool(xp.name)
+        return self.table.supervisor.wait_ended(ids, reply, cmd_id, protocol.wait_timeout(args))
+
+    def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """What a polling session's tasks did since ``after``: at once if there is something,
+        else when there is, or after ``timeout`` (empty)."""
+        session = self._sessions.get(str(args.get("session")))
+        if session is None:
+            raise UnknownReplica(f"unknown session {args.get('session')!r} (it was idle too long, or closed)")
+        self._touch(session)
+        after = args.get("after", 0)
+        while session.events and session.events[0][0] <= after:
+            _, done = session.events.popleft()
+            session.held -= len(done[2]) if isinstance(done[2], str) else 0
+        if session.events:
+            return {"events": [e for _, e in session.events], "next": session.seq}
+        timeout = protocol.seconds(args.get("timeout", 1.0), "timeout") or 0.0
+        if session.poll is not None:  # an older poll of the same session: answered empty
+            old_reply, old_id, old_timer = session.poll
+            old_timer.cancel()
+            self.table.reply(old_reply, protocol.ok(old_id, {"events": [], "next": session.seq}), False)
+
+        def expire() -> None:
+            if session.poll is not None and session.poll[0] is reply:
+                session.poll = None
+                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+
+        session.poll = (reply, cmd_id, self.table.reactor.call_later(min(timeout, 30.0), expire))
+        return protocol.DEFERRED
+
+    def _cmd_tasks(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first."""
+        pool = args.get("pool")
+        if pool is not None and pool not in self._pools:
+            raise UnknownReplica(f"unknown executor pool {pool!r}")
+        rows = {t.id: _listing(t.record()) for t in self._live.values() if pool is None or t.pool.name == pool}
+        if args.get("all"):
+            store = self.table.journal.store
+            if store is not None:
+                for row in store.tasks(pool=pool, include_terminal=True):
+                    rows.setdefault(row["id"], _listing(row))
+            for t in self._ended.values():
+                if pool is None or t.pool.name == pool:
+                    rows[t.id] = _listing(t.record())
+        return sorted(rows.values(), key=lambda r: (r["pool"], r["n"]))
+
+    def _cmd_result(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """A task's outcome: ``{"id", "state", "kind", "result", "reason"}`` (``result``: the
+        pickled value or exception, bytes). Unfinished: that state at once, or with
+        ``wait`` the outcome once it has ended (or, at ``timeout``, the state then)."""
+        task_id = args.get("id")
+        if not isinstance(task_id, str):
+            raise InvalidSpec(f"not a task id: {task_id!r}")
+        task = self._find(task_id)
+        if task is None:
+            row = self._stored(task_id)
+            if row is None:
+                raise UnknownReplica(f"task {task_id!r} ended long ago: its record was pruned")
+            return _outcome(row)
+        if task.state.terminal or not args.get("wait"):
+            return _outcome(task.record())
         timeout = protocol.wait_timeout(args)
-        return self.table.supervisor.wait_ended(ids, reply, cmd_id, timeout)
+        entry = (reply, cmd_id)
+        task.waiters.append(entry)
+
+        def expire() -> None:
+            if entry in task.waiters:
+                task.waiters.remove(entry)
+                self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+
+        self.table.reactor.call_later(timeout, expire)
+        return protocol.DEFERRED
 
     def _exec_pool(self, name: Any) -> ExecPool:
         xp = self._pools.get(name) if isinstance(name, str) else None
-        if xp is None or xp.closing:
+        pool = self.table.pool(name) if xp is not None else None
+        if xp is None or xp.closing or pool is None or pool.deleted:
             raise UnknownReplica(f"unknown executor pool {name!r}")
         return xp
 
@@ -325,13 +600,17 @@ class Tasks:
             if worker.closed or worker.task is not None:
                 continue
             xp.queue.popleft()
+            old = task.state
             task.state = task_transition(task.id, task.state, T.RUNNING)
             task.attempts += 1
             task.worker, worker.task = worker, task
-            task.started_at = self.table.os.monotonic()
-            worker.writer.write(w.frame(w.TASK, task.n, task.payload))
+            task.worker_id = worker.replica.id if worker.replica is not None else None
+            task.started_at = self.table.os.time()
+            self.table.metrics.task_started(xp.name, task.started_at - task.queued_at)
+            worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
             if task.timeout is not None:
                 task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
+            self._save(task, old)
             self._tell(task, "started", task.id)
 
     def _timed_out(self, task: Task) -> None:
@@ -366,31 +645,90 @@ class Tasks:
             return
         worker.lost_reason = why
         log.warning("%s: %s; killing its process tree", worker.replica.id if worker.replica else "?", why)
-        if renew and worker.replica is not None:
-            self.table.supervisor.renew(worker.replica, why)
+        if renew and worker.replica is not None and worker.pool is not None and not worker.pool.closing:
+            self.table.supervisor.renew(worker.replica, why, now=True)
         self.table.containment.kill_after_grace(proc)
 
     def _end(self, task: Task, state: T, kind: str, data: Any) -> None:
+        """``task`` ended ``state``; ``data``: the result's or exception's bytes (kind result,
+        raised), else the reason (a line; for a timeout, [line, limit])."""
+        old = task.state
         task.state = task_transition(task.id, task.state, state)
-        task.ended_at = self.table.os.monotonic()
+        task.ended_at = self.table.os.time()
         if task.timer is not None:
             task.timer.cancel()
             task.timer = None
         task.worker = None  # a worker still busy with it keeps it as its ``task`` until it answers
-        task.reason = data if isinstance(data, str) else data[0] if isinstance(data, list) else None
+        task.kind = kind
+        task.payload = None
+        if isinstance(data, bytes):
+            task.result = data
+        else:
+            task.reason = data if isinstance(data, str) else data[0] if isinstance(data, list) else None
         self._tell(task, kind, data)
         if task.session is not None:
             task.session.tasks.pop(task.ref, None)
+        self._live.pop(task.id, None)
+        task.pool.done += 1
+        self.table.metrics.task_ended(task.pool.name, task.state.value,
+                                      task.ended_at - task.started_at if task.started_at is not None else None)
+        self._ended[task.id] = task
+        self._ended_bytes += len(task.result or b"")
+        while self._ended and (len(self._ended) > KEEP_ENDED or self._ended_bytes > KEEP_ENDED_BYTES):
+            _, old_task = self._ended.popitem(last=False)  # the store still has it
+            self._ended_bytes -= len(old_task.result or b"")
+        self._save(task, old)
+        for reply, cmd_id in task.waiters:
+            self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+        task.waiters.clear()
         self.table.changed()
+
+    def _save(self, task: Task, old: T | None) -> None:
+        """The task's row, and an event for ``events`` (``old`` None: it was just queued)."""
+        journal = self.table.journal
+        if journal.store is None:
+            return
+        journal.store.save_task(task.record())
+        event = {"task": task.id, "pool": task.pool.name, "from": old.value if old else None, "to": task.state.value}
+        if task.reason is not None and task.state.terminal:
+            event["reason"] = task.reason
+        if task.worker_id is not None:
+            event["worker"] = task.worker_id
+        journal.event("task", event)
 
     def _tell(self, task: Task, kind: str, data: Any) -> None:
         session = task.session
         if session is None:
             return
-        try:
-            session.sink((kind, task.ref, data, task.id))
-        except Exception:  # a sink is the submitter's: its failure is not the loop's
-            log.exception("executor session %s: its sink failed", session.name)
+        event = (kind, task.ref, data, task.id)
+        if session.sink is not None:
+            try:
+                session.sink(event)
+            except Exception:  # a sink is the submitter's: its failure is not the loop's
+                log.exception("executor session %s: its sink failed", session.name)
+            return
+        session.seq += 1
+        # Over the channel (JSON): bytes travel as base64 text.
+        text = _text(data)
+        session.events.append((session.seq, [kind, task.ref, text, task.id]))
+        session.held += len(text) if isinstance(text, str) else 0
+        while len(session.events) > SESSION_BACKLOG or session.held > SESSION_BACKLOG_BYTES:
+            _, dropped = session.events.popleft()  # a client that stopped polling: its oldest go
+            session.held -= len(dropped[2]) if isinstance(dropped[2], str) else 0
+        if session.poll is not None and not session.flushing:
+            # Answered soon, with everything this turn adds: one reply for a burst of ends.
+            session.flushing = True
+            self.table.reactor.call_soon(lambda: self._flush(session))
+
+    def _flush(self, session: Session) -> None:
+        session.flushing = False
+        if session.poll is None:
+            return
+        reply, cmd_id, timer = session.poll
+        session.poll = None
+        timer.cancel()
+        self.table.reply(reply, protocol.ok(cmd_id, {"events": [e for _, e in session.events], "next": session.seq}),
+                         False)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -478,10 +816,19 @@ class Tasks:
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
             worker.kill_timer = None
-        if task.state is T.RUNNING:
+        limit = self.result_max_bytes
+        if task.state is T.RUNNING and limit is not None and kind in (w.RESULT, w.RAISED) and len(payload) > limit:
+            what = "result" if kind == w.RESULT else "exception"
+            self._end(task, T.FAILED, "error", f"task {task.id}: its {what} of {len(payload)} bytes is over the "
+                                               f"limit of {_size(limit)} (--result-max-bytes)")
+        elif task.state is T.RUNNING:
             if kind == w.RESULT:
                 self._end(task, T.DONE, "result", payload)
             elif kind == w.RAISED:
+                try:
+                    task.reason, payload = w.split_raised(payload)
+                except struct.error:
+                    task.reason = "raised an exception (its summary was unreadable)"
                 self._end(task, T.FAILED, "raised", payload)
             elif kind == w.UNPICKLABLE:
                 self._end(task, T.FAILED, "error", f"task {task.id}: " + payload.decode("utf-8", "replace"))
@@ -489,8 +836,8 @@ class Tasks:
                 self._end(task, T.CANCELLED, "cancelled", None)
         worker.done += 1
         if xp.max_tasks and worker.done >= xp.max_tasks:
-            if worker.replica is not None:  # it exits now: replaced at once, not counted
-                self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks")
+            if worker.replica is not None and not xp.closing:  # it exits now: replaced at once, not counted
+                self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
         elif not xp.closing:
             xp.idle.append(worker)
         self._dispatch(xp)
@@ -536,22 +883,26 @@ class Tasks:
         worker.task = None
         if task is not None and task.state is T.RUNNING:
             task.worker = None
-            if self.table.closing:
-                reason = "interrupted: the executor shut down"
-            else:
-                reason = worker.lost_reason or rep.reason or "ended"
-            if task.attempts <= task.retries and not self.table.closing and not xp.closing:
-                task.state = task_transition(task.id, task.state, T.QUEUED)
-                if task.timer is not None:
-                    task.timer.cancel()
-                    task.timer = None
-                xp.queue.appendleft(task)
-                log.info("%s: its worker %s was lost (%s); queued again (attempt %d of %d)",
-                         task.id, rep.id, reason, task.attempts + 1, task.retries + 1)
+            reason = self.stop_reason if self.table.closing else worker.lost_reason or _how_it_ended(rep)
+            if task.attempts <= task.retries and not xp.closing:
+                # Cut short by something not its own doing: it runs again (after the next
+                # start, if the daemon is stopping), the attempt counted.
+                self.requeue(task, f"its worker {rep.id} was lost ({reason})")
             else:
                 self._end(task, T.FAILED, "lost", reason)
         self._dispatch(xp)
         self.table.changed()
+
+    def requeue(self, task: Task, why: str) -> None:
+        old = task.state
+        task.state = task_transition(task.id, task.state, T.QUEUED)
+        if task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
+        task.worker = None
+        task.pool.queue.appendleft(task)
+        self._save(task, old)
+        log.info("%s: %s; queued again (attempt %d of %d)", task.id, why, task.attempts + 1, task.retries + 1)
 
     def settle(self) -> None:
         """A turn changed something: a pool that no longer replaces its workers fails what
@@ -566,6 +917,8 @@ class Tasks:
                     del self._pools[xp.name]
 
     def _hopeless(self, xp: ExecPool) -> None:
+        if self.table.closing:
+            return  # a stopping daemon keeps its queued tasks for the next start
         pool = self.table.pool(xp.name)
         if pool is None:
             return
@@ -581,6 +934,53 @@ class Tasks:
             task = xp.queue.popleft()
             if task.state is T.QUEUED:
                 self._end(task, T.FAILED, "unrun", why)
+
+    # -- start-up, status ----------------------------------------------------------------
+
+    def restore(self, pools: Any, store: Any) -> None:
+        """At start: the executor pools of the store (pools restored already) take their
+        unfinished tasks back. A task that was RUNNING when the daemon died is LOST, or
+        queued again (its attempt counted) while ``retries`` remain; a QUEUED one stays
+        queued. Ids continue where they stopped."""
+        numbers = store.task_numbers() if store is not None else {}
+        for pool in pools:
+            ex = pool.executor
+            if not ex or pool.deleted:
+                continue
+            try:
+                options = _options(ex.get("options"))
+                init = base64.b64decode(ex.get("init") or "")
+            except (InvalidSpec, ValueError) as err:
+                log.error("executor pool %s: its stored options do not load (%s); its tasks stay as they are",
+                          pool.name, err)
+                continue
+            next_n = max(int(ex.get("next_task") or 1), numbers.get(pool.name, 0) + 1)
+            self._listen()
+            xp = self._adopt(pool, options, init, next_n=next_n)
+            if store is None:
+                continue
+            for row in store.tasks(pool=pool.name):
+                task = Task(row["id"], int(row["n"]), xp, row["payload"], None, None, row["timeout"],
+                            int(row["retries"]), state=T(row["state"]), attempts=int(row["attempts"]),
+                            worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
+                            started_at=row["started_at"])
+                self._live[task.id] = task
+                if task.state is T.RUNNING:
+                    if task.attempts <= task.retries and task.payload:
+                        self.requeue(task, "the daemon died while it ran")
+                    else:
+                        self._end(task, T.LOST, "lost", "the daemon died while it ran")
+                else:
+                    xp.queue.append(task)
+
+    def pool_counts(self, name: str) -> dict | None:
+        """An executor pool's tasks for ``status``: queued, running, done (ended, as kept)."""
+        xp = self._pools.get(name)
+        if xp is None:
+            return None
+        queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
+        running = sum(1 for wk in xp.workers.values() if wk.task is not None and wk.task.state is T.RUNNING)
+        return {"queued": queued, "running": running, "done": xp.done}
 
     def _check_rss(self, xp: ExecPool) -> None:
         """memory_max where no memory controller enforces it: each worker's RSS, every
@@ -609,6 +1009,8 @@ class Tasks:
 
     def close(self) -> None:
         """Release the listener and every connection (the loop is closing)."""
+        for session in list(self._sessions.values()):
+            self._drop_session(session)
         for xp in self._pools.values():
             for worker in xp.workers.values():
                 self._close(worker)
@@ -624,6 +1026,12 @@ class Tasks:
                     os.unlink(self._address)
                 except OSError:
                     pass
+
+
+def check_options(raw: Any) -> dict:
+    """An executor's options from the wire or a config file, checked (InvalidSpec, one
+    line); the defaults filled in."""
+    return _options(raw)
 
 
 def _options(raw: Any) -> dict:
@@ -650,7 +1058,64 @@ def _options(raw: Any) -> dict:
         if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1 << 20:
             raise InvalidSpec(f"memory_max must be a number of bytes of at least 1 MiB, got {mem!r}")
         out["memory_max"] = mem
+    target = raw.get("target")
+    if target is not None:
+        if not isinstance(target, str) or ":" not in target:
+            raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
+        out["target"] = target  # what a task given without one runs
     return out
+
+
+def _target_payload(one: dict) -> bytes:
+    """A task given as ``module:function`` and JSON arguments (``submit --target``): the
+    worker imports the target itself, from the submitter's PYTHONPATH and cwd."""
+    target = one.get("target")
+    if not isinstance(target, str) or ":" not in target:
+        raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
+    call = {"target": target, "args": one.get("args") or [], "kwargs": one.get("kwargs") or {},
+            "pythonpath": one.get("pythonpath") or [], "cwd": one.get("cwd")}
+    if not isinstance(call["args"], list) or not isinstance(call["kwargs"], dict):
+        raise InvalidSpec("args must be a list and kwargs an object")
+    try:
+        return w.target_payload(call)
+    except (TypeError, ValueError) as err:
+        raise InvalidSpec(f"the task's arguments are not JSON: {err}") from None
+
+
+def _listing(row: dict) -> dict:
+    """A task's record as ``tasks`` shows it: no payload, no result bytes."""
+    return {k: v for k, v in row.items() if k not in ("payload", "result", "retire_key")}
+
+
+def _outcome(row: dict) -> dict:
+    """What ``result`` answers for a task record."""
+    return {"id": row["id"], "state": row["state"], "kind": row.get("kind"), "result": _text(row.get("result")),
+            "reason": row.get("reason"), "timeout": row.get("timeout")}
+
+
+def _bytes(value: Any, what: str) -> bytes:
+    """Bytes given in-process, or as base64 text over the channel (JSON carries no bytes)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            raise InvalidSpec(f"{what} is not base64") from None
+    raise InvalidSpec(f"{what} must be bytes (base64 text over the channel)")
+
+
+def _text(data: Any) -> Any:
+    return base64.b64encode(data).decode("ascii") if isinstance(data, bytes) else data
+
+
+def _how_it_ended(rep: Replica) -> str:
+    """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
+    ``OOM-killed``."""
+    code = rep.exit_code
+    if code is not None and code >= 0 and rep.reason == f"exit code {code}":
+        return f"exited with {code}"
+    return rep.reason or "ended"
 
 
 def _size(n: int) -> str:

@@ -22,9 +22,12 @@ What the child does before it runs anything of the user's, in this order and why
     child has dropped the parent's Python handler, and then kills it as it should;
   * from a spawner: a wait for its go-ahead (one byte, written once it has told us the pid;
     EOF instead means it died first: say ``lost PID`` and exit, running nothing);
-  * its captured stdout/stderr (``LaunchPlan.stdout/stderr``) on 1 and 2, then every
-    other inherited fd above 2 closed, so no worker holds the daemon's pipes, locks or
-    sockets (a held write end would hide the daemon's death from whoever waits for EOF);
+  * its captured stdout/stderr (``LaunchPlan.stdout/stderr``) on 1 and 2; its pool's
+    listening sockets (``LaunchPlan.listen_fds``) on 3, 4, ..., inheritable, with
+    ``LISTEN_PID`` set to its own pid, as systemd's socket activation passes them; then
+    every other inherited fd above those closed, so no worker holds the daemon's pipes,
+    locks or sockets (a held write end would hide the daemon's death from whoever waits
+    for EOF);
   * its working directory (``LaunchPlan.cwd``: the launching caller's by default);
   * for a command: execve, with the ready pipe close-on-exec, so EOF means "exec
     succeeded"; for a callable: title set, ready pipe closed, then the SIGTERM handler
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # pthread_sigmask without the enum conversion: ~3 µs against ~60 µs a call
 import ctypes
+import fcntl
 import os
 import resource
 import signal
@@ -159,7 +163,12 @@ def run_child(
             os.dup2(plan.stdout, 1)
         if plan.stderr is not None:
             os.dup2(plan.stderr, 2)
-        os.closerange(3, ready_w)
+        first = 3
+        if plan.listen_fds:
+            ready_w = _place_listen_fds(plan.listen_fds, ready_w)
+            first += len(plan.listen_fds)
+            plan.env["LISTEN_PID"] = str(os.getpid())  # a command's whole env, or a target's additions
+        os.closerange(first, ready_w)
         os.closerange(ready_w + 1, maxfd)
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
@@ -202,6 +211,20 @@ def run_child(
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _place_listen_fds(fds: tuple[int, ...], ready_w: int) -> int:  # pragma: no cover - in the child
+    """Put ``fds`` on 3, 4, ... without close-on-exec (sd_listen_fds(3)); returns where the
+    ready pipe is now. Everything involved is first moved above that range: the ready pipe
+    (it may be fd 3 itself) and the sockets (one may sit on another's target number), so no
+    dup2 overwrites an fd still to be placed. The copies left behind are closed with the
+    rest by the caller."""
+    top = 3 + len(fds)
+    ready_w = fcntl.fcntl(ready_w, fcntl.F_DUPFD_CLOEXEC, top)  # still close-on-exec: EOF means exec'd
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in fds]
+    for i, fd in enumerate(moved):
+        os.dup2(fd, 3 + i)  # inheritable: the replica keeps it across its exec
+    return ready_w
 
 
 def _run_python(run: Callable[[], Any]) -> int:

@@ -22,7 +22,8 @@ as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spaw
 dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
 raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
 
-The launcher sends each plan with its fds (ready pipe, captured stdout and stderr) over a
+The launcher sends each plan with its fds (ready pipe, captured stdout and stderr, the
+pool's listening sockets) over a
 socketpair, a turn's batch at once (pipelined: the spawner forks while the next plan is
 sent), then reads the answers in order; the spawner clones, answers with the pid, and only
 then lets the child go on, through a one-byte pipe. A spawner killed before it answered
@@ -48,6 +49,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from ..listenspec import MAX_SOCKETS
 from .childsetup import ALL_SIGNALS, run_child, set_pdeathsig
 
 _HEADER = struct.Struct("!I")
@@ -136,7 +138,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
     clone = _clone_parent()
     maxfd = os.sysconf("SC_OPEN_MAX")
     while True:
-        got = recv_frame(sock, maxfds=3)
+        # ready pipe, stdout, stderr, then the pool's listening sockets
+        got = recv_frame(sock, maxfds=3 + MAX_SOCKETS)
         if got is None:
             return  # the launcher closed our socket: it is stopping, or gone
         req, fds = got
@@ -146,6 +149,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
             plan = dataclasses.replace(plan, stdout=rest.pop(0))
         if req["stderr"]:
             plan = dataclasses.replace(plan, stderr=rest.pop(0))
+        if rest:
+            plan = dataclasses.replace(plan, listen_fds=tuple(rest))
         go_r, go_w = os.pipe()
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, ALL_SIGNALS)
         before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
