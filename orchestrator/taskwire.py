@@ -97,7 +97,9 @@ def dumps(obj: Any, *, by_value: bool = False) -> bytes:
             pass
     import dill  # only for what pickle cannot do: ~30 ms to import
 
-    return b"d" + dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    # recurse: the globals a function of __main__ names (its modules, constants) travel
+    # with it; without it they were looked up in the worker's own __main__, and missed.
+    return b"d" + dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
 
 
 def loads(data: bytes) -> Any:

@@ -346,3 +346,26 @@ def test_sigkill_of_the_host_leaves_no_worker_or_grandchild(tmp_path: Path, proc
             proc.kill()
             proc.wait(timeout=10)
         proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_function_of_the_scripts_main_keeps_the_modules_it_uses(tmp_path: Path, orch_test_tag: str) -> None:
+    """A task defined in the script being run travels by value (a worker's ``__main__`` is
+    not the script): the modules and globals it names travel with it, as they do to a
+    ProcessPoolExecutor's forked worker."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        from orchestrator import Executor
+        SUFFIX = "!"
+
+        def task(x):
+            return f"{{os.getpid() != os.getppid()}} {{x}}{{SUFFIX}}"
+
+        if __name__ == "__main__":
+            with Executor(max_workers=1, env={{{TAG_VAR!r}: {orch_test_tag!r}}}) as ex:
+                print(ex.submit(task, 7).result(timeout=30))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True 7!"
