@@ -415,18 +415,21 @@ class _Remote(_Backend):
         return False
 
     def _send(self) -> None:
-        while True:
-            with self._wake:
-                while not self._unsent and not self._closed:
-                    self._wake.wait()
-                if not self._unsent:
-                    return
-                self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
-                batch, self._unsent = self._unsent, []
-            try:
-                self._send_batch(batch)
-            finally:
-                self._sending.release()
+        try:
+            while True:
+                with self._wake:
+                    while not self._unsent and not self._closed:
+                        self._wake.wait()
+                    if not self._unsent:
+                        return
+                    self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
+                    batch, self._unsent = self._unsent, []
+                try:
+                    self._send_batch(batch)
+                finally:
+                    self._sending.release()
+        finally:
+            self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's
 
     def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
         first = batch[0][0]
