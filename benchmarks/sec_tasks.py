@@ -7,8 +7,9 @@ in a rotating order (after a warm-up round), all with 2 workers:
    sized from its warm-up rate, so every round lasts about as long for each); also one
    ``submit(...).result()`` after another, the round trip of a single task.
 2. **a process per task**: ``max_tasks_per_child=1`` (ours; ``ProcessPoolExecutor`` with
-   the context 3.11 picks for it, spawn, and with an explicit fork context; pebble's
-   ``max_tasks=1``; loky has no such setting), ``map`` of a task that returns its pid
+   the context 3.11 picks for it, spawn, and with an explicit fork context where the
+   executor takes one (3.11 refuses: shown as not run); pebble's ``max_tasks=1``; loky has
+   no such setting), ``map`` of a task that returns its pid
    (every pid is checked distinct), tasks/s. Ours also with a module that holds 200 MB
    (``bench_spawn``'s generator) in ``preload``.
 3. **cancel of a running task**: the task says it started (a line on a FIFO), sleeps, and
@@ -21,8 +22,9 @@ in a rotating order (after a warm-up round), all with 2 workers:
    and with what; whether the same executor takes a task afterwards.
 
 The tasks live in ``benchmarks/taskfns.py``, which imports nothing but ``os`` and ``time``:
-every pool imports them by name, and a fresh worker pays no import of this module's. Every pool is shut
-down in a ``finally`` (workers killed where the library can); no process is killed by name.
+every pool imports them by name, and a fresh worker pays no import of this module's. Every
+pool is shut down in a ``finally`` (workers killed where the library can); no process is
+killed by name.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import os
 import select
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
