@@ -24,10 +24,13 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
 The loop never unpickles a payload: tasks and results are opaque bytes to it, which only
 the worker and the submitting client load.
 
-The cancel word: eight bytes of memory the worker shares with the loop (a memfd it sends
-with HELLO). To interrupt task N, the loop writes ``N << 2 | cause`` there, then sends
-``CANCEL_SIGNAL`` to the worker; the worker's handler raises only if the word names the
-task it runs now. A signal that comes late (the task has ended, the next one runs) finds
+The cancel words: two words of eight bytes the worker shares with the loop (a memfd it sends
+with HELLO). A worker is sent at most two tasks at a time (the one it runs, and the next,
+so that it never waits for the loop between tasks); the k-th TASK frame it gets uses word
+k % 2, as both ends count. To interrupt task N, the loop writes ``N << 2 | cause`` in its
+word, then sends ``CANCEL_SIGNAL`` to the worker if N runs; the worker's handler raises only
+if the word of the task it runs now names that task, and a worker that starts a task looks
+at its word first. A signal that comes late (the task has ended, the next one runs) finds
 another number and does nothing: a cancel can never land in another task.
 """
 
@@ -45,7 +48,8 @@ SOCKET_ENV = "ORCHESTRATOR_TASK_SOCKET"
 # A real-time signal: no library or server framework claims it (SIGUSR1 is faulthandler's
 # and many servers' reload signal); glibc keeps SIGRTMIN..+2 below Python's SIGRTMIN.
 CANCEL_SIGNAL = signal.SIGRTMIN + 3
-WORD = struct.Struct("=Q")  # the cancel word, native order: both ends are on this host
+WORD = struct.Struct("=Q")  # a cancel word, native order: both ends are on this host
+WORDS = 2  # a worker holds at most two tasks (one runs, one waits): a word each, by turns
 
 HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED = range(1, 9)
 CANCEL, TIMEOUT = 1, 2  # the cause in the cancel word's low bits, and in STOPPED

@@ -26,11 +26,12 @@ from . import taskwire as w
 from .worker import Cancelled, TaskTimeout
 
 _current = 0  # the number of the task running now; 0 between tasks
-_word: Any = None  # memoryview of the cancel word, shared with the loop
+_slot = 0  # the cancel word of the task running now
+_word: Any = None  # memoryview of the cancel words, shared with the loop
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    word = _word[0]
+    word = _word[_slot]
     if _current and word >> 2 == _current:
         raise TaskTimeout() if word & 3 == w.TIMEOUT else Cancelled()
 
@@ -65,8 +66,8 @@ def main() -> None:
     sock = _connect(address)
     fd = os.memfd_create("orchestrator-cancel", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, w.WORD.size)
-        _word = memoryview(mmap.mmap(fd, w.WORD.size)).cast("Q")
+        os.ftruncate(fd, w.WORD.size * w.WORDS)
+        _word = memoryview(mmap.mmap(fd, w.WORD.size * w.WORDS)).cast("Q")
         socket.send_fds(sock, [w.frame(w.HELLO, os.getpid())], [fd])
     finally:
         os.close(fd)
@@ -94,7 +95,7 @@ def main() -> None:
         kind, number, payload = got
         if kind != w.TASK:
             continue
-        reply = _run(number, payload)
+        reply = _run(number, done % w.WORDS, payload)
         for stream in (sys.stdout, sys.stderr):  # a task's prints reach its log now, not at exit
             try:
                 stream.flush()
@@ -104,10 +105,11 @@ def main() -> None:
         done += 1
 
 
-def _run(number: int, payload: bytes) -> bytes:
-    global _current
+def _run(number: int, slot: int, payload: bytes) -> bytes:
+    global _current, _slot
     try:
         try:
+            _slot = slot
             _current = number
             _interrupt(0, None)  # a cancel that came before we knew the task's number
             if payload[:1] == b"t":
@@ -118,7 +120,7 @@ def _run(number: int, payload: bytes) -> bytes:
         finally:
             _current = 0
     except (Cancelled, TaskTimeout) as exc:
-        word = _word[0]
+        word = _word[slot]
         if word >> 2 == number:  # the loop's: a task that raised one itself falls through
             return w.frame(w.STOPPED, number, bytes([word & 3]))
         return _raised(number, exc)

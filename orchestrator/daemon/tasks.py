@@ -4,8 +4,9 @@ An executor pool is a pool like any other (its replicas run ``orchestrator.taskw
 supervised, restarted and shown as every replica is) plus what this module keeps: its
 queue of tasks, and for each worker the one task it runs. The loop alone hands a task to a
 worker, so at every moment it knows which worker runs which task; a cancel or a timeout
-is delivered for that task's number (the cancel word, taskwire.py) and can never land in
-the task a worker runs next.
+is delivered for that task's number (the cancel words, taskwire.py) and can never land in
+the task a worker runs next. A busy worker is sent one more task to hold (still QUEUED
+until it starts), so that it never waits for a round trip through the loop between two.
 
     submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
                  ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
@@ -102,6 +103,7 @@ class Task:
     kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, cancelled
     result: bytes | None = None  # the pickled result or exception (kind result or raised)
     timer: Timer | None = None
+    slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
     waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
 
     def record(self) -> dict:
@@ -126,11 +128,17 @@ class Worker:
     pool: "ExecPool | None" = None
     word: mmap.mmap | None = None
     ready: bool = False
-    task: Task | None = None  # sent to it, not answered yet
+    tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
+    sent: int = 0  # TASK frames sent: the k-th uses cancel word k % WORDS
     done: int = 0
     kill_timer: Timer | None = None
     lost_reason: str | None = None  # why the loop killed it, if it did
     closed: bool = False
+
+    @property
+    def task(self) -> Task | None:
+        """The task it runs now (the first it has not answered), if any."""
+        return self.tasks[0] if self.tasks else None
 
 
 @dataclass(eq=False)
@@ -139,7 +147,8 @@ class ExecPool:
     options: dict
     init: bytes
     queue: collections.deque = field(default_factory=collections.deque)
-    idle: collections.deque = field(default_factory=collections.deque)
+    idle: collections.deque = field(default_factory=collections.deque)  # workers with no task
+    single: collections.deque = field(default_factory=collections.deque)  # workers that may take a second
     workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
     next_n: int = 1
     reserved: int = 0  # task numbers below it are recorded as handed out (the pool's row)
@@ -591,27 +600,61 @@ class Tasks:
         return True
 
     def _dispatch(self, xp: ExecPool) -> None:
-        while xp.queue and xp.idle:
+        """Hand queued tasks out: to idle workers first, then one more to each busy worker,
+        so that none waits for a round trip through the loop between two tasks."""
+        while xp.queue:
             task = xp.queue[0]
             if task.state is not T.QUEUED:
                 xp.queue.popleft()
                 continue
-            worker = xp.idle.popleft()
-            if worker.closed or worker.task is not None:
-                continue
+            worker = self._free_worker(xp)
+            if worker is None:
+                return
             xp.queue.popleft()
-            old = task.state
-            task.state = task_transition(task.id, task.state, T.RUNNING)
-            task.attempts += 1
-            task.worker, worker.task = worker, task
-            task.worker_id = worker.replica.id if worker.replica is not None else None
-            task.started_at = self.table.os.time()
-            self.table.metrics.task_started(xp.name, task.started_at - task.queued_at)
-            worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
-            if task.timeout is not None:
-                task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
-            self._save(task, old)
-            self._tell(task, "started", task.id)
+            self._send(xp, worker, task)
+
+    def _free_worker(self, xp: ExecPool) -> Worker | None:
+        for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
+            while waiting:
+                worker = waiting.popleft()  # an entry whose worker changed since is dropped
+                if not worker.closed and len(worker.tasks) == holds and self._room(xp, worker):
+                    return worker
+        return None
+
+    def _room(self, xp: ExecPool, worker: Worker) -> bool:
+        """May ``worker`` be sent one more task (max_tasks_per_child counts those it holds)?"""
+        return not xp.closing and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
+
+    def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
+        """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
+        the worker runs."""
+        task.worker = worker
+        task.slot = worker.sent % w.WORDS
+        worker.sent += 1
+        worker.tasks.append(task)
+        worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
+        if len(worker.tasks) == 1:
+            self._head(worker)
+            if self._room(xp, worker):
+                xp.single.append(worker)
+
+    def _head(self, worker: Worker) -> None:
+        """The worker starts the first task it holds now: its clock starts (timeout, the
+        metrics, ``started``). One cancelled or timed out while it waited there stops at
+        once (its word says so); the kill after the grace stands behind that too."""
+        task = worker.tasks[0]
+        if task.state is not T.QUEUED:
+            self._arm_kill(worker, task, "cancel" if task.state is T.CANCELLED else "timeout")
+            return
+        task.state = task_transition(task.id, task.state, T.RUNNING)
+        task.attempts += 1
+        task.worker_id = worker.replica.id if worker.replica is not None else None
+        task.started_at = self.table.os.time()
+        self._save(task, T.QUEUED)
+        self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at)
+        if task.timeout is not None:
+            task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
+        self._tell(task, "started", task.id)
 
     def _timed_out(self, task: Task) -> None:
         worker = task.worker
@@ -623,15 +666,24 @@ class Tasks:
 
     def _interrupt(self, worker: Worker, task: Task, cause: int) -> None:
         """The exception of ``cause`` raised in ``task``, in its worker; the worker's whole
-        tree killed if it has not answered for the task ``grace`` seconds later."""
-        if worker.word is None or worker.closed or worker.task is not task:
+        tree killed if it has not answered for the task ``grace`` seconds after it began to
+        stop. A task that waits in the worker behind another is only marked: it stops as
+        soon as it starts."""
+        if worker.word is None or worker.closed or task not in worker.tasks:
             return
-        worker.word[:] = w.WORD.pack(w.cancel_word(task.n, cause))
+        at = task.slot * w.WORD.size
+        worker.word[at:at + w.WORD.size] = w.WORD.pack(w.cancel_word(task.n, cause))
+        if worker.tasks[0] is not task:
+            return
         proc = self._proc(worker)
         if proc is None:
             return
         signals.to_child(proc.pid, w.CANCEL_SIGNAL)
-        what = "cancel" if cause == w.CANCEL else "timeout"
+        self._arm_kill(worker, task, "cancel" if cause == w.CANCEL else "timeout")
+
+    def _arm_kill(self, worker: Worker, task: Task, what: str) -> None:
+        if worker.kill_timer is not None:
+            worker.kill_timer.cancel()
         grace = worker.pool.grace if worker.pool is not None else 5.0
         worker.kill_timer = self.table.reactor.call_later(
             grace, lambda: self._kill(worker, f"task {task.id} still ran {grace:g} s after its {what}", renew=True))
@@ -782,7 +834,7 @@ class Tasks:
             self._disconnected(worker)
             return
         try:
-            worker.word = mmap.mmap(fds[0], w.WORD.size)
+            worker.word = mmap.mmap(fds[0], w.WORD.size * w.WORDS)
         except (OSError, ValueError) as err:
             log.warning("%s: its cancel word cannot be mapped (%s); closing its task socket", rep.id, err)
             self._disconnected(worker)
@@ -801,7 +853,8 @@ class Tasks:
             return  # not identified: nothing but HELLO is read from it
         if kind == w.READY:
             worker.ready = True
-            xp.idle.append(worker)
+            if not xp.closing:
+                xp.idle.append(worker)
             self._dispatch(xp)
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
@@ -811,7 +864,7 @@ class Tasks:
         if task is None or task.n != number or kind not in (w.RESULT, w.RAISED, w.UNPICKLABLE, w.STOPPED):
             log.warning("%s: an answer for a task it does not run; ignored", worker.replica.id if worker.replica else "?")
             return
-        worker.task = None
+        worker.tasks.popleft()
         task.worker = None
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
@@ -835,11 +888,16 @@ class Tasks:
             else:  # STOPPED for a task we did not stop: cannot be; as a cancel
                 self._end(task, T.CANCELLED, "cancelled", None)
         worker.done += 1
+        if worker.tasks:
+            self._head(worker)
         if xp.max_tasks and worker.done >= xp.max_tasks:
             if worker.replica is not None and not xp.closing:  # it exits now: replaced at once, not counted
                 self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
-        elif not xp.closing:
-            xp.idle.append(worker)
+        elif not worker.tasks:
+            if not xp.closing:
+                xp.idle.append(worker)
+        elif self._room(xp, worker):
+            xp.single.append(worker)
         self._dispatch(xp)
 
     def _disconnected(self, worker: Worker) -> None:
@@ -876,11 +934,16 @@ class Tasks:
         if worker is None or xp is None:
             return
         # What it said before it died counts: a result still in the socket stands.
-        while not worker.closed and worker.task is not None and self._readable(worker):
+        while not worker.closed and worker.tasks and self._readable(worker):
             pass
         self._close(worker)
         task = worker.task
-        worker.task = None
+        waited = list(worker.tasks)[1:]
+        worker.tasks.clear()
+        for never in reversed(waited):  # sent, never started (still QUEUED): first in the queue again
+            never.worker = None
+            if never.state is T.QUEUED:
+                xp.queue.appendleft(never)
         if task is not None and task.state is T.RUNNING:
             task.worker = None
             reason = self.stop_reason if self.table.closing else worker.lost_reason or _how_it_ended(rep)
@@ -979,7 +1042,8 @@ class Tasks:
         if xp is None:
             return None
         queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
-        running = sum(1 for wk in xp.workers.values() if wk.task is not None and wk.task.state is T.RUNNING)
+        running = sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.RUNNING)
+        queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
         return {"queued": queued, "running": running, "done": xp.done}
 
     def _check_rss(self, xp: ExecPool) -> None:
