@@ -369,3 +369,32 @@ def test_a_function_of_the_scripts_main_keeps_the_modules_it_uses(tmp_path: Path
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True 7!"
+
+
+def test_a_task_waiting_in_a_busy_worker_is_cancelled_or_handed_on(make_executor: MakeExecutor, tmp_path: Path) -> None:
+    """One worker holds the task it runs and the next one: a cancel of the waiting task
+    never reaches the running one, and a worker's death hands the waiting task on."""
+    ex = make_executor(max_workers=1)
+    a_started, a_marker = tmp_path / "a", tmp_path / "a.marker"
+    b_started, b_marker = tmp_path / "b", tmp_path / "b.marker"
+    a = ex.submit(taskfns.wait_for_cancel, str(a_started), str(a_marker))
+    b = ex.submit(taskfns.wait_for_cancel, str(b_started), str(b_marker))
+    wait_for(a_started.exists, 30, "the first task to run")
+    assert not b.running()  # it waits: QUEUED, in the worker or not
+    assert b.cancel() and b.cancelled()
+    assert not a.done() and not a_marker.exists()  # the running task was not touched
+    assert a.cancel()
+    wait_for(a_marker.exists, 10, "Cancelled in the first task")
+    assert a_marker.read_text() == "Cancelled"
+    worker = int(a_started.read_text())
+    assert ex.submit(taskfns.pid).result(timeout=30) == worker  # B never ran; the worker lives on
+    assert not b_started.exists()
+    # kill -9 of a worker that runs one task and holds the next: the next runs elsewhere
+    c_started = tmp_path / "c"
+    c = ex.submit(taskfns.wait_for_cancel, str(c_started), str(tmp_path / "c.marker"))
+    d = ex.submit(taskfns.pid)
+    wait_for(c_started.exists, 30, "the third task to run")
+    os.kill(int(c_started.read_text()), signal.SIGKILL)
+    with pytest.raises(WorkerLost):
+        c.result(timeout=30)
+    assert d.result(timeout=30) not in (worker, None)  # ran, in the new worker
