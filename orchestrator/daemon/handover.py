@@ -101,7 +101,7 @@ def read_document(fd: int) -> dict:
 
 def check_command(version: int) -> list[str]:
     """The --check process's argv: the interpreter on the code installed now."""
-    return [sys.executable, "-m", "orchestrator.daemon.handover", "--check", str(version)]
+    return [sys.executable, "-P", "-m", "orchestrator.daemon.handover", "--check", str(version)]
 
 
 def _check(version: str) -> int:
@@ -303,7 +303,7 @@ class Upgrade:
         signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
         try:
             fd = write_document(doc)
-            argv = [sys.executable, "-m", "orchestrator.daemon.main", "--state-dir", str(daemon.paths.state_dir),
+            argv = [sys.executable, "-P", "-m", "orchestrator.daemon.main", "--state-dir", str(daemon.paths.state_dir),
                     "--handover", str(fd)]
             log.info("upgrade: exec of %s after %.0f ms of hand-over", self.to_version,
                      (time.monotonic() - started) * 1e3)
