@@ -170,11 +170,11 @@ def test_broken_install_is_refused_in_one_line(daemon: DaemonUnderTest, tmp_path
 
 
 def test_an_unknown_handover_version_is_refused() -> None:
-    got = subprocess.run([sys.executable, "-m", "orchestrator.daemon.handover", "--check", "99"],
+    got = subprocess.run([sys.executable, "-m", "orchestrator.daemon.main", "--check", "99"],
                          capture_output=True, text=True, timeout=60, env=cli_env())
     assert got.returncode == 1
     assert got.stdout.strip().splitlines() == [got.stdout.strip()] and "hand-over version 99" in got.stdout
-    got = subprocess.run([sys.executable, "-m", "orchestrator.daemon.handover", "--check", "1"],
+    got = subprocess.run([sys.executable, "-m", "orchestrator.daemon.main", "--check", "1"],
                          capture_output=True, text=True, timeout=60, env=cli_env())
     assert got.returncode == 0 and got.stdout.startswith("ok "), got.stdout + got.stderr
 

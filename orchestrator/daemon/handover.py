@@ -1,7 +1,7 @@
 """`orchestrator upgrade`: the daemon re-executes itself in place, as `systemctl daemon-reexec`.
 
     upgrade (a command) ──► the new code tried in a separate process: ``python -m
-        │                   orchestrator.daemon.handover --check 1`` imports the daemon's
+        │                   orchestrator.daemon.main --check 1`` imports the daemon's
         │                   modules and says whether it reads hand-over version 1
         │                   (no: the command's one-line error, nothing touched)
         ├─► quiesce: new spawns held, wait (bounded) until no replica is STARTING and no
@@ -39,7 +39,6 @@ first, which is what makes that case rare.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import logging
@@ -100,17 +99,14 @@ def read_document(fd: int) -> dict:
 
 
 def check_command(version: int) -> list[str]:
-    """The --check process's argv: the interpreter on the code installed now."""
-    return [sys.executable, "-P", "-m", "orchestrator.daemon.handover", "--check", str(version)]
+    """The --check process's argv: the interpreter on the code installed now, importing
+    every daemon module as the new image would (``-P``: never from the daemon's cwd)."""
+    return [sys.executable, "-P", "-m", "orchestrator.daemon.main", "--check", str(version)]
 
 
-def _check(version: str) -> int:
-    """In the separate process: import what the new image runs and read ``version``."""
-    try:
-        from . import main  # noqa: F401  every daemon module, as the new image imports them
-    except Exception as err:  # any import failure is the answer, in one line
-        print(f"the installed code does not import: {type(err).__name__}: {err}", flush=True)
-        return 1
+def check(version: str) -> int:
+    """The --check process's answer, once it has imported what the new image runs (main.py
+    calls this from its ``--check``, so that a module that does not import is found first)."""
     if not version.isdigit() or int(version) not in SUPPORTED:
         print(f"the installed code {__version__} cannot read hand-over version {version} "
               f"(it reads {', '.join(map(str, sorted(SUPPORTED)))})", flush=True)
@@ -163,8 +159,8 @@ class Checker:
         last = lines[-1] if lines else "the check exited without a word"
         if last.startswith("ok "):
             self._finish(None, last[3:])
-        else:
-            self._finish(last, "")
+        else:  # its own reason, or the last line of a traceback: the exception that ended the import
+            self._finish(f"the installed code cannot take over: {last}", "")
 
     def _timed_out(self) -> None:
         from .. import signals
@@ -447,14 +443,3 @@ def answer(daemon: Any, doc: dict) -> None:
     cmd_id = doc.get("upgrade", {}).get("cmd_id")
     result = {"from": doc.get("from"), "to": __version__, "pid": os.getpid(), "replicas": len(doc["replicas"])}
     engine.reply(reply, protocol.ok(cmd_id, result), True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.daemon.handover")
-    parser.add_argument("--check", required=True, metavar="VERSION")
-    args = parser.parse_args(argv)
-    return _check(args.check)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

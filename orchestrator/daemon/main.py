@@ -653,16 +653,23 @@ def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """The new image of an upgrade: ``python -m orchestrator.daemon.main --state-dir DIR
-    --handover FD`` (handover.py execs it; nobody else runs it)."""
+    """An upgrade's two uses of the code installed now (handover.py; nobody else runs them):
+    ``--check VERSION``, run in a separate process first: this module imported (and with it
+    every daemon module), can it read that hand-over version; ``--state-dir DIR --handover
+    FD``: the new image, exec'd in the daemon's process."""
     import argparse
 
-    from .handover import read_document
+    from .handover import check, read_document
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.daemon.main")
-    parser.add_argument("--state-dir", required=True)
-    parser.add_argument("--handover", type=int, required=True, metavar="FD")
+    parser.add_argument("--check", metavar="VERSION")
+    parser.add_argument("--state-dir")
+    parser.add_argument("--handover", type=int, metavar="FD")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        return check(args.check)
+    if args.state_dir is None or args.handover is None:
+        parser.error("--state-dir and --handover, or --check")
     try:
         doc = read_document(args.handover)
     except (OSError, ValueError) as err:
