@@ -243,10 +243,9 @@ class Upgrade:
         self.engine.spawning.hold(True)
         self._waiting = True
         self._deadline = self.engine.reactor.call_later(QUIESCE_TIMEOUT, self._too_slow)
-        self.engine.reactor.at_turn_end(self._look)
-        self._look()
+        self.look()
 
-    def _look(self) -> None:
+    def look(self) -> None:
         """At a turn's end: nothing STARTING, no tree draining, then the exec is due."""
         if not self._waiting:
             return

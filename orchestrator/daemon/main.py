@@ -271,6 +271,7 @@ class Daemon:
         engine.extra_status = self._daemon_status
         engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
         engine.add_command("upgrade", self._cmd_upgrade)
+        engine.reactor.at_turn_end(lambda: self.upgrade.look() if self.upgrade is not None else None)
         reactor = engine.reactor
         reactor.add_reader(self._sig_r, self._on_signal_wakeup)
         if self.log_sink is not None:
