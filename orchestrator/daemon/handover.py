@@ -277,6 +277,11 @@ class Upgrade:
         started = time.monotonic()
         engine.spawning.stop()  # EOF for them: they exit; the new image starts its own
         engine.settle()  # one commit, and the replies of what the spawners' stop let in
+        # The stop ran turns: a command may have begun what cannot be carried meanwhile.
+        why = self._refusal() or ("a replica's tree is still ending" if engine.draining() else None)
+        if why is not None:
+            self._resume(why)
+            return
         err = engine.journal.commit()
         if err is not None:
             self._resume(f"the state could not be saved: {err}")
