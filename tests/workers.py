@@ -155,3 +155,12 @@ def stamped() -> None:
         stamp("term")
         time.sleep(float(os.environ.get("STOP_SECS", "0")))
         stamp("end")
+
+
+def ticker() -> None:
+    """A line on stdout every 50 ms, flushed: its log grows while it runs."""
+    n = 0
+    while True:
+        n += 1
+        print(f"tick {n}", flush=True)
+        time.sleep(0.05)

@@ -192,6 +192,26 @@ class WatchdogLink:
             poller.poll(remaining * 1000)
         self._close()
 
+    def carried(self) -> dict:
+        """For the caller's exec of itself (it keeps its pid, so the watchdog watches on):
+        the feed's fd, made inheritable, and the ledger and unsent bytes, as JSON."""
+        if self._fd >= 0:
+            os.set_inheritable(self._fd, True)
+        return {"fd": self._fd, "entries": {str(pid): line.hex() for pid, line in self._entries.items()},
+                "cgroups": {path: line.hex() for path, line in self._cgroups.items()},
+                "unsent": bytes(self._buffer).hex()}
+
+    def adopt(self, carried: dict) -> None:
+        """After that exec: the link as ``carried()`` described it, to the same watchdog."""
+        self._fd = int(carried["fd"])
+        if self._fd >= 0:
+            os.set_inheritable(self._fd, False)
+            os.set_blocking(self._fd, False)
+        self.pid = int(carried["pid"]) if carried.get("pid") is not None else None
+        self._entries = {int(pid): bytes.fromhex(line) for pid, line in carried["entries"].items()}
+        self._cgroups = {path: bytes.fromhex(line) for path, line in carried["cgroups"].items()}
+        self._buffer = bytearray(bytes.fromhex(carried["unsent"]))
+
     def _close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reload", parents=[common], help="re-read the config file and apply the difference")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("upgrade", parents=[common],
+                       help="make the daemon re-execute itself on the code installed now, keeping its replicas")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("health", parents=[common], help="exit 0 only if the daemon, its watchdog and manager "
                        "live and the loop answers within 1 s")
     p.add_argument("--json", action="store_true")
@@ -322,6 +326,7 @@ def _client(paths: Any, timeout: float | None = None) -> Any:
 # config file's [daemon] table fills in the rest)
 _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
                    "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes"}
+UPGRADE_TIMEOUT = 120.0  # the check (imports), the wait for starting replicas, the exec and the take-over
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 
@@ -356,6 +361,14 @@ def cmd_reload(args: argparse.Namespace, paths: Any) -> int:
     with _client(paths) as client:
         done = client.call("reload")
     _emit(args, done, [f"{what}: {', '.join(names)}" for what, names in done.items() if names])
+    return EXIT_OK
+
+
+def cmd_upgrade(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths, timeout=UPGRADE_TIMEOUT) as client:
+        done = client.call("upgrade", timeout=UPGRADE_TIMEOUT)
+    _emit(args, done, [f"upgraded: daemon {done['pid']} runs {done['to']} (was {done['from']}); "
+                       f"{done['replicas']} replica(s) kept"])
     return EXIT_OK
 
 
@@ -584,6 +597,7 @@ _COMMANDS = {
     "delete": cmd_delete,
     "signal": cmd_signal,
     "reload": cmd_reload,
+    "upgrade": cmd_upgrade,
     "health": cmd_health,
     "metrics": cmd_metrics,
     "logs": cmd_logs,

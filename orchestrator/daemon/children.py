@@ -103,6 +103,14 @@ class SystemChild:
         self.reactor.add_reader(self._pidfd, self.exited)
         return True
 
+    def adopt(self, pid: int) -> None:
+        """Supervise ``pid``, a child an earlier image of this daemon started (an upgrade):
+        our child still, unreaped, so its pid cannot have been reused."""
+        self.pid = pid
+        self._started = self.reactor.monotonic()
+        self._pidfd = self.os.pidfd(pid)
+        self.reactor.add_reader(self._pidfd, self.exited)
+
     def _down(self, reason: str) -> None:
         if self._on_down is not None:
             self._on_down(reason)
@@ -160,6 +168,15 @@ class WatchdogChild(SystemChild):
         self.reactor.add_writer(self.link)
         return pid
 
+    def carried(self) -> dict:
+        """What an upgrade carries: the watchdog, its feed (made inheritable) and the ledger."""
+        return {"pid": self.pid, **self.link.carried()}
+
+    def take_over(self, carried: dict) -> None:
+        self.link.adopt(carried)
+        self.reactor.add_writer(self.link)
+        self.adopt(int(carried["pid"]))
+
     def stop_quietly(self, timeout: float = 2.0) -> None:
         """A clean stop is no crash: tell it to exit without sweeping, and reap it."""
 
@@ -206,6 +223,42 @@ class ManagerBridge:
 
     def start(self) -> None:
         self.child.start()
+
+    def carried(self) -> dict | None:
+        """What an upgrade carries: the manager, its pipes (made inheritable), the bytes of a
+        command frame half read and of replies not written yet. None if there is none."""
+        if self.pid is None or self._cmd_fd is None or self._reply is None:
+            return None
+        os.set_inheritable(self._cmd_fd, True)
+        os.set_inheritable(self._reply.fd, True)
+        return {"pid": self.pid, "cmd_fd": self._cmd_fd, "reply_fd": self._reply.fd, "ready": self.ready,
+                "partial": bytes(self._frames._buf).hex(), "unsent": bytes(self._reply._buf).hex()}
+
+    def take_over(self, carried: dict | None) -> None:
+        """The manager an earlier image of the daemon ran, with its pipes; commands sent
+        during the exec wait in them and are read now. None: start one."""
+        if carried is None:
+            self.start()
+            return
+        cmd_r, reply_w = int(carried["cmd_fd"]), int(carried["reply_fd"])
+        for fd in (cmd_r, reply_w):
+            os.set_inheritable(fd, False)
+        os.set_blocking(cmd_r, False)
+        self._cmd_fd = cmd_r
+        self._frames = FrameReader()
+        self._frames._buf += bytes.fromhex(carried["partial"])
+        self._reply = BufferedWriter(reply_w)
+        self._reply._buf += bytes.fromhex(carried["unsent"])
+        self.ready = bool(carried["ready"])
+        if self.ready:
+            self.down_reason = None
+        self.reactor.add_reader(cmd_r, functools.partial(self._on_commands, cmd_r))
+        self.reactor.add_writer(self._reply)
+        self.child.adopt(int(carried["pid"]))
+
+    def reply_to(self) -> Callable[[dict], None]:
+        """How a command from the manager is answered (an upgrade carries open waits)."""
+        return self._reply_frame
 
     def _down(self, reason: str) -> None:
         if reason != self.down_reason:  # a retry that fails the same way is no news

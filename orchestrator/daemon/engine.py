@@ -398,6 +398,57 @@ class Engine:
         self.spawning.schedule()
         return ids
 
+    # -- an upgrade (handover.py): what is carried, and taken over -----------------------
+
+    def add_command(self, op: str, handler: Handler) -> None:
+        """A command whose reply may wait (protocol.DEFERRED): the daemon's ``upgrade``."""
+        self._commands[op] = handler
+
+    def procs(self) -> list[Proc]:
+        """The live processes of replicas, unreaped."""
+        return list(self._procs.values())
+
+    def replicas_in(self, *states: S) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.state in states]
+
+    def draining(self) -> int:
+        """Replicas reaped whose tree (cgroup) has not ended yet."""
+        return len(self._draining)
+
+    def waiters(self) -> list[Waiter]:
+        return list(self._waiters)
+
+    def adopt(self, rep: Replica, pidfd: int, *, cgroup: str | None, cleanup: list[Callable[[], None]],
+              kill_deadline: float | None, killed: bool, escaped: list[tuple[int, int]]) -> Proc:
+        """A replica whose process an earlier image of this daemon started (RUNNING or
+        STOPPING): watched again through ``pidfd``; its SIGKILL deadline, if it is stopping,
+        kept. The watchdog's ledger has it already."""
+        pool = self._pools[rep.pool]
+        rep.made_from = (pool.runtime, pool.policy)
+        self._replicas[rep.id] = rep
+        pool.live[rep.id] = rep
+        proc = Proc(rep.pid or 0, pidfd, -1, rep, killed=killed, escaped=escaped, cleanup=cleanup, cgroup=cgroup)
+        self._procs[proc.pid] = proc
+        self.reactor.add_reader(pidfd, lambda: self._on_exit(proc))
+        if kill_deadline is not None:
+            proc.kill_timer = self.reactor.call_at(kill_deadline, lambda: self.containment.kill_after_grace(proc))
+        return proc
+
+    def adopt_pending(self, rep: Replica) -> None:
+        """A PENDING replica of an earlier image (its spawn was held for the upgrade)."""
+        pool = self._pools[rep.pool]
+        assert pool.runtime is not None, "a pending replica's pool has a usable spec"
+        rep.made_from = (pool.runtime, pool.policy)
+        self._replicas[rep.id] = rep
+        pool.live[rep.id] = rep
+        self.spawning.add(rep, pool.runtime)
+        self.spawning.schedule()
+
+    def adopt_waiter(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, deadline: float,
+                     durable: bool) -> None:
+        """An open ``wait`` (or ``--wait``) of an earlier image, answered by this one."""
+        self.wait_for(ids, until, reply, cmd_id, max(0.0, deadline - self.os.monotonic()), durable=durable)
+
     # -- a replica's process ------------------------------------------------------------
 
     def spawned(self, rep: Replica, sp: Spawned, cgroup: str | None, cleanup: list[Callable[[], None]]) -> None:
@@ -568,7 +619,8 @@ class Engine:
     def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
                  *, durable: bool = True) -> Any:
         """Reply once every one of ``ids`` is ``until`` ("running", "ended"), or at ``timeout``."""
-        waiter = Waiter(tuple(ids), until, reply, cmd_id, durable=durable)
+        waiter = Waiter(tuple(ids), until, reply, cmd_id, durable=durable,
+                        deadline=self.os.monotonic() + timeout)
         self._waiters.add(waiter)
         self.reactor.call_later(timeout, lambda: self._outbox.extend(self._waiters.timed_out(waiter)))
         self._dirty = True

@@ -64,7 +64,8 @@ class MetricsServer:
     def __init__(self, reactor: Reactor, port: int, render: Callable[[], str],
                  healthz: Callable[[], tuple[bool, dict]] | None = None, *,
                  max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
-                 on_outcome: Callable[[str], None] | None = None) -> None:
+                 on_outcome: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
+        """``sock``: a listener bound already (carried by an upgrade), else one is bound on ``port``."""
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise OSError(errno.EINVAL, f"invalid metrics port {port!r} (0-65535)")
         self.reactor = reactor
@@ -79,16 +80,20 @@ class MetricsServer:
         self._conns: dict[int, _Conn] = {}
         self._listening = False
         self._resume: Timer | None = None
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # close-on-exec, as every Python fd
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.HOST, port))
-            sock.listen(64)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # close-on-exec, as every Python fd
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((self.HOST, port))
+                sock.listen(64)
+                sock.setblocking(False)
+            except OSError as err:
+                sock.close()
+                raise OSError(err.errno, f"cannot serve metrics on {self.HOST}:{port}: "
+                                         f"{err.strerror or err}") from None
+        else:
+            sock.set_inheritable(False)
             sock.setblocking(False)
-        except OSError as err:
-            sock.close()
-            raise OSError(err.errno, f"cannot serve metrics on {self.HOST}:{port}: "
-                                     f"{err.strerror or err}") from None
         self._sock = sock
         self.port: int = sock.getsockname()[1]
         try:
@@ -307,6 +312,10 @@ class MetricsServer:
             pass
         conn.sock.close()
         self._count(outcome)
+
+    def listener(self) -> socket.socket:
+        """The listening socket (an upgrade carries it)."""
+        return self._sock
 
     def close(self) -> None:
         """Close the listener and every connection; the reactor forgets our fd. Idempotent."""

@@ -100,7 +100,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, open_log_file
 from ..protocol import parse_replica_id
@@ -151,7 +151,8 @@ class _Stream:
     """One pipe (the child's stdout or stderr) and the rotated file it is pumped into."""
 
     def __init__(self, cap: LogCapture, replica_id: str, stream: str, max_bytes: int, backups: int,
-                 eager: bool) -> None:
+                 eager: bool, read_end: int | None = None) -> None:
+        """``read_end``: the pipe an earlier image of the daemon read (an upgrade), else a new one."""
         self.cap = cap
         self.name = f"{replica_id}.{stream}"
         self.max_bytes = max_bytes
@@ -173,7 +174,11 @@ class _Stream:
             self.fd, st = open_log_file(cap.dirfd, self.name, WRITE_FLAGS, cap.logs_dir)
             self.size, self.created = st.st_size, True
         try:
-            self.r, self.w = os.pipe()  # both close-on-exec; the spawner dup2s w onto 1 or 2
+            if read_end is None:
+                self.r, self.w = os.pipe()  # both close-on-exec; the spawner dup2s w onto 1 or 2
+            else:
+                self.r = read_end
+                os.set_inheritable(read_end, False)
             os.set_blocking(self.r, False)  # ours only: the child's end stays blocking
             cap.reactor.add_reader(self.r, self._on_readable)
             self.watching = True
@@ -394,13 +399,15 @@ class _Stream:
 class ReplicaLog:
     """One replica's capture: ``stdout`` and ``stderr`` are the fds its child puts on 1 and 2."""
 
-    def __init__(self, cap: LogCapture, replica_id: str, max_bytes: int, backups: int) -> None:
+    def __init__(self, cap: LogCapture, replica_id: str, max_bytes: int, backups: int,
+                 read_ends: tuple[int, int] | None = None) -> None:
         self.replica_id = replica_id
         self._cap = cap
         eager = cap.create_after == 0
-        self._out = _Stream(cap, replica_id, "out", max_bytes, backups, eager)
+        out_r, err_r = read_ends if read_ends is not None else (None, None)
+        self._out = _Stream(cap, replica_id, "out", max_bytes, backups, eager, out_r)
         try:
-            self._err = _Stream(cap, replica_id, "err", max_bytes, backups, eager)
+            self._err = _Stream(cap, replica_id, "err", max_bytes, backups, eager, err_r)
         except BaseException:
             self._out.close()
             raise
@@ -514,6 +521,29 @@ class LogCapture:
         mb, bk = self._limits(self.max_bytes if max_bytes is None else max_bytes,
                               self.backups if backups is None else backups)
         rlog = ReplicaLog(self, replica_id, mb, bk)
+        self._open[replica_id] = rlog
+        return rlog
+
+    def finish_of(self, replica_id: str) -> Callable[[], None] | None:
+        """The ``finish`` of a replica's open capture (an upgrade keeps it, and its pipes)."""
+        rlog = self._open.get(replica_id)
+        return rlog.finish if rlog is not None else None
+
+    def read_ends(self, replica_id: str) -> tuple[int, int] | None:
+        """The (stdout, stderr) pipes' read ends of a spawned replica: what an upgrade carries."""
+        rlog = self._open.get(replica_id)
+        if rlog is None or rlog.finished:
+            return None
+        return rlog._out.r, rlog._err.r
+
+    def adopt(self, replica_id: str, read_ends: tuple[int, int], *, max_bytes: int | None = None,
+              backups: int | None = None) -> ReplicaLog:
+        """The capture of a replica an earlier image of the daemon spawned (an upgrade),
+        over the read ends it carried; the files go on where they are."""
+        mb, bk = self._limits(self.max_bytes if max_bytes is None else max_bytes,
+                              self.backups if backups is None else backups)
+        rlog = ReplicaLog(self, replica_id, mb, bk, read_ends)
+        rlog.spawned()
         self._open[replica_id] = rlog
         return rlog
 

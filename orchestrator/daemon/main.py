@@ -47,7 +47,8 @@ from ..store import Store, StoreError
 from ..version import __version__
 from ..worker import sd_notify
 from . import config as config_file
-from . import containment, logsink, probes
+from ..protocol import DEFERRED
+from . import containment, handover, logsink, probes
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .httpserver import MetricsServer
@@ -74,8 +75,19 @@ class Daemon:
     def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
                  retention: dict | None = None, config_path: str | None = None,
                  stop_budget: float | None = None, metrics_port: int | None = None,
-                 cgroup: str | None = None, result_max_bytes: int | None = None) -> None:
+                 cgroup: str | None = None, result_max_bytes: int | None = None,
+                 handover: dict | None = None) -> None:
+        """``handover``: the document of an upgrade (handover.py): take over from the earlier
+        image of this process instead of starting."""
         self.paths = paths
+        # What an upgrade hands to the next image, to make this same Daemon again.
+        self.settings = {"grace": grace, "retention": retention, "config_path": config_path,
+                         "stop_budget": stop_budget, "metrics_port": metrics_port, "cgroup": cgroup,
+                         "result_max_bytes": result_max_bytes}
+        self.handover = handover
+        self.upgraded_at: float | None = None
+        self.upgrade: Any = None  # handover.Upgrade in progress
+        self._systemd_notify: str | None = None
         self.cgroup = cgroup  # auto | off | PATH (containment.detect); None: the config's, else auto
         self.containment: Any = None
         # Settings given on the command line win over the config file's [daemon] table,
@@ -118,6 +130,8 @@ class Daemon:
         from ..paths import check_state_dir
 
         paths = self.paths
+        if self.handover is not None:
+            return self._run_taken_over(self.handover)
         # Before any fd is opened or any child started: systemd's sockets (socket
         # activation) are taken, made close-on-exec, and their variables removed.
         self.inherited_sockets = adopt_inherited()
@@ -144,6 +158,27 @@ class Daemon:
 
         setproctitle("orchestrator: daemon")
         self._install_signals()
+        try:
+            return self._serve()
+        except OrchestratorError as err:
+            return self._fail(str(err))
+        finally:
+            self._remove_runtime_files()
+
+    def _run_taken_over(self, doc: dict) -> int:
+        """run() after an upgrade's exec: the lock, the state dir and systemd's sockets are
+        ours already; the signals blocked across the exec are delivered once handled."""
+        from .handover import BLOCKED
+
+        os.umask(0o077)
+        self._lock_fd = int(doc["daemon"]["lock_fd"])
+        os.set_inheritable(self._lock_fd, False)
+        os.environ.setdefault("SPT_NOENV", "1")
+        from setproctitle import setproctitle
+
+        setproctitle("orchestrator: daemon")
+        self._install_signals()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
         try:
             return self._serve()
         except OrchestratorError as err:
@@ -194,17 +229,24 @@ class Daemon:
 
     def _serve(self) -> int:
         paths = self.paths
+        doc = self.handover
+        carried = doc["daemon"] if doc is not None else {}
         if self.config_path is not None:
             self._load_config(self.config_path)  # an invalid file: one line, and nothing started
         # systemd's notify socket is ours (Type=notify), not the replicas'.
-        self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None)
-        set_child_subreaper()
+        self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None) if doc is None else carried.get("notify")
+        set_child_subreaper()  # kept across an exec already; said again, it costs nothing
         self.os = OSApi(nofile=raise_fd_limit())
-        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
-        paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
-        self._write_authkey()
+        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8) if doc is None else carried["token"]
+        if doc is None:  # after an upgrade the manager serves the socket with the key it has
+            paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
+            self._write_authkey()
+        else:
+            self.started_at = float(carried["started_at"])
+            self.inherited_sockets = [(name, fd) for name, fd in doc["listeners"].get("inherited", [])]
         self.store = self._open_store()
-        self._keep_watchdog_report()
+        if doc is None:
+            self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
                             remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
         # Executor workers connect to an abstract socket named after the state dir: the same
@@ -216,8 +258,11 @@ class Daemon:
                               inherited_sockets=tuple(self.inherited_sockets))
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
-        self.containment = containment.detect(
-            self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
+        if doc is None:
+            self.containment = containment.detect(
+                self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
+        else:  # the subtree we run in: opened, not made (that would nest a new one in daemon/)
+            self.containment = handover.containment_of(carried["containment"])
         log.info("containment: %s (%s)", self.containment.mode, self.containment.reason)
         link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
         engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link,
@@ -225,6 +270,8 @@ class Daemon:
         engine.journal.reopen = lambda: self._new_store()
         engine.extra_status = self._daemon_status
         engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
+        engine.add_command("upgrade", self._cmd_upgrade)
+        engine.reactor.at_turn_end(lambda: self.upgrade.look() if self.upgrade is not None else None)
         reactor = engine.reactor
         reactor.add_reader(self._sig_r, self._on_signal_wakeup)
         if self.log_sink is not None:
@@ -238,36 +285,46 @@ class Daemon:
         self.watchdog = WatchdogChild(link, reactor, self.os)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
                                      journal=engine.journal)
+        taking_over = doc is not None
         try:
-            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
-                              cgroups=[previous_cgroup, self.containment.path])
-            containment.drop_previous(previous_cgroup, self.containment)
-            containment.record(paths, self.containment)
-            self._prune_logs()
-            self.watchdog.start()
-            engine.start_spawners()  # until one is ready, replicas are forked here
-            # Pools first, then the channel: no command may see a half-restored table.
-            engine.supervisor.restore(self.store.load()[0])
-            engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
-            if self.config is not None:
-                self._apply(self.config)
+            if doc is not None:
+                self._take_over(doc)
+            else:
+                recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
+                                  cgroups=[previous_cgroup, self.containment.path])
+                containment.drop_previous(previous_cgroup, self.containment)
+                containment.record(paths, self.containment)
+                self._prune_logs()
+                self.watchdog.start()
+                engine.start_spawners()  # until one is ready, replicas are forked here
+                # Pools first, then the channel: no command may see a half-restored table.
+                engine.supervisor.restore(self.store.load()[0])
+                engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
+                if self.config is not None:
+                    self._apply(self.config)
             engine.settle()
             self.lag = LagMonitor(reactor, interval=1.0)
             engine.metrics.lag = self.lag
             if self.metrics_port is not None:
+                listener = handover.metrics_listener(doc) if doc is not None else None
                 try:
                     self.metrics_server = MetricsServer(
                         reactor, self.metrics_port, self._render_metrics, self._healthz,
-                        on_outcome=engine.metrics.http_request)
+                        on_outcome=engine.metrics.http_request, sock=listener)
                 except OSError as err:
                     raise OrchestratorError(str(err)) from None
-            self.manager.start()
+            if doc is not None:
+                self.manager.take_over(doc.get("manager"))
+                handover.answer(self, doc)  # the upgrade command, and the waits it carried
+                taking_over = False
+            else:
+                self.manager.start()
             deadline = time.monotonic() + 30
             while not self.manager.ready:
                 if time.monotonic() > deadline:
                     raise OrchestratorError("the manager server did not start within 30 s")
                 self._turn(1.0)
-            log.info("daemon %d ready on %s", os.getpid(), paths.state_dir)
+            log.info("daemon %d %s on %s", os.getpid(), "upgraded" if doc is not None else "ready", paths.state_dir)
             self._notify(f"READY {os.getpid()}")
             if self._systemd_notify:
                 sd_notify(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
@@ -278,14 +335,47 @@ class Daemon:
         except ShutdownRequested as req:
             log.info("%s: shutting down", signal.Signals(req.signum).name)
         finally:
+            if taking_over:
+                self._abandon()
             self._shutdown(engine)
         return 0
 
     def _turn(self, timeout: float | None) -> None:
-        """One turn of the loop; a shutdown signal is acted on between turns, never inside."""
+        """One turn of the loop; a shutdown signal is acted on between turns, never inside,
+        and so is an upgrade's exec (it returns only if the exec failed)."""
         self._engine.run_once(timeout)
         if self._stop_signal is not None:
             raise ShutdownRequested(self._stop_signal)
+        if self.upgrade is not None and self.upgrade.quiesced:
+            self.upgrade.execute()
+
+    def _cmd_upgrade(self, args: dict, reply: Any, cmd_id: Any) -> Any:
+        """`upgrade`: re-execute on the code installed now (handover.py); answered by the
+        new image, or with the one-line reason it was refused."""
+        if self.upgrade is not None:
+            raise OrchestratorError("an upgrade is in progress already")
+        self.upgrade = handover.Upgrade(self, reply, cmd_id)
+        return DEFERRED
+
+    def _take_over(self, doc: dict) -> None:
+        """After an upgrade's exec: the table, the system children and the replicas of the
+        earlier image, as the hand-over and the store say (handover.take_over)."""
+        engine = self._engine
+        assert self.watchdog is not None
+        self.watchdog.take_over(doc["watchdog"])
+        engine.start_spawners()
+        handover.take_over(self, doc)
+        self.upgraded_at = time.time()
+
+    def _abandon(self) -> None:
+        """The take-over failed half way: a clean shutdown would end only the replicas
+        adopted so far and tell the watchdog to leave. Exit at once instead: the watchdog
+        sees its daemon die and sweeps every replica of its ledger, as after a kill -9."""
+        log.critical("upgrade: the take-over failed; exiting so that the watchdog ends every replica",
+                     exc_info=True)
+        if self.log_sink is not None:
+            self.log_sink.flush()
+        os._exit(70)
 
     def _write_authkey(self) -> None:
         from ..paths import AUTHKEY_NAME, write_private
@@ -334,6 +424,8 @@ class Daemon:
             "manager_pid": self.manager.pid if self.manager is not None else None,
             "spawner_pids": sorted(self.engine.system_pids()) if self.engine is not None else [],
             "started_at": self.started_at,
+            "version": __version__,  # the code this process runs, not what is installed now
+            "upgraded_at": self.upgraded_at,
             **(self.containment.describe() if self.containment is not None else {}),
             "logs": self.log_capture.totals() if self.log_capture is not None else None,
             "config": self.config_path,
@@ -561,5 +653,35 @@ def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any
             signal.signal(sig, signal.SIG_IGN)
 
 
+def _main(argv: list[str] | None = None) -> int:
+    """An upgrade's two uses of the code installed now (handover.py; nobody else runs them):
+    ``--check VERSION``, run in a separate process first: this module imported (and with it
+    every daemon module), can it read that hand-over version; ``--state-dir DIR --handover
+    FD``: the new image, exec'd in the daemon's process."""
+    import argparse
+
+    from .handover import check, read_document
+
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.daemon.main")
+    parser.add_argument("--check", metavar="VERSION")
+    parser.add_argument("--state-dir")
+    parser.add_argument("--handover", type=int, metavar="FD")
+    args = parser.parse_args(argv)
+    if args.check is not None:
+        return check(args.check)
+    if args.state_dir is None or args.handover is None:
+        parser.error("--state-dir and --handover, or --check")
+    try:
+        doc = read_document(args.handover)
+    except (OSError, ValueError) as err:
+        # Nothing was taken over: the watchdog ends the replicas when we exit.
+        print(f"orchestrator: upgrade: cannot read the hand-over: {err}", file=sys.stderr, flush=True)
+        return 70
+    return run_foreground(Paths(args.state_dir), handover=doc, **doc["daemon"]["settings"])
+
+
 __all__ = ["Daemon", "run_foreground"]
+
+if __name__ == "__main__":
+    sys.exit(_main())
 

@@ -123,6 +123,25 @@ class Pool:
         if self.state != CRASHLOOP:
             self.state = BACKOFF if self.pending else OK
 
+    # -- what an upgrade carries (handover.py): all the store does not hold --------------
+
+    def carried(self) -> dict:
+        """The in-memory bookkeeping, as JSON; scheduled replacements by their deadline."""
+        return {"desired": self.desired, "state": self.state, "reason": self.reason, "restarts": self.restarts,
+                "slot_restarts": {str(k): v for k, v in self.slot_restarts.items()},
+                "recent": list(self._recent), "delay": {str(k): v for k, v in self._delay.items()},
+                "pending": {str(k): t.deadline for k, t in self.pending.items()}}
+
+    def take_over(self, carried: dict) -> dict[int, float]:
+        """The bookkeeping of ``carried()``; returns the replacements to schedule (slot -> deadline)."""
+        self.desired = int(carried["desired"])
+        self.state, self.reason = str(carried["state"]), carried.get("reason")
+        self.restarts = int(carried["restarts"])
+        self.slot_restarts = {int(k): int(v) for k, v in carried.get("slot_restarts", {}).items()}
+        self._recent = collections.deque(float(t) for t in carried.get("recent", ()))
+        self._delay = {int(k): float(v) for k, v in carried.get("delay", {}).items()}
+        return {int(k): float(v) for k, v in carried.get("pending", {}).items()}
+
     # -- what is stored and shown -------------------------------------------------------
 
     def stored(self) -> dict:

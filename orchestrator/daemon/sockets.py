@@ -127,6 +127,28 @@ class Listeners:
             raise InvalidSpec(f"{len(fds)} listening sockets for one replica: at most {MAX_SOCKETS}")
         return fds, names
 
+    def carried(self) -> dict:
+        """What an upgrade carries: every socket's fd (made inheritable here, just before the exec)."""
+        for sock in self._open.values():
+            sock.set_inheritable(True)
+        for fds in self._inherited.values():
+            for fd in fds:
+                os.set_inheritable(fd, True)
+        return {"open": {text: sock.fileno() for text, sock in self._open.items()},
+                "made": {path: list(ident) for path, ident in self._made.items()},
+                "inherited": [[name, fd] for name, fds in self._inherited.items() for fd in fds]}
+
+    def take_over(self, carried: dict) -> None:
+        """The sockets an earlier image of the daemon carried (``carried()``)."""
+        for text, fd in carried.get("open", {}).items():
+            os.set_inheritable(fd, False)
+            self._open[text] = socket.socket(fileno=fd)
+        self._made = {path: (int(ident[0]), int(ident[1])) for path, ident in carried.get("made", {}).items()}
+        self._inherited = {}
+        for name, fd in carried.get("inherited", []):
+            os.set_inheritable(fd, False)
+            self._inherited.setdefault(name, []).append(fd)
+
     def addresses(self) -> list[str]:
         """What is bound now (``fd:`` names included)."""
         return sorted(self._open) + [f"fd:{n}" for n in sorted(self._inherited)]

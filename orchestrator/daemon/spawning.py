@@ -86,6 +86,7 @@ class Spawning:
         # pool -> its replicas waiting for the pools it starts after (Supervisor.waiting)
         self._gated: dict[str, list[tuple[Replica, Runtime]]] = {}
         self._scheduled = False
+        self._upgrade_hold = False
 
     # -- the spawner processes ------------------------------------------------------------
 
@@ -151,9 +152,15 @@ class Spawning:
             self._scheduled = True
             self.table.reactor.call_soon(self._spawn_pending)
 
+    def hold(self, held: bool) -> None:
+        """An upgrade holds new spawns while it waits for the STARTING ones (handover.py)."""
+        self._upgrade_hold = held
+        if not held:
+            self.schedule()
+
     def _spawn_pending(self) -> None:
         self._scheduled = False
-        if not self._pending or self.table.closing:
+        if not self._pending or self.table.closing or self._upgrade_hold:
             return
         if self.table.journal.pending and not self.table.commit():
             # A replica's id must be durable before its process exists: after a kill -9

@@ -834,6 +834,40 @@ class Supervisor:
                 live, reactor, self.table.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
                 lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
 
+    def resume(self, proc: Proc) -> None:
+        """A RUNNING replica taken over from an earlier image of the daemon (an upgrade):
+        its healthy_after timer from when it became RUNNING, its liveness probe anew."""
+        rep = proc.replica
+        if rep.state is not S.RUNNING:
+            return
+        pool = self._pool_of(rep)
+        policy = pool.policy
+        reactor = self.table.reactor
+        if rep.slot is not None and rep.started_at is not None:
+            slot = rep.slot
+            left = max(0.0, policy.healthy_after - (self.table.os.time() - rep.started_at))
+            proc.cleanup.append(reactor.call_later(left, lambda: pool.healthy(slot)).cancel)
+        if policy.live is not None:
+            try:
+                live = self._probe(rep, "live", policy.live)
+            except InvalidSpec as err:  # it expanded when it started: the pool was checked since
+                log.error("%s: liveness probe not resumed: %s", rep.id, err)
+                return
+            proc.cleanup.append(probes.Checker(
+                live, reactor, self.table.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
+                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
+
+    def carried(self) -> dict:
+        """What an upgrade carries of the supervisor: the replicas stopping to be replaced."""
+        return {"replacing": sorted(self._replacing), "renewing": dict(self._renewing)}
+
+    def take_over(self, carried: dict) -> None:
+        self._replacing = set(carried.get("replacing", ()))
+        self._renewing = dict(carried.get("renewing", {}))
+
+    def rollouts(self) -> int:
+        return len(self._rollouts)
+
     def _not_ready(self, proc: Proc, why: str) -> None:
         rep = proc.replica
         if proc.reaped or rep.state is not S.STARTING:
@@ -877,6 +911,11 @@ class Supervisor:
         delay = pool.next_delay(slot) if backoff else 0.0
         journal.event("restart", {"pool": pool.name, "replica": rep.id, "slot": slot, "delay": round(delay, 3),
                                   "reason": reason})
+        self.schedule_replacement(pool, slot, self.table.reactor.monotonic() + delay)
+
+    def schedule_replacement(self, pool: Pool, slot: int, deadline: float) -> None:
+        """A replacement in ``slot`` at monotonic ``deadline`` (_replace's, or one an
+        upgrade carried)."""
 
         def launch() -> None:
             if pool.pending.pop(slot, None) is None or self.table.closing or pool.deleted:
@@ -887,7 +926,7 @@ class Supervisor:
             self.table.launch(pool, 1, slots=[slot], grow=False)
             self.table.save_pool(pool)
 
-        pool.pending[slot] = self.table.reactor.call_later(delay, launch)
+        pool.pending[slot] = self.table.reactor.call_at(deadline, launch)
         pool.settle_state()
         self.table.save_pool(pool)
 

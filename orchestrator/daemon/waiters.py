@@ -28,6 +28,7 @@ class Waiter:
     cmd_id: Any
     durable: bool = True  # the reply of a command that changed state (see Engine._outbox)
     done: bool = False
+    deadline: float | None = None  # monotonic; carried by an upgrade (handover.py)
 
 
 class Waiters:
