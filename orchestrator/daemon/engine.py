@@ -125,6 +125,7 @@ class Engine:
                            stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
         self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
+        self._drain_asked = False  # a _drain_inbox is scheduled and has not begun
         self._pools: dict[str, Pool] = {}
         self._replicas: dict[str, Replica] = {}
         self._ended: collections.deque[str] = collections.deque()
@@ -155,9 +156,15 @@ class Engine:
             if self.closed:
                 raise ShuttingDown("the orchestrator is not running")
             self._inbox.append((cmd, reply))
+            # One wake-up for a burst: a drain already asked for takes this command too.
+            if self._drain_asked:
+                return
+            self._drain_asked = True
         self.reactor.call_soon_threadsafe(self._drain_inbox)
 
     def _drain_inbox(self) -> None:
+        with self._submit_lock:
+            self._drain_asked = False  # from here on, a new command asks for a new drain
         while self._inbox:
             cmd, reply = self._inbox.popleft()
             self.handle(cmd, reply)
