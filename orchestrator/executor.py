@@ -157,7 +157,7 @@ class Executor(futures_base.Executor):
         self._lock = threading.Lock()
         self._shutdown = False
         self._closed = threading.Event()
-        self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple | list] = queue.SimpleQueue()
         self._session = secrets.token_hex(8)
         self._stopping = False
         self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir)
@@ -288,10 +288,16 @@ class Executor(futures_base.Executor):
                 self._on_event(("refused", ref, msg, None))
 
     def _collect(self) -> None:
-        """The one thread that moves what the embedded loop reports into the futures."""
-        get = self._events.get
-        while self._on_event(get()):
-            pass
+        """The one thread that moves what the embedded loop reports into the futures (a
+        list of events per turn of the loop, or one event of this side's own)."""
+        get, on_event = self._events.get, self._on_event
+        while True:
+            got = get()
+            if isinstance(got, list):
+                for event in got:
+                    on_event(event)
+            elif not on_event(got):
+                return
 
     def _on_event(self, event: tuple | list) -> bool:
         """One report of the loop into its future; False for the end of the reports."""

@@ -18,8 +18,9 @@ Workers connect to one listener (``$ORCHESTRATOR_TASK_SOCKET``, an abstract sock
 a path is given); a connection is accepted only from the main process of a live replica
 of an executor pool (SO_PEERCRED), once. The loop never unpickles a task or a result: it
 moves opaque bytes between the submitting session and the worker. What a session hears
-(``sink``): ``(kind, ref, data, task id)`` with kind one of started, result, raised,
-error (data: a line), cancelled, timeout, lost (data: the reason).
+(``sink``, called with a list of them once per turn): ``(kind, ref, data, task id)`` with
+kind one of started, result, raised, error (data: a line), cancelled, timeout, lost,
+unrun (data: the reason).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .reactor import BufferedWriter, Reactor, Timer
 
 log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
-Sink = Callable[[tuple], Any]
+Sink = Callable[[list], Any]  # called with a turn's events
 WORKER_TARGET = "orchestrator.taskworker:main"
 RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -180,6 +181,7 @@ class Session:
     events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
     seq: int = 0
     held: int = 0  # bytes of the events waiting
+    outbox: list = field(default_factory=list)  # a sink's events of this turn, handed over at its end
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
     idle_timer: Timer | None = None
@@ -754,10 +756,12 @@ class Tasks:
             return
         event = (kind, task.ref, data, task.id)
         if session.sink is not None:
-            try:
-                session.sink(event)
-            except Exception:  # a sink is the submitter's: its failure is not the loop's
-                log.exception("executor session %s: its sink failed", session.name)
+            # Handed over once per turn, all of the turn's at once: one wake-up of the
+            # submitter's thread for a burst of ends.
+            session.outbox.append(event)
+            if not session.flushing:
+                session.flushing = True
+                self.table.reactor.call_soon(lambda: self._hand_over(session))
             return
         session.seq += 1
         # Over the channel (JSON): bytes travel as base64 text.
@@ -771,6 +775,15 @@ class Tasks:
             # Answered soon, with everything this turn adds: one reply for a burst of ends.
             session.flushing = True
             self.table.reactor.call_soon(lambda: self._flush(session))
+
+    def _hand_over(self, session: Session) -> None:
+        session.flushing = False
+        events, session.outbox = session.outbox, []
+        if events and session.sink is not None:
+            try:
+                session.sink(events)
+            except Exception:  # a sink is the submitter's: its failure is not the loop's
+                log.exception("executor session %s: its sink failed", session.name)
 
     def _flush(self, session: Session) -> None:
         session.flushing = False
