@@ -69,6 +69,10 @@ class Frames:
     def __init__(self) -> None:
         self._buf = bytearray()
 
+    def pending(self) -> bytes:
+        """What was read of a frame not complete yet."""
+        return bytes(self._buf)
+
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         """(kind, number, payload) of every frame completed by ``data``; ValueError on a
         frame over MAX_FRAME (the peer is broken: the caller drops it)."""

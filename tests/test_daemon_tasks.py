@@ -255,3 +255,31 @@ def test_cancels_right_after_submit_through_the_daemon(daemon: DaemonUnderTest, 
             refused = ex2.submit(jobsmod.add, 1, 2)
             with pytest.raises(UnknownReplica, match="unknown executor pool"):
                 refused.result(timeout=30)
+
+
+def test_an_upgrade_carries_executor_pools_and_their_tasks(daemon: DaemonUnderTest, jobs: Path, tmp_path: Path) -> None:
+    """`upgrade` with a task running, one queued and a client waiting on both: the task
+    finishes in the same worker, the queued one runs, the client never notices, and a
+    cancel after the upgrade still reaches the running task alone."""
+    daemon.start()
+    import jobsmod  # type: ignore[import-not-found]
+
+    started = tmp_path / "started"
+    with Client(daemon.state_dir) as client:
+        with client.executor("jobs", max_workers=1) as ex:
+            running = ex.submit(jobsmod.slow, 2.0, "finished", str(started))
+            queued = ex.submit(jobsmod.add, 20, 22)
+            wait_for(started.exists, 30, "the task to run")
+            worker = int(started.read_text())
+            before = {r["id"]: r["pid"] for r in daemon.status()["replicas"] if r["pool"] == "jobs"}
+            got = cli(daemon.state_dir, "upgrade")
+            assert got.returncode == 0, got.stderr
+            assert running.result(timeout=60) == "finished" and queued.result(timeout=60) == 42
+            after = {r["id"]: r["pid"] for r in daemon.status()["replicas"] if r["pool"] == "jobs"}
+            assert after == before and worker in after.values()  # the same worker, not restarted
+            started.unlink()
+            again = ex.submit(jobsmod.slow, 60, "never", str(started))
+            wait_for(started.exists, 30, "a task to run after the upgrade")
+            assert again.cancel() and again.cancelled()
+            assert ex.submit(jobsmod.add, 1, 1).result(timeout=30) == 2
+            assert {r["id"]: r["pid"] for r in daemon.status()["replicas"] if r["pool"] == "jobs"} == before

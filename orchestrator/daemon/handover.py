@@ -19,16 +19,20 @@
 What carries over, by fd (``HANDOVER`` version 1): the pid file's lock, the watchdog's feed
 pipe (and its ledger, to replay to a restarted watchdog), the manager's two pipes (and the
 bytes of a frame half read or half written), each replica's log pipes (read ends), the
-pools' listening sockets and systemd's, the metrics listener. By value: what the store does
+pools' listening sockets and systemd's, the metrics listener, the task listener and each
+executor worker's connection and cancel words (tasks.py). By value: what the store does
 not hold (each pool's restart bookkeeping and scheduled replacements, a STOPPING replica's
-SIGKILL deadline, open ``wait``s, the daemon's settings, start time and token). Rebuilt:
+SIGKILL deadline, open ``wait``s, the daemon's settings, start time and token; the
+unfinished tasks with their payloads and timeouts, and the events a client has not polled
+yet). Rebuilt:
 the store (reopened), the spawners, pidfds (``pidfd_open`` of our own unreaped children: a
 zombie pins its pid), probes and healthy_after timers (from the replica's start), the signal
 pipe, the loop-lag monitor and the metrics counters. Monotonic deadlines survive exec (one
 clock for the whole machine).
 
-Not carried, so refused with one line: executor pools (their workers' task connections),
-a rollout or a reload's ordered delete in flight. A STARTING replica is waited for.
+Not carried, so refused with one line: a rollout or a reload's ordered delete in flight. A
+STARTING replica is waited for. A client's poll for task events and a `result --wait` are
+answered just before the exec (with nothing new); both ask again, and the next image answers.
 
 If the exec itself fails the old image resumes (store reopened, spawners and probes
 restarted). If the new image fails while taking over, it exits: the watchdog sees its
@@ -208,9 +212,6 @@ class Upgrade:
         engine = self.engine
         if engine.closing:
             return "the daemon is shutting down"
-        executors = sorted(p.name for p in engine.pools() if p.executor is not None and not p.deleted)
-        if executors:
-            return f"executor pools cannot be carried over by this version ({', '.join(executors)})"
         if engine.supervisor.rollouts():
             return "a rolling restart is in progress; try again once it has ended"
         manager = self.daemon.manager
@@ -276,6 +277,7 @@ class Upgrade:
         self.quiesced = False
         started = time.monotonic()
         engine.spawning.stop()  # EOF for them: they exit; the new image starts its own
+        engine.tasks.before_handover()  # polls and result waits answered: they ask the next image
         engine.settle()  # one commit, and the replies of what the spawners' stop let in
         # The stop ran turns: a command may have begun what cannot be carried meanwhile.
         why = self._refusal() or ("a replica's tree is still ending" if engine.draining() else None)
@@ -362,6 +364,7 @@ class Upgrade:
             "watchdog": daemon.watchdog.carried(),
             "manager": daemon.manager.carried(),
             "listeners": engine.listeners.carried(),
+            "tasks": engine.tasks.carried(),
             "metrics_fd": metrics,
             "pools": {p.name: p.carried() for p in engine.pools()},
             "supervisor": engine.supervisor.carried(),
@@ -433,6 +436,7 @@ def take_over(daemon: Any, doc: dict) -> None:
         engine.supervisor.resume(proc)
     for record in doc.get("pending", []):
         engine.adopt_pending(Replica.from_record(record))
+    engine.tasks.take_over(doc.get("tasks"))  # executor pools: their tasks, on the carried connections
     engine.journal.event("upgrade", {"from": doc.get("from"), "to": __version__, "pid": os.getpid(),
                                      "replicas": len(doc["replicas"]), "pending": len(doc.get("pending", []))})
     engine.changed()

@@ -78,6 +78,10 @@ class BufferedWriter:
     def pending(self) -> bool:
         return bool(self._buf)
 
+    def pending_bytes(self) -> bytes:
+        """What the fd has not taken yet."""
+        return bytes(self._buf)
+
     def fileno(self) -> int:
         return self.fd
 

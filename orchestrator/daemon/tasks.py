@@ -76,6 +76,7 @@ class Table(Protocol):
     closing: bool
 
     def pool(self, name: Any) -> Pool | None: ...
+    def replica(self, rid: str) -> Replica | None: ...
     def save_pool(self, pool: Pool) -> None: ...
     def proc_by_pid(self, pid: int) -> Any: ...
     def proc_of(self, rep: Replica) -> Any: ...
@@ -128,6 +129,7 @@ class Worker:
     replica: Replica | None = None
     pool: "ExecPool | None" = None
     word: mmap.mmap | None = None
+    word_fd: int = -1  # the memfd behind ``word``
     ready: bool = False
     tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
     sent: int = 0  # TASK frames sent: the k-th uses cancel word k % WORDS
@@ -846,15 +848,15 @@ class Tasks:
             fds.clear()
             self._disconnected(worker)
             return
+        memfd = fds.pop()
         try:
-            worker.word = mmap.mmap(fds[0], w.WORD.size * w.WORDS)
+            worker.word = mmap.mmap(memfd, w.WORD.size * w.WORDS)
         except (OSError, ValueError) as err:
             log.warning("%s: its cancel word cannot be mapped (%s); closing its task socket", rep.id, err)
+            os.close(memfd)
             self._disconnected(worker)
             return
-        finally:
-            os.close(fds[0])
-            fds.clear()
+        worker.word_fd = memfd  # kept: an upgrade hands it to the next image, which maps it again
         self._accepted.discard(worker)
         worker.pid, worker.replica, worker.pool = pid, rep, xp
         xp.workers[rep.id] = worker
@@ -938,6 +940,9 @@ class Tasks:
         if worker.word is not None:
             worker.word.close()
             worker.word = None
+        if worker.word_fd >= 0:
+            os.close(worker.word_fd)
+            worker.word_fd = -1
 
     def worker_ended(self, rep: Replica) -> None:
         """``rep`` has ended and its processes are gone (engine._record_end): the task it
@@ -1083,6 +1088,156 @@ class Tasks:
         rep = worker.replica
         proc = self.table.proc_of(rep) if rep is not None else None
         return proc if proc is not None and not proc.reaped else None
+
+    # -- an upgrade (handover.py) ----------------------------------------------------------
+
+    def before_handover(self) -> None:
+        """Answer what waits on the loop (a session's poll, a `result --wait`): both ask
+        again, and the next image answers."""
+        for session in self._sessions.values():
+            if session.poll is not None:
+                reply, cmd_id, timer = session.poll
+                timer.cancel()
+                session.poll = None
+                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+        for task in self._live.values():
+            for reply, cmd_id in task.waiters:
+                self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+            task.waiters.clear()
+
+    def carried(self) -> dict:
+        """What the next image needs to go on with every executor pool: its tasks, its
+        workers' connections and cancel words (their fds made inheritable here), the
+        sessions' unread events, the listener."""
+        def keep(fd: int) -> int:
+            os.set_inheritable(fd, True)
+            return fd
+
+        def deadline(timer: Timer | None) -> float | None:
+            return timer.deadline if timer is not None and not timer.cancelled else None
+
+        tasks = []
+        for t in self._live.values():
+            tasks.append({**t.record(), "payload": _text(t.payload), "result": None, "ref": t.ref,
+                          "session": t.session.name if t.session is not None else None, "slot": t.slot,
+                          "timer": deadline(t.timer)})
+        workers = []
+        for worker in [wk for xp in self._pools.values() for wk in xp.workers.values()] + list(self._accepted):
+            if worker.closed:
+                continue
+            workers.append({"pool": worker.pool.name if worker.pool is not None else None,
+                            "replica": worker.replica.id if worker.replica is not None else None,
+                            "pid": worker.pid, "sock": keep(worker.sock.fileno()), "out": keep(worker.writer.fd),
+                            "pending_out": _text(bytes(worker.writer.pending_bytes())),
+                            "pending_in": _text(worker.frames.pending()), "word": keep(worker.word_fd)
+                            if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent,
+                            "done": worker.done, "tasks": [t.id for t in worker.tasks],
+                            "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
+        pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "done": xp.done,
+                  "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
+                 for xp in self._pools.values() if not xp.closing]
+        sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events]}
+                    for ss in self._sessions.values() if ss.sink is None]
+        listener = keep(self._listener.fileno()) if self._listener is not None else None
+        return {"address": self._address, "listener": listener, "pools": pools, "tasks": tasks,
+                "workers": workers, "sessions": sessions}
+
+    def take_over(self, doc: dict | None) -> None:
+        """The next image: the executor pools of the store (restored already) go on as the
+        earlier image left them, on the connections it handed over."""
+        if not doc:
+            return
+        reactor = self.table.reactor
+        if doc.get("listener") is not None:
+            self._address = doc["address"]
+            self._listener = socket.socket(fileno=int(doc["listener"]))
+            os.set_inheritable(self._listener.fileno(), False)
+            reactor.add_reader(self._listener.fileno(), self._accept)
+        for carried in doc.get("pools", []):
+            pool = self.table.pool(carried["name"])
+            ex = pool.executor if pool is not None else None
+            if pool is None or not ex:
+                continue
+            xp: ExecPool | None = self._adopt(pool, _options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
+                             next_n=int(carried["next_n"]))
+            assert xp is not None
+            xp.reserved, xp.said, xp.done = int(carried["reserved"]), carried.get("said"), int(carried.get("done", 0))
+        for ss in doc.get("sessions", []):
+            session = self._open_session(ss["name"], None)
+            session.seq = int(ss["seq"])
+            for seq, event in ss["events"]:
+                session.events.append((int(seq), event))
+                session.held += len(event[2]) if isinstance(event[2], str) else 0
+        now = self.table.os.monotonic()
+        by_id: dict[str, Task] = {}
+        for row in doc.get("tasks", []):
+            xp = self._pools.get(row["pool"])
+            if xp is None:
+                continue
+            owner = self._sessions.get(row["session"]) if row.get("session") else None
+            task = Task(row["id"], int(row["n"]), xp, _bytes(row["payload"], "payload") if row["payload"] else None,
+                        row.get("ref"), owner, row["timeout"], int(row["retries"]), state=T(row["state"]),
+                        attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
+                        started_at=row["started_at"], slot=int(row.get("slot") or 0))
+            if row.get("timer") is not None:
+                task.timer = reactor.call_later(max(0.0, float(row["timer"]) - now),
+                                                functools.partial(self._timed_out, task))
+            if owner is not None and task.ref is not None:
+                owner.tasks[task.ref] = task
+            self._live[task.id] = task
+            by_id[task.id] = task
+        for carried in doc.get("pools", []):
+            xp = self._pools.get(carried["name"])
+            if xp is not None:
+                xp.queue.extend(by_id[i] for i in carried["queue"] if i in by_id)
+        for item in doc.get("workers", []):
+            self._take_worker(item, by_id, now)
+        for xp in self._pools.values():
+            self._dispatch(xp)
+
+    def _take_worker(self, item: dict, by_id: dict[str, Task], now: float) -> None:
+        conn = socket.socket(fileno=int(item["sock"]))
+        conn.setblocking(False)
+        for fd in (conn.fileno(), int(item["out"]), item.get("word")):
+            if fd is not None:
+                os.set_inheritable(int(fd), False)
+        worker = Worker(conn, BufferedWriter(int(item["out"])))
+        worker.frames.feed(_bytes(item.get("pending_in") or "", "pending_in"))
+        if item.get("pending_out"):
+            worker.writer.write(_bytes(item["pending_out"], "pending_out"))
+        self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+        xp = self._pools.get(item["pool"]) if item.get("pool") else None
+        rep = self.table.replica(item["replica"]) if item.get("replica") else None
+        if xp is None or rep is None:  # not identified yet: it says HELLO to this image
+            self._accepted.add(worker)
+            self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+            return
+        worker.pid, worker.replica, worker.pool = int(item["pid"]), rep, xp
+        worker.ready, worker.sent, worker.done = bool(item["ready"]), int(item["sent"]), int(item["done"])
+        worker.lost_reason = item.get("lost_reason")
+        if item.get("word") is not None:
+            worker.word_fd = int(item["word"])
+            worker.word = mmap.mmap(worker.word_fd, w.WORD.size * w.WORDS)
+        for task_id in item["tasks"]:
+            task = by_id.get(task_id)
+            if task is None:  # ended already (a cancel): the worker still answers for it
+                task = self._ended.get(task_id) or Task(task_id, int(task_id.rpartition("/")[2]), xp, None, None,
+                                                        None, None, 0, state=T.CANCELLED)
+            worker.tasks.append(task)
+            if not task.state.terminal:
+                task.worker = worker
+        xp.workers[rep.id] = worker
+        if item.get("kill") is not None and worker.tasks:
+            what = "cancel" if worker.tasks[0].state is T.CANCELLED else "timeout"
+            task = worker.tasks[0]
+            grace = max(0.0, float(item["kill"]) - now)
+            worker.kill_timer = self.table.reactor.call_later(
+                grace, lambda: self._kill(worker, f"task {task.id} did not stop after its {what}", renew=True))
+        if worker.ready and not xp.closing:
+            if not worker.tasks:
+                xp.idle.append(worker)
+            elif len(worker.tasks) == 1 and self._room(xp, worker):
+                xp.single.append(worker)
 
     def close(self) -> None:
         """Release the listener and every connection (the loop is closing)."""
