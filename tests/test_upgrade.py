@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, DaemonUnderTest, Ident, cli, cli_env, free_port_range, one_line_error, survivors, wait_for
+from helpers import (
+    ROOT, DaemonUnderTest, Ident, cli, cli_env, free_port_range, one_line_error, survivors, wait_for, wait_gone,
+)
 
 
 def _live(data: dict) -> dict[str, dict]:
@@ -266,3 +268,22 @@ def test_a_sigterm_during_the_exec_stops_the_new_image_cleanly(daemon: DaemonUnd
     text = log.read_text()
     assert "SIGTERM: shutting down" in text and f"daemon {pid} stopped" in text, text[-2000:]
     assert not (sd / "watchdog-report.json").exists()
+
+
+def test_upgrade_in_process_group_mode(daemon: DaemonUnderTest) -> None:
+    """The same hand-over without cgroups: the replicas' groups are ours as before, and a
+    kill -9 of the daemon after the upgrade still leaves nothing behind (the teardown checks)."""
+    sd = daemon.state_dir
+    daemon.start("--cgroup", "off")
+    assert cli(sd, "launch", "--pool", "s", "--count", "3", "--wait", "--", "sleep", "300").returncode == 0
+    before = daemon.status()
+    assert before["daemon"]["containment"] == "process-group"
+    pids = {r["id"]: Ident.of(r["pid"]) for r in before["replicas"]}
+    got = cli(sd, "upgrade")
+    assert got.returncode == 0, got.stderr
+    after = daemon.status()
+    assert {r["id"]: Ident.of(r["pid"]) for r in after["replicas"]} == pids
+    assert after["daemon"]["upgraded_at"] is not None
+    assert daemon.pid is not None
+    os.kill(daemon.pid, signal.SIGKILL)
+    assert not wait_gone([i for i in pids.values() if i is not None], 30)
