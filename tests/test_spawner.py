@@ -288,3 +288,36 @@ def test_a_fork_elsewhere_in_the_host_holding_a_ready_pipe_does_not_hang_the_loo
         for pid in holders:  # our own children: the loop unblocks (if it was) once they are gone
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_fork_elsewhere_in_the_host_does_not_keep_a_ready_pipe_open(make_orchestrator, monkeypatch):
+    """The same stranger, forked while the loop holds a ready pipe's write end (here: as
+    the plan goes to the spawner): a fork handler closes that end in the stranger, so the
+    replica is RUNNING at once, not once the stranger has exited."""
+    from orchestrator.daemon import launcher, osapi
+
+    holders: list[int] = []
+    send = launcher.Spawner.begin
+
+    def fork_then_send(self, plan, ready_w, *args):  # type: ignore[no-untyped-def]
+        if not holders:
+            assert ready_w in osapi._WRITE_ENDS
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the stranger
+                time.sleep(600)
+                os._exit(0)
+            holders.append(pid)
+        return send(self, plan, ready_w, *args)
+
+    orch = make_orchestrator(grace=2.0, call_timeout=10.0)
+    wait_for(lambda: _spawners_ready(orch), 10, "the spawner to be ready")
+    monkeypatch.setattr(launcher.Spawner, "begin", fork_then_send)
+    try:
+        ids = orch.launch("held", ["sleep", "300"], wait=True, timeout=20)
+        assert holders, "the stranger forked while the write end was held"
+        assert [r["state"] for r in orch.status()["replicas"] if r["id"] in ids] == ["RUNNING"]
+    finally:
+        monkeypatch.undo()
+        for pid in holders:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

@@ -37,6 +37,27 @@ from ..spawn.childsetup import ALL_SIGNALS, prctl, run_child
 from ..spec import LaunchPlan
 
 _PR_SET_CHILD_SUBREAPER = 36
+# The write ends of ready pipes this process holds for a moment (between the pipe and the
+# spawner's or our own fork). An embedding program that forks on another thread in that
+# moment (a multiprocessing or pebble pool making a worker) would keep one in its child,
+# and the replica's ready pipe would not reach EOF while that child lives: the replica would
+# stay STARTING. A fork handler closes them in every child but our own forks' (_OURS).
+_WRITE_ENDS: set[int] = set()
+_OURS = False
+
+
+def _close_write_ends() -> None:
+    if _OURS:
+        return  # the replica itself: run_child writes to its ready pipe
+    for fd in list(_WRITE_ENDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _WRITE_ENDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_write_ends)
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
@@ -95,11 +116,13 @@ class OSApi:
         """Ask the spawner ``via`` for a worker; ``end()`` gets it. Begin a batch, then end
         it, in the same order."""
         ready_r, ready_w = os.pipe()
+        _WRITE_ENDS.add(ready_w)
         try:
             seq = via.begin(plan, ready_w, self.pdeathsig, self.nofile)
         except SpawnerLost:
             seq = None
         finally:
+            _WRITE_ENDS.discard(ready_w)
             os.close(ready_w)
         return Begun(plan, via, ready_r, seq)
 
@@ -121,20 +144,27 @@ class OSApi:
         return self._fork(begun.plan, *os.pipe())
 
     def _fork(self, plan: LaunchPlan, ready_r: int, ready_w: int) -> Spawned:
+        global _OURS
         parent = os.getpid()
+        _WRITE_ENDS.add(ready_w)
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, ALL_SIGNALS)
         before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         try:
+            _OURS = True
             pid = os.fork()
         except OSError:  # EAGAIN, ENOMEM: no child; the caller records FAILED
+            _OURS = False
             _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            _WRITE_ENDS.discard(ready_w)
             os.close(ready_r)
             os.close(ready_w)
             raise
         if pid == 0:  # pragma: no cover - runs in the child, never returns
             run_child(plan, ready_w, parent, self.pdeathsig, self.maxfd, self.nofile)
+        _OURS = False
         after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        _WRITE_ENDS.discard(ready_w)
         os.close(ready_w)
         # The kernel's start time is the fork's CLOCK_BOOTTIME in clock ticks (10 ms). When
         # the fork fell inside one tick it is known exactly without reading /proc, whose
