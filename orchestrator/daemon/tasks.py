@@ -842,7 +842,11 @@ class Tasks:
         rep = proc.replica if proc is not None else None
         xp = self._pools.get(rep.pool) if rep is not None else None
         if rep is None or xp is None or xp.closing or rep.state.terminal or rep.id in xp.workers or len(fds) != 1:
-            log.warning("task socket: a connection from pid %d that is no worker of an executor pool; closed", cred_pid)
+            if xp is not None and (xp.closing or rep is not None and rep.state.terminal):
+                log.debug("task socket: %s connected as its pool closes; closed", rep.id if rep else cred_pid)
+            else:
+                log.warning("task socket: a connection from pid %d that is no worker of an executor pool; closed",
+                            cred_pid)
             for fd in fds:
                 os.close(fd)
             fds.clear()
