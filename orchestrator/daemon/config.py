@@ -56,7 +56,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..errors import ConfigError, InvalidSpec
 from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
@@ -342,13 +342,7 @@ class _Reader:
             if key not in POOL_KEYS:
                 raise self.unknown((*here, key), POOL_KEYS, "a [pools.NAME] table")
 
-        def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
-            if key not in table:
-                return None
-            try:
-                return fn(table[key], key, *args, **kw)
-            except InvalidSpec as err:
-                raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+        check = self._checker(here, table)
 
         size = check("size", _integer, low=0, high=MAX_COUNT)
         preload = check("preload", _modules)
@@ -370,6 +364,19 @@ class _Reader:
             line=self.lines.find(here),
         )
 
+    def _checker(self, here: tuple[str, ...], table: dict) -> Callable[..., Any]:
+        """``check(key, fn, ...)``: ``fn(table[key], key, ...)``, None where the key is not
+        given, a one-line ConfigError at the key's line where ``fn`` refuses the value."""
+        def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
+            if key not in table:
+                return None
+            try:
+                return fn(table[key], key, *args, **kw)
+            except InvalidSpec as err:
+                raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+
+        return check
+
     def _executor_pool(self, name: str, table: dict) -> PoolDecl:
         """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
         from .tasks import WORKER_TARGET, check_options
@@ -379,13 +386,7 @@ class _Reader:
             if key not in EXECUTOR_KEYS:
                 raise self.unknown((*here, key), EXECUTOR_KEYS, 'an executor pool (kind = "executor")')
 
-        def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
-            if key not in table:
-                return None
-            try:
-                return fn(table[key], key, *args, **kw)
-            except InvalidSpec as err:
-                raise self.fail((*here, key), _unprefixed(str(err), key)) from None
+        check = self._checker(here, table)
 
         size = check("size", _integer, low=1, high=MAX_COUNT)
         preload = check("preload", _modules) or ()

@@ -153,11 +153,18 @@ class Daemon:
             return self._fail(f"cannot use state dir {paths.state_dir}: {err.strerror or err}")
         if self._lock_fd is None:
             return self._fail(f"a daemon is already running for {paths.state_dir} (pid {running_pid(paths)})")
+        return self._titled_serve()
+
+    def _titled_serve(self, unblock: tuple[int, ...] = ()) -> int:
+        """Titled, signals handled (``unblock``: those an upgrade kept pending across its
+        exec, delivered once handled), then serve until stopped."""
         os.environ.setdefault("SPT_NOENV", "1")
         from setproctitle import setproctitle
 
         setproctitle("orchestrator: daemon")
         self._install_signals()
+        if unblock:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
         try:
             return self._serve()
         except OrchestratorError as err:
@@ -173,18 +180,7 @@ class Daemon:
         os.umask(0o077)
         self._lock_fd = int(doc["daemon"]["lock_fd"])
         os.set_inheritable(self._lock_fd, False)
-        os.environ.setdefault("SPT_NOENV", "1")
-        from setproctitle import setproctitle
-
-        setproctitle("orchestrator: daemon")
-        self._install_signals()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
-        try:
-            return self._serve()
-        except OrchestratorError as err:
-            return self._fail(str(err))
-        finally:
-            self._remove_runtime_files()
+        return self._titled_serve(unblock=BLOCKED)
 
     def _fail(self, message: str) -> int:
         print(f"orchestrator: {message}", file=sys.stderr, flush=True)
