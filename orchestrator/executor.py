@@ -315,6 +315,8 @@ class Executor(futures_base.Executor):
             return True
         if self._futures.pop(ref, None) is None:
             return True  # another thread ended it (a refusal and a report cannot both come)
+        if task_id is not None:
+            fut.task_id = task_id
         if isinstance(data, str) and kind in ("result", "raised"):
             data = base64.b64decode(data)  # from a daemon: base64 over its JSON channel
         if kind == "result":

@@ -781,6 +781,9 @@ class Tasks:
     def _hand_over(self, session: Session) -> None:
         session.flushing = False
         events, session.outbox = session.outbox, []
+        if len(events) > 1:  # a task that started and ended in the same turn: its end says both
+            ended = {e[1] for e in events if e[0] != "started"}
+            events = [e for e in events if e[0] != "started" or e[1] not in ended]
         if events and session.sink is not None:
             try:
                 session.sink(events)
