@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from . import taskwire as w
-from .worker import Cancelled, TaskTimeout
+from .worker import Cancelled, TaskTimeout, Terminated
 
 _current = 0  # the number of the task running now; 0 between tasks
 _slot = 0  # the cancel word of the task running now
@@ -124,7 +124,9 @@ def _run(number: int, slot: int, payload: bytes) -> bytes:
         if word >> 2 == number:  # the loop's: a task that raised one itself falls through
             return w.frame(w.STOPPED, number, bytes([word & 3]))
         return _raised(number, exc)
-    except Exception as exc:  # a Terminated (SIGTERM) is not the task's error: the worker ends
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt too, as the standard library's workers
+        if isinstance(exc, Terminated):
+            raise  # SIGTERM is not the task's error: the worker ends
         return _raised(number, exc)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line

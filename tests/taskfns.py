@@ -111,3 +111,7 @@ def allocate(mib: int, hold: float) -> int:
 
 def exit_with(code: int) -> None:
     os._exit(code)
+
+
+def exits(code: int) -> None:
+    raise SystemExit(code)

@@ -81,6 +81,14 @@ def test_submit_map_and_exceptions(any_executor: Callable[..., cf.Executor]) -> 
         assert ex.submit(taskfns.square, x=3).result(timeout=30) == 9  # keyword arguments
 
 
+def test_a_task_that_raises_system_exit(any_executor: Callable[..., cf.Executor]) -> None:
+    with any_executor(max_workers=1) as ex:
+        before = ex.submit(taskfns.pid).result(timeout=30)
+        err = ex.submit(taskfns.exits, 3).exception(timeout=30)
+        assert isinstance(err, SystemExit) and err.code == 3  # the task's exception, not the worker's end
+        assert ex.submit(taskfns.pid).result(timeout=30) == before
+
+
 def test_wait_as_completed_and_callbacks(any_executor: Callable[..., cf.Executor]) -> None:
     with any_executor(max_workers=2) as ex:
         futs = [ex.submit(taskfns.sleep_then, 0.01 * i, i) for i in range(6)]
