@@ -379,7 +379,8 @@ class _Reader:
 
     def _executor_pool(self, name: str, table: dict) -> PoolDecl:
         """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
-        from .tasks import WORKER_TARGET, check_options
+        from .taskrecords import parse_options
+        from .tasks import WORKER_TARGET
 
         here = ("pools", name)
         for key in table:
@@ -397,7 +398,7 @@ class _Reader:
         if "memory_max" in table:
             raw["memory_max"] = check("memory_max", parse_size)
         try:
-            options = check_options(raw)
+            options = parse_options(raw)
         except InvalidSpec as err:
             key = next((k for k in raw if k in str(err)), "kind")
             raise self.fail((*here, key), _unprefixed(str(err), key)) from None

@@ -34,27 +34,25 @@ import mmap
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from .. import protocol, signals
 from .. import taskwire as w
 from ..errors import InvalidSpec, UnknownReplica
-from ..states import Replica
-from ..states import ReplicaState as S
+from ..states import Replica, task_transition
 from ..states import TaskState as T
-from ..states import task_transition
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
+from .taskrecords import (
+    ExecPool, Reply, Session, Sink, Task, Worker, as_bytes, as_text, how_it_ended, listing, outcome,
+    parse_options, received_fds, size_text, target_payload,
+)
 
 log = logging.getLogger("orchestrator")
-Reply = Callable[[dict], None]
-Sink = Callable[[list], Any]  # called with a turn's events
 WORKER_TARGET = "orchestrator.taskworker:main"
 RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
 SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
 KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)...
@@ -82,111 +80,6 @@ class Table(Protocol):
     def proc_of(self, rep: Replica) -> Any: ...
     def changed(self) -> None: ...
     def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
-
-
-@dataclass(eq=False, slots=True)
-class Task:
-    id: str
-    n: int
-    pool: "ExecPool"
-    payload: bytes | None  # the pickled call (or a target's JSON), until the task ends
-    ref: Any  # the submitting session's name for it
-    session: "Session | None"
-    timeout: float | None
-    retries: int
-    state: T = T.QUEUED
-    attempts: int = 0
-    worker: "Worker | None" = None
-    worker_id: str | None = None  # the replica that runs (or last ran) it
-    queued_at: float = 0.0  # wall clock, as every time of a task
-    started_at: float | None = None
-    ended_at: float | None = None
-    reason: str | None = None
-    kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, cancelled
-    result: bytes | None = None  # the pickled result or exception (kind result or raised)
-    timer: Timer | None = None
-    slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
-    waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
-
-    def record(self) -> dict:
-        """The task's row (store.save_task) and, without payload and result, its listing."""
-        return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
-                "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
-                "worker": self.worker_id, "queued_at": self.queued_at, "started_at": self.started_at,
-                "ended_at": self.ended_at, "reason": self.reason,
-                "payload": self.payload if not self.state.terminal else None,
-                "kind": self.kind, "result": self.result}
-
-
-@dataclass(eq=False)
-class Worker:
-    """One connection from a worker process, from its accept until its replica ended."""
-
-    sock: socket.socket
-    writer: BufferedWriter
-    frames: w.Frames = field(default_factory=w.Frames)
-    pid: int = 0  # 0 until its HELLO identified it
-    replica: Replica | None = None
-    pool: "ExecPool | None" = None
-    word: mmap.mmap | None = None
-    word_fd: int = -1  # the memfd behind ``word``
-    ready: bool = False
-    tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
-    sent: int = 0  # TASK frames sent: the k-th uses cancel word k % WORDS
-    done: int = 0
-    kill_timer: Timer | None = None
-    lost_reason: str | None = None  # why the loop killed it, if it did
-    closed: bool = False
-
-    @property
-    def task(self) -> Task | None:
-        """The task it runs now (the first it has not answered), if any."""
-        return self.tasks[0] if self.tasks else None
-
-
-@dataclass(eq=False)
-class ExecPool:
-    name: str
-    options: dict
-    init: bytes
-    queue: collections.deque = field(default_factory=collections.deque)
-    idle: collections.deque = field(default_factory=collections.deque)  # workers with no task
-    single: collections.deque = field(default_factory=collections.deque)  # workers that may take a second
-    workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
-    next_n: int = 1
-    reserved: int = 0  # task numbers below it are recorded as handed out (the pool's row)
-    rss_timer: Timer | None = None
-    rss_check: bool = False  # memory_max by RSS: no memory controller here
-    said: str | None = None  # the last worker's complaint (its initializer failed)
-    closing: bool = False
-    done: int = 0  # tasks ended since the daemon started
-
-    @property
-    def max_tasks(self) -> int:
-        return self.options.get("max_tasks_per_child") or 0
-
-    @property
-    def grace(self) -> float:
-        return float(self.options["grace"])
-
-
-@dataclass(eq=False)
-class Session:
-    """One submitter: where its tasks' ends are told. An embedded ``Executor`` gives a
-    ``sink`` (called in the loop); a client of the daemon polls ``task_events`` instead, and
-    its events wait here (bounded) until it does. Ends with ``executor_close``, or when a
-    polling client has not polled for SESSION_IDLE seconds (it died: its tasks go on)."""
-
-    name: str
-    sink: Sink | None
-    tasks: dict[Any, Task] = field(default_factory=dict)  # ref -> task, until it ended
-    events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
-    seq: int = 0
-    held: int = 0  # bytes of the events waiting
-    outbox: list = field(default_factory=list)  # a sink's events of this turn, handed over at its end
-    poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
-    flushing: bool = False  # its poll's answer is scheduled
-    idle_timer: Timer | None = None
 
 
 class Tasks:
@@ -274,8 +167,8 @@ class Tasks:
         """Open (or join) an executor pool, and register the session that submits to it."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
-        options = _options(args.get("options"))
-        init = _bytes(args.get("init") or b"", "init")
+        options = parse_options(args.get("options"))
+        init = as_bytes(args.get("init") or b"", "init")
         spec = args.get("spec")
         if not isinstance(spec, dict) or spec.get("target") != WORKER_TARGET:
             raise InvalidSpec("an executor pool's spec runs " + WORKER_TARGET)
@@ -302,7 +195,7 @@ class Tasks:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""
-        options = _options(options)
+        options = parse_options(options)
         self._listen()
         spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
         policy = dict(policy)
@@ -411,8 +304,8 @@ class Tasks:
             one = {**one, "target": xp.options["target"], "pythonpath": wire.get("pythonpath") or [],
                    "cwd": wire.get("cwd")}
         if payload is None and one.get("target") is not None:
-            payload = _target_payload(one)
-        payload = _bytes(payload, "payload")
+            payload = target_payload(one)
+        payload = as_bytes(payload, "payload")
         if not payload:
             raise InvalidSpec("a task needs a payload or a target")
         opts = xp.options
@@ -542,15 +435,15 @@ class Tasks:
         pool = args.get("pool")
         if pool is not None and pool not in self._pools:
             raise UnknownReplica(f"unknown executor pool {pool!r}")
-        rows = {t.id: _listing(t.record()) for t in self._live.values() if pool is None or t.pool.name == pool}
+        rows = {t.id: listing(t.record()) for t in self._live.values() if pool is None or t.pool.name == pool}
         if args.get("all"):
             store = self.table.journal.store
             if store is not None:
                 for row in store.tasks(pool=pool, include_terminal=True):
-                    rows.setdefault(row["id"], _listing(row))
+                    rows.setdefault(row["id"], listing(row))
             for t in self._ended.values():
                 if pool is None or t.pool.name == pool:
-                    rows[t.id] = _listing(t.record())
+                    rows[t.id] = listing(t.record())
         return sorted(rows.values(), key=lambda r: (r["pool"], r["n"]))
 
     def _cmd_result(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
@@ -565,9 +458,9 @@ class Tasks:
             row = self._stored(task_id)
             if row is None:
                 raise UnknownReplica(f"task {task_id!r} ended long ago: its record was pruned")
-            return _outcome(row)
+            return outcome(row)
         if task.state.terminal or not args.get("wait"):
-            return _outcome(task.record())
+            return outcome(task.record())
         timeout = protocol.wait_timeout(args)
         entry = (reply, cmd_id)
         task.waiters.append(entry)
@@ -575,7 +468,7 @@ class Tasks:
         def expire() -> None:
             if entry in task.waiters:
                 task.waiters.remove(entry)
-                self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
 
         self.table.reactor.call_later(timeout, expire)
         return protocol.DEFERRED
@@ -735,7 +628,7 @@ class Tasks:
             self._ended_bytes -= len(old_task.result or b"")
         self._save(task, old)
         for reply, cmd_id in task.waiters:
-            self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+            self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
         task.waiters.clear()
         self.table.changed()
 
@@ -767,7 +660,7 @@ class Tasks:
             return
         session.seq += 1
         # Over the channel (JSON): bytes travel as base64 text.
-        text = _text(data)
+        text = as_text(data)
         session.events.append((session.seq, [kind, task.ref, text, task.id]))
         session.held += len(text) if isinstance(text, str) else 0
         while len(session.events) > SESSION_BACKLOG or session.held > SESSION_BACKLOG_BYTES:
@@ -807,7 +700,7 @@ class Tasks:
         try:
             if worker.pid == 0:
                 data, anc, _, _ = worker.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 4))
-                fds = _fds(anc)
+                fds = received_fds(anc)
             else:
                 data, fds = worker.sock.recv(1 << 20), []
         except BlockingIOError:
@@ -895,7 +788,7 @@ class Tasks:
         if task.state is T.RUNNING and limit is not None and kind in (w.RESULT, w.RAISED) and len(payload) > limit:
             what = "result" if kind == w.RESULT else "exception"
             self._end(task, T.FAILED, "error", f"task {task.id}: its {what} of {len(payload)} bytes is over the "
-                                               f"limit of {_size(limit)} (--result-max-bytes)")
+                                               f"limit of {size_text(limit)} (--result-max-bytes)")
         elif task.state is T.RUNNING:
             if kind == w.RESULT:
                 self._end(task, T.DONE, "result", payload)
@@ -971,7 +864,7 @@ class Tasks:
                 xp.queue.appendleft(never)
         if task is not None and task.state is T.RUNNING:
             task.worker = None
-            reason = self.stop_reason if self.table.closing else worker.lost_reason or _how_it_ended(rep)
+            reason = self.stop_reason if self.table.closing else worker.lost_reason or how_it_ended(rep)
             if task.attempts <= task.retries and not xp.closing:
                 # Cut short by something not its own doing: it runs again (after the next
                 # start, if the daemon is stopping), the attempt counted.
@@ -1036,7 +929,7 @@ class Tasks:
             if not ex or pool.deleted:
                 continue
             try:
-                options = _options(ex.get("options"))
+                options = parse_options(ex.get("options"))
                 init = base64.b64decode(ex.get("init") or "")
             except (InvalidSpec, ValueError) as err:
                 log.error("executor pool %s: its stored options do not load (%s); its tasks stay as they are",
@@ -1088,7 +981,7 @@ class Tasks:
             except (OSError, ValueError, IndexError):
                 continue
             if rss > limit:
-                self._kill(worker, f"memory limit {_size(limit)} exceeded", renew=False)
+                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=False)
         xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
 
     def _proc(self, worker: Worker) -> Any:
@@ -1109,7 +1002,7 @@ class Tasks:
                 self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
         for task in self._live.values():
             for reply, cmd_id in task.waiters:
-                self.table.reply(reply, protocol.ok(cmd_id, _outcome(task.record())), False)
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
             task.waiters.clear()
 
     def carried(self) -> dict:
@@ -1125,7 +1018,7 @@ class Tasks:
 
         tasks = []
         for t in self._live.values():
-            tasks.append({**t.record(), "payload": _text(t.payload), "result": None, "ref": t.ref,
+            tasks.append({**t.record(), "payload": as_text(t.payload), "result": None, "ref": t.ref,
                           "session": t.session.name if t.session is not None else None, "slot": t.slot,
                           "timer": deadline(t.timer)})
         workers = []
@@ -1135,8 +1028,8 @@ class Tasks:
             workers.append({"pool": worker.pool.name if worker.pool is not None else None,
                             "replica": worker.replica.id if worker.replica is not None else None,
                             "pid": worker.pid, "sock": keep(worker.sock.fileno()), "out": keep(worker.writer.fd),
-                            "pending_out": _text(bytes(worker.writer.pending_bytes())),
-                            "pending_in": _text(worker.frames.pending()), "word": keep(worker.word_fd)
+                            "pending_out": as_text(bytes(worker.writer.pending_bytes())),
+                            "pending_in": as_text(worker.frames.pending()), "word": keep(worker.word_fd)
                             if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
                             "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
@@ -1165,7 +1058,7 @@ class Tasks:
             ex = pool.executor if pool is not None else None
             if pool is None or not ex:
                 continue
-            xp: ExecPool | None = self._adopt(pool, _options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
+            xp: ExecPool | None = self._adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
                              next_n=int(carried["next_n"]))
             assert xp is not None
             xp.reserved, xp.said, xp.done = int(carried["reserved"]), carried.get("said"), int(carried.get("done", 0))
@@ -1182,7 +1075,7 @@ class Tasks:
             if xp is None:
                 continue
             owner = self._sessions.get(row["session"]) if row.get("session") else None
-            task = Task(row["id"], int(row["n"]), xp, _bytes(row["payload"], "payload") if row["payload"] else None,
+            task = Task(row["id"], int(row["n"]), xp, as_bytes(row["payload"], "payload") if row["payload"] else None,
                         row.get("ref"), owner, row["timeout"], int(row["retries"]), state=T(row["state"]),
                         attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
                         started_at=row["started_at"], slot=int(row.get("slot") or 0))
@@ -1209,9 +1102,9 @@ class Tasks:
             if fd is not None:
                 os.set_inheritable(int(fd), False)
         worker = Worker(conn, BufferedWriter(int(item["out"])))
-        worker.frames.feed(_bytes(item.get("pending_in") or "", "pending_in"))
+        worker.frames.feed(as_bytes(item.get("pending_in") or "", "pending_in"))
         if item.get("pending_out"):
-            worker.writer.write(_bytes(item["pending_out"], "pending_out"))
+            worker.writer.write(as_bytes(item["pending_out"], "pending_out"))
         self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
         xp = self._pools.get(item["pool"]) if item.get("pool") else None
         rep = self.table.replica(item["replica"]) if item.get("replica") else None
@@ -1267,106 +1160,3 @@ class Tasks:
                     pass
 
 
-def check_options(raw: Any) -> dict:
-    """An executor's options from the wire or a config file, checked (InvalidSpec, one
-    line); the defaults filled in."""
-    return _options(raw)
-
-
-def _options(raw: Any) -> dict:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise InvalidSpec("options must be an object")
-    unknown = set(raw) - set(OPTION_KEYS)
-    if unknown:
-        raise InvalidSpec(f"unknown executor option {sorted(unknown)[0]!r}")
-    out: dict[str, Any] = {}
-    mtpc = raw.get("max_tasks_per_child")
-    if mtpc is not None:
-        out["max_tasks_per_child"] = protocol.count(mtpc, what="max_tasks_per_child")
-    if raw.get("timeout") is not None:
-        out["timeout"] = protocol.seconds(raw["timeout"], "timeout")
-    out["grace"] = protocol.seconds(raw.get("grace", 5.0), "grace")
-    retries = raw.get("retries", 0)
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise InvalidSpec(f"retries must be a whole number of at least 0, got {retries!r}")
-    out["retries"] = retries
-    mem = raw.get("memory_max")
-    if mem is not None:
-        if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1 << 20:
-            raise InvalidSpec(f"memory_max must be a number of bytes of at least 1 MiB, got {mem!r}")
-        out["memory_max"] = mem
-    target = raw.get("target")
-    if target is not None:
-        if not isinstance(target, str) or ":" not in target:
-            raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
-        out["target"] = target  # what a task given without one runs
-    return out
-
-
-def _target_payload(one: dict) -> bytes:
-    """A task given as ``module:function`` and JSON arguments (``submit --target``): the
-    worker imports the target itself, from the submitter's PYTHONPATH and cwd."""
-    target = one.get("target")
-    if not isinstance(target, str) or ":" not in target:
-        raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
-    call = {"target": target, "args": one.get("args") or [], "kwargs": one.get("kwargs") or {},
-            "pythonpath": one.get("pythonpath") or [], "cwd": one.get("cwd")}
-    if not isinstance(call["args"], list) or not isinstance(call["kwargs"], dict):
-        raise InvalidSpec("args must be a list and kwargs an object")
-    try:
-        return w.target_payload(call)
-    except (TypeError, ValueError) as err:
-        raise InvalidSpec(f"the task's arguments are not JSON: {err}") from None
-
-
-def _listing(row: dict) -> dict:
-    """A task's record as ``tasks`` shows it: no payload, no result bytes."""
-    return {k: v for k, v in row.items() if k not in ("payload", "result", "retire_key")}
-
-
-def _outcome(row: dict) -> dict:
-    """What ``result`` answers for a task record."""
-    return {"id": row["id"], "state": row["state"], "kind": row.get("kind"), "result": _text(row.get("result")),
-            "reason": row.get("reason"), "timeout": row.get("timeout")}
-
-
-def _bytes(value: Any, what: str) -> bytes:
-    """Bytes given in-process, or as base64 text over the channel (JSON carries no bytes)."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError:
-            raise InvalidSpec(f"{what} is not base64") from None
-    raise InvalidSpec(f"{what} must be bytes (base64 text over the channel)")
-
-
-def _text(data: Any) -> Any:
-    return base64.b64encode(data).decode("ascii") if isinstance(data, bytes) else data
-
-
-def _how_it_ended(rep: Replica) -> str:
-    """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
-    ``OOM-killed``."""
-    code = rep.exit_code
-    if code is not None and code >= 0 and rep.reason == f"exit code {code}":
-        return f"exited with {code}"
-    return rep.reason or "ended"
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
-
-
-def _fds(anc: list) -> list[int]:
-    out: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            out.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
-    return out

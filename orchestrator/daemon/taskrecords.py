@@ -1,0 +1,232 @@
+"""The records of the task table (daemon/tasks.py): a task, a worker's connection, an
+executor pool's queue, a session; and the pure checks and shapes around them (an executor's
+options, a ``module:function`` task, what ``tasks`` and ``result`` answer). Loop thread
+only, like the table.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import mmap
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import protocol
+from .. import taskwire as w
+from ..errors import InvalidSpec
+from ..states import Replica
+from ..states import TaskState as T
+from .reactor import BufferedWriter, Timer
+
+Reply = Callable[[dict], None]
+Sink = Callable[[list], Any]  # called with a turn's events
+OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
+
+
+@dataclass(eq=False, slots=True)
+class Task:
+    id: str
+    n: int
+    pool: "ExecPool"
+    payload: bytes | None  # the pickled call (or a target's JSON), until the task ends
+    ref: Any  # the submitting session's name for it
+    session: "Session | None"
+    timeout: float | None
+    retries: int
+    state: T = T.QUEUED
+    attempts: int = 0
+    worker: "Worker | None" = None
+    worker_id: str | None = None  # the replica that runs (or last ran) it
+    queued_at: float = 0.0  # wall clock, as every time of a task
+    started_at: float | None = None
+    ended_at: float | None = None
+    reason: str | None = None
+    kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, cancelled
+    result: bytes | None = None  # the pickled result or exception (kind result or raised)
+    timer: Timer | None = None
+    slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
+    waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
+
+    def record(self) -> dict:
+        """The task's row (store.save_task) and, without payload and result, its listing."""
+        return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
+                "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
+                "worker": self.worker_id, "queued_at": self.queued_at, "started_at": self.started_at,
+                "ended_at": self.ended_at, "reason": self.reason,
+                "payload": self.payload if not self.state.terminal else None,
+                "kind": self.kind, "result": self.result}
+
+
+@dataclass(eq=False)
+class Worker:
+    """One connection from a worker process, from its accept until its replica ended."""
+
+    sock: socket.socket
+    writer: BufferedWriter
+    frames: w.Frames = field(default_factory=w.Frames)
+    pid: int = 0  # 0 until its HELLO identified it
+    replica: Replica | None = None
+    pool: "ExecPool | None" = None
+    word: mmap.mmap | None = None
+    word_fd: int = -1  # the memfd behind ``word``
+    ready: bool = False
+    tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
+    sent: int = 0  # TASK frames sent: the k-th uses cancel word k % WORDS
+    done: int = 0
+    kill_timer: Timer | None = None
+    lost_reason: str | None = None  # why the loop killed it, if it did
+    closed: bool = False
+
+    @property
+    def task(self) -> Task | None:
+        """The task it runs now (the first it has not answered), if any."""
+        return self.tasks[0] if self.tasks else None
+
+
+@dataclass(eq=False)
+class ExecPool:
+    name: str
+    options: dict
+    init: bytes
+    queue: collections.deque = field(default_factory=collections.deque)
+    idle: collections.deque = field(default_factory=collections.deque)  # workers with no task
+    single: collections.deque = field(default_factory=collections.deque)  # workers that may take a second
+    workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
+    next_n: int = 1
+    reserved: int = 0  # task numbers below it are recorded as handed out (the pool's row)
+    rss_timer: Timer | None = None
+    rss_check: bool = False  # memory_max by RSS: no memory controller here
+    said: str | None = None  # the last worker's complaint (its initializer failed)
+    closing: bool = False
+    done: int = 0  # tasks ended since the daemon started
+
+    @property
+    def max_tasks(self) -> int:
+        return self.options.get("max_tasks_per_child") or 0
+
+    @property
+    def grace(self) -> float:
+        return float(self.options["grace"])
+
+
+@dataclass(eq=False)
+class Session:
+    """One submitter: where its tasks' ends are told. An embedded ``Executor`` gives a
+    ``sink`` (called in the loop); a client of the daemon polls ``task_events`` instead, and
+    its events wait here (bounded) until it does. Ends with ``executor_close``, or when a
+    polling client has not polled for SESSION_IDLE seconds (it died: its tasks go on)."""
+
+    name: str
+    sink: Sink | None
+    tasks: dict[Any, Task] = field(default_factory=dict)  # ref -> task, until it ended
+    events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
+    seq: int = 0
+    held: int = 0  # bytes of the events waiting
+    outbox: list = field(default_factory=list)  # a sink's events of this turn, handed over at its end
+    poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
+    flushing: bool = False  # its poll's answer is scheduled
+    idle_timer: Timer | None = None
+
+
+def parse_options(raw: Any) -> dict:
+    """An executor's options from the wire or a config file, checked (InvalidSpec, one
+    line); the defaults filled in."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidSpec("options must be an object")
+    unknown = set(raw) - set(OPTION_KEYS)
+    if unknown:
+        raise InvalidSpec(f"unknown executor option {sorted(unknown)[0]!r}")
+    out: dict[str, Any] = {}
+    mtpc = raw.get("max_tasks_per_child")
+    if mtpc is not None:
+        out["max_tasks_per_child"] = protocol.count(mtpc, what="max_tasks_per_child")
+    if raw.get("timeout") is not None:
+        out["timeout"] = protocol.seconds(raw["timeout"], "timeout")
+    out["grace"] = protocol.seconds(raw.get("grace", 5.0), "grace")
+    retries = raw.get("retries", 0)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidSpec(f"retries must be a whole number of at least 0, got {retries!r}")
+    out["retries"] = retries
+    mem = raw.get("memory_max")
+    if mem is not None:
+        if isinstance(mem, bool) or not isinstance(mem, int) or mem < 1 << 20:
+            raise InvalidSpec(f"memory_max must be a number of bytes of at least 1 MiB, got {mem!r}")
+        out["memory_max"] = mem
+    target = raw.get("target")
+    if target is not None:
+        if not isinstance(target, str) or ":" not in target:
+            raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
+        out["target"] = target  # what a task given without one runs
+    return out
+
+
+def target_payload(one: dict) -> bytes:
+    """A task given as ``module:function`` and JSON arguments (``submit --target``): the
+    worker imports the target itself, from the submitter's PYTHONPATH and cwd."""
+    target = one.get("target")
+    if not isinstance(target, str) or ":" not in target:
+        raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
+    call = {"target": target, "args": one.get("args") or [], "kwargs": one.get("kwargs") or {},
+            "pythonpath": one.get("pythonpath") or [], "cwd": one.get("cwd")}
+    if not isinstance(call["args"], list) or not isinstance(call["kwargs"], dict):
+        raise InvalidSpec("args must be a list and kwargs an object")
+    try:
+        return w.target_payload(call)
+    except (TypeError, ValueError) as err:
+        raise InvalidSpec(f"the task's arguments are not JSON: {err}") from None
+
+
+def listing(row: dict) -> dict:
+    """A task's record as ``tasks`` shows it: no payload, no result bytes."""
+    return {k: v for k, v in row.items() if k not in ("payload", "result", "retire_key")}
+
+
+def outcome(row: dict) -> dict:
+    """What ``result`` answers for a task record."""
+    return {"id": row["id"], "state": row["state"], "kind": row.get("kind"), "result": as_text(row.get("result")),
+            "reason": row.get("reason"), "timeout": row.get("timeout")}
+
+
+def as_bytes(value: Any, what: str) -> bytes:
+    """Bytes given in-process, or as base64 text over the channel (JSON carries no bytes)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            raise InvalidSpec(f"{what} is not base64") from None
+    raise InvalidSpec(f"{what} must be bytes (base64 text over the channel)")
+
+
+def as_text(data: Any) -> Any:
+    return base64.b64encode(data).decode("ascii") if isinstance(data, bytes) else data
+
+
+def how_it_ended(rep: Replica) -> str:
+    """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
+    ``OOM-killed``."""
+    code = rep.exit_code
+    if code is not None and code >= 0 and rep.reason == f"exit code {code}":
+        return f"exited with {code}"
+    return rep.reason or "ended"
+
+
+def size_text(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def received_fds(anc: list) -> list[int]:
+    out: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            out.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
+    return out
