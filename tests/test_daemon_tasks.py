@@ -283,3 +283,23 @@ def test_an_upgrade_carries_executor_pools_and_their_tasks(daemon: DaemonUnderTe
             assert again.cancel() and again.cancelled()
             assert ex.submit(jobsmod.add, 1, 1).result(timeout=30) == 2
             assert {r["id"]: r["pid"] for r in daemon.status()["replicas"] if r["pool"] == "jobs"} == before
+
+
+def test_submit_without_a_target_runs_the_pools_own(daemon: DaemonUnderTest, jobs: Path, tmp_path: Path) -> None:
+    conf = tmp_path / "orchestrator.toml"
+    conf.write_text(textwrap.dedent(f"""
+        [pools.jobs]
+        kind = "executor"
+        target = "jobsmod:add"
+        cwd = {str(jobs)!r}
+
+        [pools.bare]
+        kind = "executor"
+        cwd = {str(jobs)!r}
+    """))
+    daemon.start("--config", str(conf))
+    got = cli(daemon.state_dir, "submit", "--pool", "jobs", "--arg", "40", "--arg", "2", "--wait")
+    assert got.returncode == 0 and got.stdout.strip() == "42", got.stderr
+    refused = cli(daemon.state_dir, "submit", "--pool", "bare", "--arg", "1")
+    assert refused.returncode == 1 and "no target of its own" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1

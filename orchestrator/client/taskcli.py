@@ -52,8 +52,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``submit``, ``tasks``, ``cancel`` and ``result`` to the CLI's subparsers."""
     p = sub.add_parser("submit", parents=[common], help="queue a task (MODULE:FUNC) in an executor pool")
     p.add_argument("--pool", required=True, help="the executor pool")
-    p.add_argument("--target", required=True, metavar="MODULE:FUNC",
-                   help="what the task calls, imported by the worker from this PYTHONPATH and directory")
+    p.add_argument("--target", metavar="MODULE:FUNC",
+                   help="what the task calls, imported by the worker from this PYTHONPATH and directory "
+                        "(default: the pool's own target, from the config file's key)")
     p.add_argument("--arg", action="append", type=_json_value, default=[], metavar="JSON",
                    help="a positional argument, as JSON (repeat for more)")
     p.add_argument("--kwarg", action="append", type=_kwarg, default=[], metavar="NAME=JSON",
@@ -93,12 +94,11 @@ def _client(paths: Paths) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
-    call: dict[str, Any] = {
-        "pool": args.pool, "target": args.target, "args": list(args.arg), "kwargs": dict(args.kwarg),
+    call: dict[str, Any] = {"pool": args.pool, "args": list(args.arg), "kwargs": dict(args.kwarg)}
+    if args.target is not None:  # else the pool's own target, from where the pool was declared
         # Where the worker imports the target from: ours, as `launch --target` records it.
-        "pythonpath": [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p],
-        "cwd": os.getcwd(),
-    }
+        call.update(target=args.target, cwd=os.getcwd(),
+                    pythonpath=[os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     if args.timeout is not None:
         call["timeout"] = args.timeout
     if args.retries is not None:

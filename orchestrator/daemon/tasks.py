@@ -298,6 +298,8 @@ class Tasks:
         if not isinstance(one, dict):
             raise InvalidSpec("a task must be an object")
         payload = one.get("payload")
+        if payload is None and one.get("target") is None and not xp.options.get("target"):
+            raise InvalidSpec(f"executor pool {xp.name!r} has no target of its own: give the task one (--target)")
         if payload is None and one.get("target") is None and xp.options.get("target"):
             pool = self.table.pool(xp.name)  # the pool's own target, from its PYTHONPATH and cwd
             wire = pool.runtime.wire if pool is not None and pool.runtime is not None else {}
