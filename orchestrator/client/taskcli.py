@@ -1,5 +1,5 @@
 """``orchestrator submit | tasks | cancel | result``: the tasks of executor pools from the
-command line. Client side: it speaks the daemon's task commands (daemon/tasks.py has their
+command line. Client side: it speaks the daemon's task commands (daemon/taskcommands.py has their
 meaning) and, with the daemon down, reads the journal (state.db) read-only, so a finished
 task's result can be fetched later from any shell.
 

@@ -380,7 +380,7 @@ class _Reader:
     def _executor_pool(self, name: str, table: dict) -> PoolDecl:
         """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
         from .taskrecords import parse_options
-        from .tasks import WORKER_TARGET
+        from .tasktable import WORKER_TARGET
 
         here = ("pools", name)
         for key in table:

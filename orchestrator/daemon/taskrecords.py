@@ -1,4 +1,4 @@
-"""The records of the task table (daemon/tasks.py): a task, a worker's connection, an
+"""The records of the task table (daemon/tasktable.py): a task, a worker's connection, an
 executor pool's queue, a session; and the pure checks and shapes around them (an executor's
 options, a ``module:function`` task, what ``tasks`` and ``result`` answer). Loop thread
 only, like the table.

@@ -1,0 +1,332 @@
+"""The commands of the task table (tasktable.py): ``executor`` (open or join an executor
+pool, with a session), ``task_submit``, ``task_cancel``, ``executor_close``, ``task_events``
+(a client's long poll), ``tasks``, ``task_result``; a config file's executor pools
+(``declare``); each pool's counts for ``status``; and the sessions' lifecycle (opened by
+``executor``, kept alive by a client's polls, dropped when closed or idle). Loop thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import protocol
+from .. import taskwire as w
+from ..errors import InvalidSpec, UnknownReplica
+from ..states import TaskState as T
+from .taskrecords import (
+    ExecPool, Reply, Session, Sink, Task, as_bytes, listing, outcome, parse_options, target_payload,
+)
+from .tasktable import SESSION_IDLE, WORKER_TARGET, TaskTable
+
+
+class TaskCommands(TaskTable):
+    """The task table with its commands; see the module docstring."""
+
+    def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
+        return {"executor": self._cmd_executor, "task_submit": self._cmd_submit,
+                "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
+                "task_events": self._cmd_events, "tasks": self._cmd_tasks, "task_result": self._cmd_result}
+
+    def _cmd_executor(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Open (or join) an executor pool, and register the session that submits to it."""
+        name = protocol.pool_name(args.get("pool"))
+        size = protocol.count(args.get("size"), what="max_workers")
+        options = parse_options(args.get("options"))
+        init = as_bytes(args.get("init") or b"", "init")
+        spec = args.get("spec")
+        if not isinstance(spec, dict) or spec.get("target") != WORKER_TARGET:
+            raise InvalidSpec("an executor pool's spec runs " + WORKER_TARGET)
+        self._listen()
+        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
+        policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
+        xp = self._pools.get(name)
+        if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
+            raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
+        pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
+        if xp is None or xp.closing:
+            xp = self._adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
+        session = args.get("session")
+        if session is not None:
+            sink = args.get("sink")
+            if sink is not None and not callable(sink):
+                raise InvalidSpec("a session's sink must be callable")
+            self._open_session(str(session), sink)
+        return {"pool": pool.name, "ids": ids}
+
+    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+        """An executor pool of the config file (``kind = "executor"``): declared as any pool
+        (supervision.declare: made, rolled or resized), then its options in force for the
+        tasks handed out from now on. Returns what declare did."""
+        options = parse_options(options)
+        self._listen()
+        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
+        policy = dict(policy)
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
+        what = self.table.supervisor.declare(name, spec, policy, size)
+        pool = self.table.pool(name)
+        assert pool is not None  # declared just now
+        xp = self._pools.get(name)
+        if xp is None or xp.closing:
+            self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
+        elif xp.options != options:
+            xp.options = options
+            if pool.executor is not None:
+                pool.executor["options"] = options
+            self.table.save_pool(pool)
+            what = "changed" if what == "unchanged" else what
+        return what
+
+    def _cmd_submit(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
+        batch of them (``tasks``: a list of such objects); its id, or their ids."""
+        xp = self._exec_pool(args.get("pool"))
+        session = self._sessions.get(str(args["session"])) if args.get("session") is not None else None
+        if session is not None:
+            self._touch(session)
+        batch = args.get("tasks")
+        if batch is None:
+            return self._submit(xp, session, args).id
+        if not isinstance(batch, list):
+            raise InvalidSpec("tasks must be a list")
+        made = [self._task(xp, session, one) for one in batch]  # all checked before any is queued
+        return [self._queue(xp, task).id for task in made]
+
+    def _submit(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
+        return self._queue(xp, self._task(xp, session, one))
+
+    def _task(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
+        if not isinstance(one, dict):
+            raise InvalidSpec("a task must be an object")
+        payload = one.get("payload")
+        if payload is None and one.get("target") is None and not xp.options.get("target"):
+            raise InvalidSpec(f"executor pool {xp.name!r} has no target of its own: give the task one (--target)")
+        if payload is None and one.get("target") is None and xp.options.get("target"):
+            pool = self.table.pool(xp.name)  # the pool's own target, from its PYTHONPATH and cwd
+            wire = pool.runtime.wire if pool is not None and pool.runtime is not None else {}
+            one = {**one, "target": xp.options["target"], "pythonpath": wire.get("pythonpath") or [],
+                   "cwd": wire.get("cwd")}
+        if payload is None and one.get("target") is not None:
+            payload = target_payload(one)
+        payload = as_bytes(payload, "payload")
+        if not payload:
+            raise InvalidSpec("a task needs a payload or a target")
+        opts = xp.options
+        timeout = one.get("timeout", opts.get("timeout"))
+        if timeout is not None:
+            timeout = protocol.seconds(timeout, "timeout")
+        retries = one.get("retries", opts.get("retries", 0))
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidSpec(f"retries must be a whole number of at least 0, got {retries!r}")
+        return Task("", 0, xp, payload, one.get("ref"), session, timeout, retries)
+
+    def _queue(self, xp: ExecPool, task: Task) -> Task:
+        task.n = xp.next_n
+        task.id = f"{xp.name}/{task.n}"
+        xp.next_n += 1
+        self._reserve(xp)
+        task.queued_at = self.table.os.time()
+        if task.session is not None and task.ref is not None:
+            task.session.tasks[task.ref] = task
+        self._live[task.id] = task
+        xp.queue.append(task)
+        self._save(task, None)
+        self._dispatch(xp)
+        if task.state is T.QUEUED:
+            self._hopeless(xp)
+        return task
+
+    def _cmd_cancel(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
+        it is cancelled (now or before), False if it had ended otherwise (its result
+        stands). An id never handed out is UnknownReplica, and nothing is cancelled."""
+        if args.get("ids") is not None:
+            ids = args["ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+                raise InvalidSpec("ids must be a non-empty list of task ids")
+            found = [self._find(i) for i in ids]  # all or nothing
+            return [self.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
+                    for i, t in zip(ids, found)]
+        session = self._sessions.get(str(args.get("session")))
+        if session is None:
+            raise UnknownReplica(f"unknown session {args.get('session')!r}")
+        self._touch(session)
+        # A ref it no longer holds has ended: cancelled (the submitter knows it is) or with a
+        # result on its way, which stands.
+        return [self.cancel(task) if (task := session.tasks.get(ref)) is not None else False
+                for ref in args.get("refs") or ()]
+
+    def _find(self, task_id: Any) -> Task | None:
+        """The task in memory; None if it ended long ago (in the store only); UnknownReplica
+        if no such id was ever handed out."""
+        if not isinstance(task_id, str):
+            raise InvalidSpec(f"not a task id: {task_id!r}")
+        task = self._live.get(task_id) or self._ended.get(task_id)
+        if task is not None:
+            return task
+        pool, _, n = task_id.rpartition("/")
+        xp = self._pools.get(pool)
+        if xp is not None and n.isdigit() and 0 < int(n) < xp.next_n:
+            return None
+        if self._stored(task_id) is not None:
+            return None
+        raise UnknownReplica(f"unknown task {task_id!r}")
+
+    def _stored(self, task_id: str) -> dict | None:
+        store = self.table.journal.store
+        rows = store.tasks(task_id=task_id) if store is not None else []
+        return rows[0] if rows else None
+
+    def _stored_state(self, task_id: str) -> str | None:
+        row = self._stored(task_id)
+        return row["state"] if row is not None else None
+
+    def _cmd_close(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """A session ends: its unfinished tasks cancelled (``cancel``), or left to run; with
+        ``delete`` (an embedded executor's pool) the pool goes too, its queued tasks failed,
+        its workers stopped, and the reply waits until every one of them is reaped."""
+        session = self._sessions.get(str(args.get("session")))
+        cancel, delete = bool(args.get("cancel")), bool(args.get("delete"))
+        if session is not None:
+            if cancel:
+                for task in list(session.tasks.values()):
+                    self.cancel(task)
+            self._drop_session(session)
+        if not delete:
+            return None
+        xp = self._exec_pool(args.get("pool"))
+        for task in [t for t in self._live.values() if t.pool is xp]:
+            if cancel:
+                self.cancel(task)
+            else:
+                self._end(task, T.FAILED, "lost", self.stop_reason)
+        xp.closing = True
+        if xp.rss_timer is not None:
+            xp.rss_timer.cancel()
+        ids = self.table.supervisor.delete_pool(xp.name)
+        return self.table.supervisor.wait_ended(ids, reply, cmd_id, protocol.wait_timeout(args))
+
+    def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """What a polling session's tasks did since ``after``: at once if there is something,
+        else when there is, or after ``timeout`` (empty)."""
+        session = self._sessions.get(str(args.get("session")))
+        if session is None:
+            raise UnknownReplica(f"unknown session {args.get('session')!r} (it was idle too long, or closed)")
+        self._touch(session)
+        after = args.get("after", 0)
+        while session.events and session.events[0][0] <= after:
+            _, done = session.events.popleft()
+            session.held -= len(done[2]) if isinstance(done[2], str) else 0
+        if session.events:
+            return {"events": [e for _, e in session.events], "next": session.seq}
+        timeout = protocol.seconds(args.get("timeout", 1.0), "timeout") or 0.0
+        if session.poll is not None:  # an older poll of the same session: answered empty
+            old_reply, old_id, old_timer = session.poll
+            old_timer.cancel()
+            self.table.reply(old_reply, protocol.ok(old_id, {"events": [], "next": session.seq}), False)
+
+        def expire() -> None:
+            if session.poll is not None and session.poll[0] is reply:
+                session.poll = None
+                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+
+        session.poll = (reply, cmd_id, self.table.reactor.call_later(min(timeout, 30.0), expire))
+        return protocol.DEFERRED
+
+    def _cmd_tasks(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first."""
+        pool = args.get("pool")
+        if pool is not None and pool not in self._pools:
+            raise UnknownReplica(f"unknown executor pool {pool!r}")
+        rows = {t.id: listing(t.record()) for t in self._live.values() if pool is None or t.pool.name == pool}
+        if args.get("all"):
+            store = self.table.journal.store
+            if store is not None:
+                for row in store.tasks(pool=pool, include_terminal=True):
+                    rows.setdefault(row["id"], listing(row))
+            for t in self._ended.values():
+                if pool is None or t.pool.name == pool:
+                    rows[t.id] = listing(t.record())
+        return sorted(rows.values(), key=lambda r: (r["pool"], r["n"]))
+
+    def _cmd_result(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """A task's outcome: ``{"id", "state", "kind", "result", "reason"}`` (``result``: the
+        pickled value or exception, bytes). Unfinished: that state at once, or with
+        ``wait`` the outcome once it has ended (or, at ``timeout``, the state then)."""
+        task_id = args.get("id")
+        if not isinstance(task_id, str):
+            raise InvalidSpec(f"not a task id: {task_id!r}")
+        task = self._find(task_id)
+        if task is None:
+            row = self._stored(task_id)
+            if row is None:
+                raise UnknownReplica(f"task {task_id!r} ended long ago: its record was pruned")
+            return outcome(row)
+        if task.state.terminal or not args.get("wait"):
+            return outcome(task.record())
+        timeout = protocol.wait_timeout(args)
+        entry = (reply, cmd_id)
+        task.waiters.append(entry)
+
+        def expire() -> None:
+            if entry in task.waiters:
+                task.waiters.remove(entry)
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
+
+        self.table.reactor.call_later(timeout, expire)
+        return protocol.DEFERRED
+
+    def _exec_pool(self, name: Any) -> ExecPool:
+        xp = self._pools.get(name) if isinstance(name, str) else None
+        pool = self.table.pool(name) if xp is not None else None
+        if xp is None or xp.closing or pool is None or pool.deleted:
+            raise UnknownReplica(f"unknown executor pool {name!r}")
+        return xp
+
+    def pool_counts(self, name: str) -> dict | None:
+        """An executor pool's tasks for ``status``: queued, running, done (ended, as kept)."""
+        xp = self._pools.get(name)
+        if xp is None:
+            return None
+        queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
+        running = sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.RUNNING)
+        queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
+        return {"queued": queued, "running": running, "done": xp.done}
+
+    def _open_session(self, name: str, sink: Sink | None) -> Session:
+        session = self._sessions.get(name)
+        if session is None:
+            session = self._sessions[name] = Session(name, sink)
+        elif sink is not None:
+            session.sink = sink
+        self._touch(session)
+        return session
+
+    def _touch(self, session: Session) -> None:
+        """A polling session is alive: its idle clock starts over."""
+        if session.sink is not None:
+            return
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self._drop_session(session))
+
+    def _drop_session(self, session: Session) -> None:
+        if self._sessions.get(session.name) is session:
+            del self._sessions[session.name]
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        if session.poll is not None:
+            reply, cmd_id, timer = session.poll
+            timer.cancel()
+            session.poll = None
+            self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+        for task in session.tasks.values():
+            task.session = None  # it runs on; any client can fetch its result
+        session.tasks.clear()
+
+    def close(self) -> None:
+        for session in list(self._sessions.values()):
+            self._drop_session(session)  # a poll waiting is answered before the loop goes
+        super().close()

@@ -1,0 +1,668 @@
+"""The tasks of executor pools: queued, handed to workers, ended. Loop thread only.
+
+An executor pool is a pool like any other (its replicas run ``orchestrator.taskworker``,
+supervised, restarted and shown as every replica is) plus what this module keeps: its
+queue of tasks, and for each worker the one task it runs. The loop alone hands a task to a
+worker, so at every moment it knows which worker runs which task; a cancel or a timeout
+is delivered for that task's number (the cancel words, taskwire.py) and can never land in
+the task a worker runs next. A busy worker is sent one more task to hold (still QUEUED
+until it starts), so that it never waits for a round trip through the loop between two.
+
+    submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
+                 ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
+                 │                            │ timeout ─► TIMED_OUT┘ still busy after grace:
+                 └── its worker died, retries left                    its tree killed
+                                              └ its worker died ─► FAILED (WorkerLost, reason)
+
+Workers connect to one listener (``$ORCHESTRATOR_TASK_SOCKET``, an abstract socket unless
+a path is given); a connection is accepted only from the main process of a live replica
+of an executor pool (SO_PEERCRED), once. The loop never unpickles a task or a result: it
+moves opaque bytes between the submitting session and the worker. What a session hears
+(``sink``, called with a list of them once per turn): ``(kind, ref, data, task id)`` with
+kind one of started, result, raised, error (data: a line), cancelled, timeout, lost,
+unrun (data: the reason).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import errno
+import functools
+import logging
+import mmap
+import os
+import socket
+import struct
+from typing import Any, Protocol
+
+from .. import protocol, signals
+from .. import taskwire as w
+from ..errors import InvalidSpec
+from ..states import Replica, task_transition
+from ..states import TaskState as T
+from .pools import CRASHLOOP, Pool
+from .reactor import BufferedWriter, Reactor
+from .taskrecords import ExecPool, Reply, Session, Task, Worker, as_text, how_it_ended, outcome, received_fds, size_text
+
+log = logging.getLogger("orchestrator")
+WORKER_TARGET = "orchestrator.taskworker:main"
+RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
+SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
+KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)...
+KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
+SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
+HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
+ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
+
+
+class Table(Protocol):
+    """What the task table asks of the replica table (engine.Engine)."""
+
+    reactor: Reactor
+    os: Any
+    containment: Any
+    supervisor: Any
+    journal: Any
+    metrics: Any
+    closing: bool
+
+    def pool(self, name: Any) -> Pool | None: ...
+    def replica(self, rid: str) -> Replica | None: ...
+    def save_pool(self, pool: Pool) -> None: ...
+    def proc_by_pid(self, pid: int) -> Any: ...
+    def proc_of(self, rep: Replica) -> Any: ...
+    def changed(self) -> None: ...
+    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
+
+
+class TaskTable:
+    """See the module docstring. Its commands: taskcommands.TaskCommands; what carries across a
+    restart or an upgrade: tasks.Tasks."""
+
+    def __init__(self, table: Table, *, address: str | None = None, token: str | None = None,
+                 stop_reason: str = "interrupted: the executor shut down",
+                 result_max_bytes: int | None = None) -> None:
+        """``address``: the workers' listener (None: an abstract socket of this process);
+        ``stop_reason``: what a task cut short by a shutdown ends with; ``result_max_bytes``:
+        a larger result fails its task (None: no bound)."""
+        self.table = table
+        self._address = address or f"@orchestrator-tasks-{token or os.getpid()}-{os.getpid()}"
+        self._listener: socket.socket | None = None
+        self._pools: dict[str, ExecPool] = {}
+        self._sessions: dict[str, Session] = {}
+        self._accepted: set[Worker] = set()  # connected, not identified yet
+        self._live: dict[str, Task] = {}  # unfinished tasks by id
+        self._ended: collections.OrderedDict[str, Task] = collections.OrderedDict()  # the latest KEEP_ENDED
+        self._ended_bytes = 0
+        self.stop_reason = stop_reason
+        self.result_max_bytes = result_max_bytes
+
+    # -- the listener -------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        if self._listener is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        addr = self._address
+        try:
+            if addr.startswith("@"):
+                sock.bind("\0" + addr[1:])
+            else:
+                try:
+                    os.unlink(addr)  # a socket file an earlier daemon of this state dir left
+                except FileNotFoundError:
+                    pass
+                sock.bind(addr)
+                os.chmod(addr, 0o600)
+            sock.listen(512)
+        except OSError:
+            sock.close()
+            raise
+        self._listener = sock
+        self.table.reactor.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as err:  # EMFILE: the worker retries nothing; it fails and is replaced
+                log.error("task listener: accept failed: %s", err)
+                return
+            conn.setblocking(False)
+            try:
+                out = os.dup(conn.fileno())  # its own fd: the reactor watches one fd per direction
+            except OSError as err:
+                log.error("task listener: %s", err)
+                conn.close()
+                continue
+            worker = Worker(conn, BufferedWriter(out))
+            self._accepted.add(worker)
+            self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+            # The socket is abstract: anyone on the host may connect. One that does not say
+            # who it is holds an fd only this long.
+            self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+
+    def _hello_timeout(self, worker: Worker) -> None:
+        if worker in self._accepted:
+            log.warning("task socket: a connection that never said who it is; closed")
+            self._disconnected(worker)
+
+    # -- executor pools ---------------------------------------------------------------------
+
+    def _cgroup_memory(self, limit: int) -> bool:
+        """Whether the cgroup's memory.max can bound a worker here (else: its RSS, polled)."""
+        try:
+            self.table.containment.check_limits({"memory_max": limit})
+        except InvalidSpec:
+            return False
+        return True
+
+    def _adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1) -> ExecPool:
+        """``pool`` is an executor pool from now on (made, or restored from the store)."""
+        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=next_n)
+        pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
+        self._reserve(xp, pool)
+        if options.get("memory_max") is not None and not self._cgroup_memory(options["memory_max"]):
+            xp.rss_check = True
+            xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+        return xp
+
+    def _reserve(self, xp: ExecPool, pool: Pool | None = None) -> None:
+        """Record in the pool's row that task numbers up to a block ahead are handed out, so
+        that an id is never given twice even once its task's row is pruned."""
+        if xp.next_n < xp.reserved:
+            return
+        pool = pool or self.table.pool(xp.name)
+        if pool is None or pool.executor is None:
+            return
+        xp.reserved = xp.next_n + ID_BLOCK
+        pool.executor["next_task"] = xp.reserved
+        self.table.save_pool(pool)
+
+    # -- tasks ----------------------------------------------------------------------------
+
+    def cancel(self, task: Task) -> bool:
+        """Cancel ``task``: True if it is cancelled now or was before, False if it had ended
+        otherwise. A running one gets ``Cancelled`` raised in it, its worker's tree is killed
+        if it is still busy after the grace."""
+        if task.state is T.CANCELLED:
+            return True
+        if task.state.terminal:
+            return False
+        worker = task.worker
+        self._end(task, T.CANCELLED, "cancelled", "cancelled")
+        if worker is not None:
+            self._interrupt(worker, task, w.CANCEL)
+        return True
+
+    def _dispatch(self, xp: ExecPool) -> None:
+        """Hand queued tasks out: to idle workers first, then one more to each busy worker,
+        so that none waits for a round trip through the loop between two tasks."""
+        while xp.queue:
+            task = xp.queue[0]
+            if task.state is not T.QUEUED:
+                xp.queue.popleft()
+                continue
+            worker = self._free_worker(xp)
+            if worker is None:
+                return
+            xp.queue.popleft()
+            self._send(xp, worker, task)
+
+    def _free_worker(self, xp: ExecPool) -> Worker | None:
+        for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
+            while waiting:
+                worker = waiting.popleft()  # an entry whose worker changed since is dropped
+                if not worker.closed and len(worker.tasks) == holds and self._room(xp, worker):
+                    return worker
+        return None
+
+    def _room(self, xp: ExecPool, worker: Worker) -> bool:
+        """May ``worker`` be sent one more task (max_tasks_per_child counts those it holds)?"""
+        return not xp.closing and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
+
+    def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
+        """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
+        the worker runs."""
+        task.worker = worker
+        task.slot = worker.sent % w.WORDS
+        worker.sent += 1
+        worker.tasks.append(task)
+        worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
+        if len(worker.tasks) == 1:
+            self._head(worker)
+            if self._room(xp, worker):
+                xp.single.append(worker)
+
+    def _head(self, worker: Worker) -> None:
+        """The worker starts the first task it holds now: its clock starts (timeout, the
+        metrics, ``started``). One cancelled or timed out while it waited there stops at
+        once (its word says so); the kill after the grace stands behind that too."""
+        task = worker.tasks[0]
+        if task.state is not T.QUEUED:
+            self._arm_kill(worker, task, "cancel" if task.state is T.CANCELLED else "timeout")
+            return
+        task.state = task_transition(task.id, task.state, T.RUNNING)
+        task.attempts += 1
+        task.worker_id = worker.replica.id if worker.replica is not None else None
+        task.started_at = self.table.os.time()
+        self._save(task, T.QUEUED)
+        self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at)
+        if task.timeout is not None:
+            task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
+        self._tell(task, "started", task.id)
+
+    def _timed_out(self, task: Task) -> None:
+        worker = task.worker
+        if task.state is not T.RUNNING or worker is None:
+            return
+        self._end(task, T.TIMED_OUT, "timeout", [f"task {task.id} ran past its timeout of {task.timeout:g} s",
+                                                 task.timeout])
+        self._interrupt(worker, task, w.TIMEOUT)
+
+    def _interrupt(self, worker: Worker, task: Task, cause: int) -> None:
+        """The exception of ``cause`` raised in ``task``, in its worker; the worker's whole
+        tree killed if it has not answered for the task ``grace`` seconds after it began to
+        stop. A task that waits in the worker behind another is only marked: it stops as
+        soon as it starts."""
+        if worker.word is None or worker.closed or task not in worker.tasks:
+            return
+        at = task.slot * w.WORD.size
+        worker.word[at:at + w.WORD.size] = w.WORD.pack(w.cancel_word(task.n, cause))
+        if worker.tasks[0] is not task:
+            return
+        proc = self._proc(worker)
+        if proc is None:
+            return
+        signals.to_child(proc.pid, w.CANCEL_SIGNAL)
+        self._arm_kill(worker, task, "cancel" if cause == w.CANCEL else "timeout")
+
+    def _arm_kill(self, worker: Worker, task: Task, what: str) -> None:
+        if worker.kill_timer is not None:
+            worker.kill_timer.cancel()
+        grace = worker.pool.grace if worker.pool is not None else 5.0
+        worker.kill_timer = self.table.reactor.call_later(
+            grace, lambda: self._kill(worker, f"task {task.id} still ran {grace:g} s after its {what}", renew=True))
+
+    def _kill(self, worker: Worker, why: str, *, renew: bool) -> None:
+        """SIGKILL to the worker's whole tree (its cgroup, or its group and what left it).
+        ``renew``: replaced at once, not counted as a crash (it did what it was told too
+        slowly, it did not fail on its own)."""
+        proc = self._proc(worker)
+        if proc is None or worker.closed:
+            return
+        worker.lost_reason = why
+        log.warning("%s: %s; killing its process tree", worker.replica.id if worker.replica else "?", why)
+        if renew and worker.replica is not None and worker.pool is not None and not worker.pool.closing:
+            self.table.supervisor.renew(worker.replica, why, now=True)
+        self.table.containment.kill_after_grace(proc)
+
+    def _end(self, task: Task, state: T, kind: str, data: Any) -> None:
+        """``task`` ended ``state``; ``data``: the result's or exception's bytes (kind result,
+        raised), else the reason (a line; for a timeout, [line, limit])."""
+        old = task.state
+        task.state = task_transition(task.id, task.state, state)
+        task.ended_at = self.table.os.time()
+        if task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
+        task.worker = None  # a worker still busy with it keeps it as its ``task`` until it answers
+        task.kind = kind
+        task.payload = None
+        if isinstance(data, bytes):
+            task.result = data
+        else:
+            task.reason = data if isinstance(data, str) else data[0] if isinstance(data, list) else None
+        self._tell(task, kind, data)
+        if task.session is not None:
+            task.session.tasks.pop(task.ref, None)
+        self._live.pop(task.id, None)
+        task.pool.done += 1
+        self.table.metrics.task_ended(task.pool.name, task.state.value,
+                                      task.ended_at - task.started_at if task.started_at is not None else None)
+        self._ended[task.id] = task
+        self._ended_bytes += len(task.result or b"")
+        while self._ended and (len(self._ended) > KEEP_ENDED or self._ended_bytes > KEEP_ENDED_BYTES):
+            _, old_task = self._ended.popitem(last=False)  # the store still has it
+            self._ended_bytes -= len(old_task.result or b"")
+        self._save(task, old)
+        for reply, cmd_id in task.waiters:
+            self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
+        task.waiters.clear()
+        self.table.changed()
+
+    def _save(self, task: Task, old: T | None) -> None:
+        """The task's row, and an event for ``events`` (``old`` None: it was just queued)."""
+        journal = self.table.journal
+        if journal.store is None:
+            return
+        journal.store.save_task(task.record())
+        event = {"task": task.id, "pool": task.pool.name, "from": old.value if old else None, "to": task.state.value}
+        if task.reason is not None and task.state.terminal:
+            event["reason"] = task.reason
+        if task.worker_id is not None:
+            event["worker"] = task.worker_id
+        journal.event("task", event)
+
+    def _tell(self, task: Task, kind: str, data: Any) -> None:
+        session = task.session
+        if session is None:
+            return
+        event = (kind, task.ref, data, task.id)
+        if session.sink is not None:
+            # Handed over once per turn, all of the turn's at once: one wake-up of the
+            # submitter's thread for a burst of ends.
+            session.outbox.append(event)
+            if not session.flushing:
+                session.flushing = True
+                self.table.reactor.call_soon(lambda: self._hand_over(session))
+            return
+        session.seq += 1
+        # Over the channel (JSON): bytes travel as base64 text.
+        text = as_text(data)
+        session.events.append((session.seq, [kind, task.ref, text, task.id]))
+        session.held += len(text) if isinstance(text, str) else 0
+        while len(session.events) > SESSION_BACKLOG or session.held > SESSION_BACKLOG_BYTES:
+            _, dropped = session.events.popleft()  # a client that stopped polling: its oldest go
+            session.held -= len(dropped[2]) if isinstance(dropped[2], str) else 0
+        if session.poll is not None and not session.flushing:
+            # Answered soon, with everything this turn adds: one reply for a burst of ends.
+            session.flushing = True
+            self.table.reactor.call_soon(lambda: self._flush(session))
+
+    def _hand_over(self, session: Session) -> None:
+        session.flushing = False
+        events, session.outbox = session.outbox, []
+        if len(events) > 1:  # a task that started and ended in the same turn: its end says both
+            ended = {e[1] for e in events if e[0] != "started"}
+            events = [e for e in events if e[0] != "started" or e[1] not in ended]
+        if events and session.sink is not None:
+            try:
+                session.sink(events)
+            except Exception:  # a sink is the submitter's: its failure is not the loop's
+                log.exception("executor session %s: its sink failed", session.name)
+
+    def _flush(self, session: Session) -> None:
+        session.flushing = False
+        if session.poll is None:
+            return
+        reply, cmd_id, timer = session.poll
+        session.poll = None
+        timer.cancel()
+        self.table.reply(reply, protocol.ok(cmd_id, {"events": [e for _, e in session.events], "next": session.seq}),
+                         False)
+
+    # -- workers --------------------------------------------------------------------------
+
+    def _readable(self, worker: Worker) -> bool:
+        """Read what the worker sent; False if there was nothing to read now."""
+        try:
+            if worker.pid == 0:
+                data, anc, _, _ = worker.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 4))
+                fds = received_fds(anc)
+            else:
+                data, fds = worker.sock.recv(1 << 20), []
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno not in (errno.ECONNRESET,):
+                log.warning("task socket: %s", err)
+            data, fds = b"", []
+        if not data:
+            self._disconnected(worker)
+            return True
+        try:
+            frames = worker.frames.feed(data)
+        except ValueError as err:
+            for fd in fds:
+                os.close(fd)
+            log.error("task socket of %s: %s; closing it", worker.replica.id if worker.replica else "a worker", err)
+            self._disconnected(worker)
+            return True
+        for kind, number, payload in frames:
+            if worker.closed:
+                break
+            if kind == w.HELLO:
+                self._hello(worker, number, fds)
+                fds = []
+            else:
+                self._frame(worker, kind, number, payload)
+        for fd in fds:
+            os.close(fd)
+        return True
+
+    def _hello(self, worker: Worker, pid: int, fds: list[int]) -> None:
+        cred_pid = _CRED.unpack(worker.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
+        proc = self.table.proc_by_pid(cred_pid) if cred_pid == pid and worker.pid == 0 else None
+        rep = proc.replica if proc is not None else None
+        xp = self._pools.get(rep.pool) if rep is not None else None
+        if rep is None or xp is None or xp.closing or rep.state.terminal or rep.id in xp.workers or len(fds) != 1:
+            if xp is not None and (xp.closing or rep is not None and rep.state.terminal):
+                log.debug("task socket: %s connected as its pool closes; closed", rep.id if rep else cred_pid)
+            else:
+                log.warning("task socket: a connection from pid %d that is no worker of an executor pool; closed",
+                            cred_pid)
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
+            self._disconnected(worker)
+            return
+        memfd = fds.pop()
+        try:
+            worker.word = mmap.mmap(memfd, w.WORD.size * w.WORDS)
+        except (OSError, ValueError) as err:
+            log.warning("%s: its cancel word cannot be mapped (%s); closing its task socket", rep.id, err)
+            os.close(memfd)
+            self._disconnected(worker)
+            return
+        worker.word_fd = memfd  # kept: an upgrade hands it to the next image, which maps it again
+        self._accepted.discard(worker)
+        worker.pid, worker.replica, worker.pool = pid, rep, xp
+        xp.workers[rep.id] = worker
+        worker.writer.write(w.frame(w.WELCOME, xp.max_tasks, xp.init))
+
+    def _frame(self, worker: Worker, kind: int, number: int, payload: bytes) -> None:
+        xp = worker.pool
+        if xp is None:
+            return  # not identified: nothing but HELLO is read from it
+        if kind == w.READY:
+            worker.ready = True
+            if not xp.closing:
+                xp.idle.append(worker)
+            self._dispatch(xp)
+            return
+        if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
+            xp.said = payload.decode("utf-8", "replace")
+            return
+        task = worker.task
+        if task is None or task.n != number or kind not in (w.RESULT, w.RAISED, w.UNPICKLABLE, w.STOPPED):
+            log.warning("%s: an answer for a task it does not run; ignored", worker.replica.id if worker.replica else "?")
+            return
+        worker.tasks.popleft()
+        task.worker = None
+        if worker.kill_timer is not None:
+            worker.kill_timer.cancel()
+            worker.kill_timer = None
+        limit = self.result_max_bytes
+        if task.state is T.RUNNING and limit is not None and kind in (w.RESULT, w.RAISED) and len(payload) > limit:
+            what = "result" if kind == w.RESULT else "exception"
+            self._end(task, T.FAILED, "error", f"task {task.id}: its {what} of {len(payload)} bytes is over the "
+                                               f"limit of {size_text(limit)} (--result-max-bytes)")
+        elif task.state is T.RUNNING:
+            if kind == w.RESULT:
+                self._end(task, T.DONE, "result", payload)
+            elif kind == w.RAISED:
+                try:
+                    task.reason, payload = w.split_raised(payload)
+                except struct.error:
+                    task.reason = "raised an exception (its summary was unreadable)"
+                self._end(task, T.FAILED, "raised", payload)
+            elif kind == w.UNPICKLABLE:
+                self._end(task, T.FAILED, "error", f"task {task.id}: " + payload.decode("utf-8", "replace"))
+            else:  # STOPPED for a task we did not stop: cannot be; as a cancel
+                self._end(task, T.CANCELLED, "cancelled", None)
+        worker.done += 1
+        if worker.tasks:
+            self._head(worker)
+        if xp.max_tasks and worker.done >= xp.max_tasks:
+            if worker.replica is not None and not xp.closing:  # it exits now: replaced at once, not counted
+                self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
+        elif not worker.tasks:
+            if not xp.closing:
+                xp.idle.append(worker)
+        elif self._room(xp, worker):
+            xp.single.append(worker)
+        self._dispatch(xp)
+
+    def _disconnected(self, worker: Worker) -> None:
+        """EOF or a broken peer: stop reading. Its task is settled when its replica has
+        ended (worker_ended), by then with the exit's reason."""
+        if worker.closed:
+            return
+        self.table.reactor.remove_reader(worker.sock.fileno())
+        worker.closed = True
+        self._accepted.discard(worker)
+        if worker.pid == 0:
+            self._close(worker)
+
+    def _close(self, worker: Worker) -> None:
+        if not worker.closed:
+            self.table.reactor.remove_reader(worker.sock.fileno())
+            worker.closed = True
+        if worker.kill_timer is not None:
+            worker.kill_timer.cancel()
+        worker.sock.close()
+        try:
+            worker.writer.close()
+        except OSError:
+            pass
+        if worker.word is not None:
+            worker.word.close()
+            worker.word = None
+        if worker.word_fd >= 0:
+            os.close(worker.word_fd)
+            worker.word_fd = -1
+
+    def worker_ended(self, rep: Replica) -> None:
+        """``rep`` has ended and its processes are gone (engine._record_end): the task it
+        ran is queued again (retries left) or failed with the reason, and it is forgotten."""
+        xp = self._pools.get(rep.pool)
+        worker = xp.workers.pop(rep.id, None) if xp is not None else None
+        if worker is None or xp is None:
+            return
+        # What it said before it died counts: a result still in the socket stands.
+        while not worker.closed and worker.tasks and self._readable(worker):
+            pass
+        self._close(worker)
+        task = worker.task
+        waited = list(worker.tasks)[1:]
+        worker.tasks.clear()
+        for never in reversed(waited):  # sent, never started (still QUEUED): first in the queue again
+            never.worker = None
+            if never.state is T.QUEUED:
+                xp.queue.appendleft(never)
+        if task is not None and task.state is T.RUNNING:
+            task.worker = None
+            reason = self.stop_reason if self.table.closing else worker.lost_reason or how_it_ended(rep)
+            if task.attempts <= task.retries and not xp.closing:
+                # Cut short by something not its own doing: it runs again (after the next
+                # start, if the daemon is stopping), the attempt counted.
+                self.requeue(task, f"its worker {rep.id} was lost ({reason})")
+            else:
+                self._end(task, T.FAILED, "lost", reason)
+        self._dispatch(xp)
+        self.table.changed()
+
+    def requeue(self, task: Task, why: str) -> None:
+        old = task.state
+        task.state = task_transition(task.id, task.state, T.QUEUED)
+        if task.timer is not None:
+            task.timer.cancel()
+            task.timer = None
+        task.worker = None
+        task.pool.queue.appendleft(task)
+        self._save(task, old)
+        log.info("%s: %s; queued again (attempt %d of %d)", task.id, why, task.attempts + 1, task.retries + 1)
+
+    def settle(self) -> None:
+        """A turn changed something: a pool that no longer replaces its workers fails what
+        it has queued (no future waits forever); a closed pool whose workers are all gone
+        is forgotten."""
+        for xp in list(self._pools.values()):
+            if xp.queue:
+                self._hopeless(xp)
+            if xp.closing and not xp.workers:
+                pool = self.table.pool(xp.name)
+                if pool is None or not pool.live:
+                    del self._pools[xp.name]
+
+    def _hopeless(self, xp: ExecPool) -> None:
+        if self.table.closing:
+            return  # a stopping daemon keeps its queued tasks for the next start
+        pool = self.table.pool(xp.name)
+        if pool is None:
+            return
+        if pool.deleted and not xp.closing:
+            why = f"executor pool {xp.name} was deleted"
+        elif pool.state == CRASHLOOP and not any(not r.state.terminal for r in pool.live.values()) and not pool.pending:
+            why = f"executor pool {xp.name} stopped replacing its workers: {pool.reason}"
+            if xp.said:
+                why += f" ({xp.said})"
+        else:
+            return
+        while xp.queue:
+            task = xp.queue.popleft()
+            if task.state is T.QUEUED:
+                self._end(task, T.FAILED, "unrun", why)
+
+    # -- memory_max without a memory controller ---------------------------------------------
+
+    def _check_rss(self, xp: ExecPool) -> None:
+        """memory_max where no memory controller enforces it: each worker's RSS, every
+        RSS_INTERVAL; one past the limit is killed (its task lost, with the reason), and
+        replaced as a worker that died is."""
+        if xp.closing or self._pools.get(xp.name) is not xp:
+            return
+        limit = xp.options["memory_max"]
+        for worker in list(xp.workers.values()):
+            proc = self._proc(worker)
+            if proc is None or worker.closed:
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/statm", "rb") as f:
+                    rss = int(f.read().split()[1]) * _PAGE
+            except (OSError, ValueError, IndexError):
+                continue
+            if rss > limit:
+                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=False)
+        xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+
+    def _proc(self, worker: Worker) -> Any:
+        rep = worker.replica
+        proc = self.table.proc_of(rep) if rep is not None else None
+        return proc if proc is not None and not proc.reaped else None
+
+    def close(self) -> None:
+        """Release the listener and every connection (the loop is closing)."""
+        for xp in self._pools.values():
+            for worker in xp.workers.values():
+                self._close(worker)
+        for worker in list(self._accepted):
+            self._close(worker)
+        self._accepted.clear()
+        if self._listener is not None:
+            self.table.reactor.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            if not self._address.startswith("@"):
+                try:
+                    os.unlink(self._address)
+                except OSError:
+                    pass
