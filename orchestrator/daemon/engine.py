@@ -213,7 +213,7 @@ class Engine:
     def shutdown(self, budget: float | None = None) -> None:
         """Stop every replica (stop signal, grace, KILL) and wait until all are reaped;
         from now on every command is refused. Pools stop in the order of their ``after``
-        (Supervisor.stop_layers): the pools nobody starts after all at once, and the pools
+        (Order.stop_layers): the pools nobody starts after all at once, and the pools
         they start after once those have ended, and so on. With a ``budget`` (seconds)
         every grace is cut so that all is over inside it (systemd's TimeoutStopSec,
         Kubernetes' terminationGracePeriodSeconds), each layer getting an equal share of
@@ -222,7 +222,7 @@ class Engine:
             return
         self.closing = True
         end = None if budget is None else self.os.monotonic() + max(0.0, budget - SHUTDOWN_MARGIN)
-        layers = self.supervisor.stop_layers()
+        layers = self.supervisor.order.stop_layers()
         for i, names in enumerate(layers):
             wait = self.config.grace + 1.0
             if end is not None:
@@ -356,8 +356,8 @@ class Engine:
         else:
             replicas = [r.to_dict() for r in self._replicas.values() if not r.state.terminal]
         pools = []
-        for name in self.supervisor.start_order():
-            row = {**self._pools[name].to_dict(), "waiting": self.supervisor.pool_waiting(self._pools[name])}
+        for name in self.supervisor.order.start_order():
+            row = {**self._pools[name].to_dict(), "waiting": self.supervisor.order.pool_waiting(self._pools[name])}
             counts = self.tasks.pool_counts(name)
             if counts is not None:
                 row["tasks"] = counts
@@ -486,7 +486,7 @@ class Engine:
         if data:
             self.failed(proc.replica, "could not start: " + data.decode("utf-8", "replace"))
         else:
-            self.supervisor.started(proc)
+            self.supervisor.readiness.started(proc)
 
     def _on_exit(self, proc: Proc) -> None:
         if proc.reaped:

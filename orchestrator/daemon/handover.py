@@ -326,7 +326,7 @@ class Upgrade:
         if reopen:
             engine.journal.store = self.daemon._new_store()
             for proc in engine.procs():
-                engine.supervisor.resume(proc)
+                engine.supervisor.readiness.resume(proc)
         engine.start_spawners()
         self._refused(why)
 
@@ -433,7 +433,7 @@ def take_over(daemon: Any, doc: dict) -> None:
         proc = engine.adopt(rep, pidfd, cgroup=item.get("cgroup"), cleanup=cleanup,
                             kill_deadline=item.get("kill_deadline"), killed=bool(item.get("killed")),
                             escaped=[(int(a), int(b)) for a, b in item.get("escaped", [])])
-        engine.supervisor.resume(proc)
+        engine.supervisor.readiness.resume(proc)
     for record in doc.get("pending", []):
         engine.adopt_pending(Replica.from_record(record))
     engine.tasks.take_over(doc.get("tasks"))  # executor pools: their tasks, on the carried connections

@@ -547,7 +547,7 @@ class Daemon:
             except InvalidSpec as err:  # e.g. a command that is not there: name the pool and its line
                 raise config_file.ConfigError.at(new.source, decl.line, f"pools.{decl.name}", str(err)) from None
         try:  # a launched pool may start after one this file no longer declares
-            self._engine.supervisor.check_declared_order({n: pol.after_pools for n, (_, pol) in prepared.items()})
+            self._engine.supervisor.order.check_declared({n: pol.after_pools for n, (_, pol) in prepared.items()})
         except InvalidSpec as err:
             raise config_file.ConfigError.at(new.source, None, "after", str(err).removeprefix("after: ")) from None
         done = self._apply(new, prepared)

@@ -83,7 +83,7 @@ class Spawning:
                                  output=self._spawner_output) if spawners else None
         self._pending: collections.deque[tuple[Replica, Runtime]] = collections.deque()
         self._held: list[tuple[Replica, Runtime]] = []  # waiting for their pool's preload spawner
-        # pool -> its replicas waiting for the pools it starts after (Supervisor.waiting)
+        # pool -> its replicas waiting for the pools it starts after (Order.waiting)
         self._gated: dict[str, list[tuple[Replica, Runtime]]] = {}
         self._scheduled = False
         self._upgrade_hold = False
@@ -131,7 +131,7 @@ class Spawning:
         for name, held in list(self._gated.items()):
             held = [(rep, rt) for rep, rt in held if rep.state is S.PENDING]  # not interrupted meanwhile
             pool = self.table.pool(name)
-            why = self.supervisor.waiting(pool) if held and pool is not None else None
+            why = self.supervisor.order.waiting(pool) if held and pool is not None else None
             for rep, _ in held:
                 rep.reason = why
             if why is None:
@@ -174,7 +174,7 @@ class Spawning:
             if rep.state is not S.PENDING:  # interrupted while it waited
                 continue
             pool = self._pool(rep)
-            why = self.supervisor.waiting(pool) if pool.policy.after else None
+            why = self.supervisor.order.waiting(pool) if pool.policy.after else None
             if why is not None:
                 rep.reason = why  # status says what it waits for
                 self._gated.setdefault(rep.pool, []).append((rep, rt))
@@ -226,7 +226,7 @@ class Spawning:
                 plan = dataclasses.replace(plan, listen_fds=tuple(fds))
                 plan.env.update(env_for(fds, names))
             if pool.policy.ready == "notify":
-                req.notify = self.supervisor.notify_socket(rep)
+                req.notify = self.supervisor.readiness.notify_socket(rep)
                 plan.env.update(req.notify.env())
             req.asked = table.os.begin(plan, via) if via is not None else table.os.spawn(plan)
         except (OSError, CgroupUnavailable, ValueError) as err:  # fork/pipe/socket/mkdir failed, a limit refused

@@ -1,52 +1,40 @@
-"""Keeping pools alive: what each pool should hold and keeping it so. Readiness and
-liveness, the restart policy, crash loops, rolling restarts, pools declared by the config
-file, and the commands that shape pools (launch, scale, restart, delete, signal).
+"""Keeping pools alive: what each pool should hold and keeping it so. The restart policy,
+crash loops, rolling restarts, pools declared by the config file, and the commands that
+shape pools (launch, scale, restart, delete, signal); readiness and liveness are
+readiness.py's, the order of pools ordering.py's (both held here: ``readiness``, ``order``).
 
 The daemon's loop thread runs it, beside the engine (engine.py) and apart from it: the
 engine owns the replica table and the processes (forks, exits, signals, transitions, one
 commit per turn); the ``Supervisor`` decides, and acts on the table only through ``Table``
-below. The engine tells it what happened through its hooks: ``started`` (a replica's exec
-succeeded), ``ended_on_its_own``, ``stopped`` (ended after a stop was asked), ``settle``;
-spawning.py asks it for a replica's ``notify_socket`` and reports a ``bad_template``.
+below. The engine tells it what happened through its hooks: ``ended_on_its_own``,
+``stopped`` (ended after a stop was asked), ``settle``; spawning.py reports a
+``bad_template``.
 
-    exec succeeded ─► ready probe? ──yes─► retry until ready ─► RUNNING ─► liveness checks
-          │                │                     └ ready_timeout ─► FAILED (then stopped)
-          │                └ start_secs ─► RUNNING once it ran that long
-          ▼
     ended on its own ─► restart policy ─► slot backoff ─► replacement (new id, same slot)
                                └ (N+1)-th within S s ─► pool crashloop, size follows it out
-
-The order of pools (policy ``after``): a pool's replicas start only once each pool it
-starts after meets its condition (``waiting``, asked by spawning.py, which holds them
-PENDING with the reason meanwhile); a launch, a config file and ``delete`` that would make
-a cycle or name an unknown pool are refused; a shutdown stops the pools in ``stop_layers``
-order, dependents first.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from .. import protocol
 from ..errors import InvalidSpec, UnknownReplica
-from ..policy import AfterCycle, Policy, after_order, check_after, signal_number
-from ..probespec import ProbeSpec
+from ..policy import Policy, signal_number
 from ..spec import Runtime, prepare
 from ..states import Replica
 from ..states import ReplicaState as S
 from ..store import unpack_pool_row as unpack_row
-from . import probes
 from .containment import Cgroups, ProcessGroups
 from .journal import Journal
 from .metrics import Metrics
-from .notify import NotifySocket, from_replica
 from .osapi import OSApi
-from .pools import CRASHLOOP, Pool, check_templates, expand_probe
-from .probebox import ProbeBox
+from .pools import CRASHLOOP, Pool, check_templates
+from .ordering import Order
 from .reactor import Reactor
+from .readiness import Proc, Readiness
 from .rollout import Rollout
 from .sockets import Listeners
 
@@ -54,17 +42,6 @@ log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)
 _NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
-
-
-class Proc(Protocol):
-    """A replica's process as the table holds it (engine.Proc): what supervision reads."""
-
-    pid: int
-    replica: Replica
-    reaped: bool  # its exit was handled: it is over, whatever a timer still expects
-    cgroup: str | None
-    cleanup: list[Callable[[], None]]  # called once it is reaped: its probes, timers, socket
-    probes: Any  # probebox.ProbeBox of its exec probes, made by the first one
 
 
 class Table(Protocol):
@@ -111,6 +88,8 @@ class Supervisor:
         # ids that end by the pool's own design (an executor's worker retired after its
         # tasks, or killed for a task that outran its cancel): replaced at once, not counted
         self._renewing: dict[str, str] = {}
+        self.readiness = Readiness(table, self, token)  # exec -> RUNNING, and liveness after
+        self.order = Order(table, self._leaving)  # which pools start after which
 
     def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
         """The commands it answers: op -> handler(args, reply, cmd_id)."""
@@ -204,11 +183,6 @@ class Supervisor:
         self._delete(pool)
         return ids
 
-    def wait_ended(self, ids: list[str], reply: Reply, cmd_id: Any, timeout: float) -> Any:
-        """Reply to the command once every one of ``ids`` has ended and been reaped."""
-        return self.table.wait_for(ids, "ended", reply, cmd_id, timeout)
-
-
     def prepare(self, wire: Any) -> Runtime:
         return prepare(wire, self._base_env)
 
@@ -287,7 +261,7 @@ class Supervisor:
         else:
             size = pool.desired + (1 if count is None else count)
         check_templates(runtime, policy, size)
-        self.check_order(name, policy.after_pools)
+        self.order.check(name, policy.after_pools)
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
             pool.deleted, pool.runtime, pool.policy = False, runtime, policy
             pool.clear()
@@ -372,7 +346,7 @@ class Supervisor:
         """Terminate a pool's replicas and forget the pool (it does not come back on start).
         Refused while another pool starts after it: its dependents go first."""
         pool = self._pool(args.get("pool"))
-        needed_by = self._dependents(pool.name)
+        needed_by = self.order.dependents(pool.name)
         if needed_by:
             raise InvalidSpec(f"pool {pool.name!r} is in the after of {', '.join(needed_by)}: delete "
                               f"{'that' if len(needed_by) == 1 else 'those'} first, or launch --replace without it")
@@ -412,9 +386,7 @@ class Supervisor:
         return None if pool is None or pool.deleted else pool
 
     def _pool_of(self, rep: Replica) -> Pool:
-        pool = self.table.pool(rep.pool)
-        assert pool is not None  # a replica's pool is never forgotten, only marked deleted
-        return pool
+        return self._pool_of_name(rep.pool)
 
     # -- pools declared by a config file ---------------------------------------------------
 
@@ -508,7 +480,7 @@ class Supervisor:
         are deleted now, but their replicas stop in order: the pools that start after
         others first, and the pools they start after once those have ended."""
         gone = [p for p in self.table.pools() if p.declared and not p.deleted and p.name not in names]
-        layers = self.stop_layers({p.name for p in gone})
+        layers = self.order.stop_layers({p.name for p in gone})
         for pool in gone:
             self._delete(pool, stop=pool.name in layers[0])
         self._stop_in_order(layers)
@@ -552,104 +524,6 @@ class Supervisor:
         """Call ``then(True)`` in the turn in which all of ``ids`` have ended and been
         reaped, or ``then(False)`` after ``timeout`` seconds if they have not."""
         self.table.wait_for(ids, "ended", lambda msg: then(bool(msg.get("ok"))), None, timeout, durable=False)
-
-    # -- the order of pools (after) ----------------------------------------------------
-
-    def _graph(self) -> dict[str, list[str]]:
-        """Pool -> the pools it starts after, of the pools there are (not deleted)."""
-        return {p.name: list(p.policy.after_pools) for p in self.table.pools() if not p.deleted}
-
-    def _dependents(self, name: str) -> list[str]:
-        return sorted(n for n, deps in self._graph().items() if name in deps and n != name)
-
-    def check_order(self, name: str, after: Mapping[str, str]) -> None:
-        """Pool ``name`` is to start after ``after``: InvalidSpec (one line) if one of them
-        is not a pool, or if that makes a cycle."""
-        if not after:
-            return  # a pool that starts after nothing is in no cycle
-        graph = self._graph()
-        graph[name] = list(after)
-        check_after(graph, names=[name])
-
-    def check_declared_order(self, declared: Mapping[str, Mapping[str, str]]) -> None:
-        """A config file's pools (name -> its after) are to replace those of the file
-        before: InvalidSpec if a pool left (a launched one) starts after a pool the file
-        no longer declares, or if they make a cycle."""
-        graph = {p.name: list(p.policy.after_pools) for p in self.table.pools() if not p.deleted and not p.declared}
-        graph.update({name: list(after) for name, after in declared.items()})
-        check_after(graph)
-
-    def start_order(self) -> list[str]:
-        """The pools (not deleted) in the order they start: each after those it starts
-        after; as they were made where that does not decide (or after a cycle or an
-        unknown pool found in a journal)."""
-        names = [p.name for p in self.table.pools() if not p.deleted]
-        graph = self._graph()
-        try:
-            layers = after_order({n: [d for d in deps if d in graph] for n, deps in graph.items()})
-        except AfterCycle:
-            return names
-        rank = {name: i for i, layer in enumerate(layers) for name in layer}
-        return sorted(names, key=lambda n: rank[n])
-
-    def stop_layers(self, only: set[str] | None = None) -> list[list[str]]:
-        """Pools in the order they stop, in layers: a pool stops before every pool it
-        starts after, so a layer is stopped once the layers before it have ended.
-        ``only``: of those pools; default: every pool, deleted ones (still ending) in the
-        first layer."""
-        pools = [p for p in self.table.pools() if only is None or p.name in only]
-        names = {p.name for p in pools if only is not None or not p.deleted}
-        graph: dict[str, list[str]] = {n: [] for n in names}
-        for pool in pools:
-            if pool.name in names:
-                for dep in pool.policy.after_pools:
-                    if dep in names and dep != pool.name:
-                        graph[dep].append(pool.name)  # dep stops after pool
-        try:
-            layers = after_order(graph)
-        except AfterCycle:  # only from a journal written by hand: all at once
-            layers = [sorted(names)]
-        first = sorted(set(layers[0] if layers else ()) | {p.name for p in pools if p.name not in names})
-        return [first, *layers[1:]]
-
-    def waiting(self, pool: Pool) -> str | None:
-        """Why ``pool``'s replicas may not start yet: the first pool of its ``after`` that
-        does not meet its condition; None when they may start."""
-        for name, condition in pool.policy.after_pools.items():
-            why = self._unmet(name, condition)
-            if why is not None:
-                return why
-        return None
-
-    def pool_waiting(self, pool: Pool) -> str | None:
-        """What ``pool``'s PENDING replicas wait for (status), None if none waits."""
-        if not pool.policy.after or not any(r.state is S.PENDING for r in pool.live.values()):
-            return None
-        return self.waiting(pool)
-
-    def _unmet(self, name: str, condition: str) -> str | None:
-        """Pool ``name`` and ``condition`` (ready: every replica it should have RUNNING,
-        hence ready; started: each spawned, none waiting to start; completed: none left,
-        the last one of each slot EXITED with 0): None when met, else why not. A pool that
-        failed (a crash loop, or a replica that failed and was not replaced) meets none."""
-        dep = self._known_pool(name)
-        if dep is None:
-            return f"waiting for {name}: no such pool"
-        if dep.state == CRASHLOOP:
-            return f"waiting for {name}: crash loop ({dep.reason})"
-        if dep.failed:
-            return f"waiting for {name}: {dep.failed[min(dep.failed)]}"
-        live = [r for r in dep.live.values() if not self._leaving(r)]
-        if condition == "completed":
-            left = len(live) + len(dep.pending)
-            return f"waiting for {name} to complete ({left} still to run)" if left else None
-        if condition == "started":
-            done = sum(r.state is not S.PENDING for r in live)
-        else:
-            done = sum(r.state is S.RUNNING for r in live)
-        if done >= dep.desired and not dep.pending:
-            return None
-        return f"waiting for {name} ({done} of {dep.desired} {condition})"
 
     # -- rollouts -------------------------------------------------------------------
 
@@ -732,40 +606,7 @@ class Supervisor:
         pool.desired = n
         self.table.save_pool(pool)
 
-    # -- readiness and liveness -------------------------------------------------------
-
-    def started(self, proc: Proc) -> None:
-        """Its exec succeeded (or its callable is about to run): ready now, or once its
-        probe says so, or once it has run start_secs."""
-        rep = proc.replica
-        policy = self._pool_of(rep).policy
-        reactor = self.table.reactor
-        if policy.ready is None:
-            if policy.start_secs > 0:
-                proc.cleanup.append(reactor.call_later(policy.start_secs, lambda: self._ready(proc)).cancel)
-            else:
-                self._ready(proc)
-            return
-        if policy.ready != "notify":
-            try:
-                spec = self._probe(rep, "ready", policy.ready)
-            except InvalidSpec as err:
-                self.bad_template(rep, err)
-                return
-            proc.cleanup.append(probes.retry_until_ready(
-                spec, reactor, self.table.os, deadline_s=policy.ready_timeout, attempt_timeout=policy.probe_timeout,
-                on_ready=lambda: self._ready(proc), on_timeout=lambda why: self._not_ready(proc, why),
-                box=self._probe_box(proc, spec)).cancel)
-        else:
-            proc.cleanup.append(reactor.call_later(
-                policy.ready_timeout,
-                lambda: self._not_ready(proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)")).cancel)
-
-    def _probe(self, rep: Replica, key: str, text: str) -> ProbeSpec:
-        """The ``ready`` or ``live`` probe of ``rep``'s slot; InvalidSpec if it does not expand."""
-        pool = self._pool_of(rep)
-        slot = rep.slot if rep.slot is not None else 0
-        return expand_probe(key, text, slot, pool.port(slot))
+    # -- a template that does not expand, and an upgrade ------------------------------
 
     def bad_template(self, rep: Replica, err: InvalidSpec) -> None:
         """A template that does not expand for ``rep``'s slot, found as it starts (a pool
@@ -783,79 +624,11 @@ class Supervisor:
             self.table.metrics.crashloop(pool.name)
         self.ended_on_its_own(rep, failed=True)
 
-    def _probe_box(self, proc: Proc, spec: ProbeSpec) -> Any:
-        """Where the replica's exec probes run and write (probebox.ProbeBox), made once and
-        closed with the replica (it kills an attempt still in flight whole)."""
-        if spec.kind != "exec":
-            return None
-        if proc.probes is None:
-            proc.probes = ProbeBox(proc.replica.id, self.table.containment, self.table.watchdog,
-                                          self.table.log_capture)
-            proc.cleanup.append(proc.probes.close)
-        return proc.probes
-
-    def notify_socket(self, rep: Replica) -> NotifySocket:
-        """The replica's own sd_notify socket (abstract: no file to clean up); OSError if not."""
-        name = f"orchestrator-{self._token or os.getpid()}-{rep.id}"
-        return NotifySocket(self.table.reactor, lambda _n, fields: self._notified(rep, fields), name,
-                                   sender_ok=lambda pid: self._notify_sender_ok(rep, pid))
-
-    def _notify_sender_ok(self, rep: Replica, pid: int) -> bool:
-        """Only the replica itself may notify for it (notify.from_replica), not another one."""
-        proc = self.table.proc_of(rep)
-        return proc is not None and from_replica(pid, proc.pid, proc.cgroup)
-
-    def _notified(self, rep: Replica, fields: dict[str, str]) -> None:
-        proc = self.table.proc_of(rep)
-        if proc is not None and fields.get("READY") == "1":
-            self._ready(proc)
-
-    def _ready(self, proc: Proc) -> None:
-        rep = proc.replica
-        if proc.reaped or rep.state is not S.STARTING:
-            return
-        pool = self._pool_of(rep)
-        policy = pool.policy
-        live = None
-        if policy.live is not None:
-            try:  # before it counts as RUNNING: a replica that cannot be checked is not started
-                live = self._probe(rep, "live", policy.live)
-            except InvalidSpec as err:
-                self.bad_template(rep, err)
-                return
-        self.table.transition(rep, S.RUNNING)
-        rep.ready, rep.started_at = True, self.table.os.time()
-        reactor = self.table.reactor
-        if rep.slot is not None:
-            slot = rep.slot
-            proc.cleanup.append(reactor.call_later(policy.healthy_after, lambda: pool.healthy(slot)).cancel)
-        if live is not None:
-            proc.cleanup.append(probes.Checker(
-                live, reactor, self.table.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
-                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
-
-    def resume(self, proc: Proc) -> None:
-        """A RUNNING replica taken over from an earlier image of the daemon (an upgrade):
-        its healthy_after timer from when it became RUNNING, its liveness probe anew."""
-        rep = proc.replica
-        if rep.state is not S.RUNNING:
-            return
-        pool = self._pool_of(rep)
-        policy = pool.policy
-        reactor = self.table.reactor
-        if rep.slot is not None and rep.started_at is not None:
-            slot = rep.slot
-            left = max(0.0, policy.healthy_after - (self.table.os.time() - rep.started_at))
-            proc.cleanup.append(reactor.call_later(left, lambda: pool.healthy(slot)).cancel)
-        if policy.live is not None:
-            try:
-                live = self._probe(rep, "live", policy.live)
-            except InvalidSpec as err:  # it expanded when it started: the pool was checked since
-                log.error("%s: liveness probe not resumed: %s", rep.id, err)
-                return
-            proc.cleanup.append(probes.Checker(
-                live, reactor, self.table.os, policy.live_interval, policy.live_failures, policy.probe_timeout,
-                lambda why: self._liveness_failed(proc, why), box=self._probe_box(proc, live)).stop)
+    def not_live(self, rep: Replica, why: str) -> None:
+        """Its liveness probe failed (readiness.py): stopped, and replaced once it has ended."""
+        log.warning("%s: liveness probe failed (%s); replacing it", rep.id, why)
+        self._replacing.add(rep.id)
+        self.table.stop(rep, reason="liveness probe failed", lower_desired=False)
 
     def carried(self) -> dict:
         """What an upgrade carries of the supervisor: the replicas stopping to be replaced."""
@@ -867,22 +640,6 @@ class Supervisor:
 
     def rollouts(self) -> int:
         return len(self._rollouts)
-
-    def _not_ready(self, proc: Proc, why: str) -> None:
-        rep = proc.replica
-        if proc.reaped or rep.state is not S.STARTING:
-            return
-        self.table.transition(rep, S.FAILED, why)
-        self.table.signal_and_arm(rep)
-        self.ended_on_its_own(rep, failed=True)
-
-    def _liveness_failed(self, proc: Proc, why: str) -> None:
-        rep = proc.replica
-        if proc.reaped or rep.state is not S.RUNNING:
-            return
-        log.warning("%s: liveness probe failed (%s); replacing it", rep.id, why)
-        self._replacing.add(rep.id)
-        self.table.stop(rep, reason="liveness probe failed", lower_desired=False)
 
     # -- the restart policy -----------------------------------------------------------
 

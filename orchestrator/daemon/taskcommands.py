@@ -206,7 +206,7 @@ class TaskCommands(TaskTable):
         if xp.rss_timer is not None:
             xp.rss_timer.cancel()
         ids = self.table.supervisor.delete_pool(xp.name)
-        return self.table.supervisor.wait_ended(ids, reply, cmd_id, protocol.wait_timeout(args))
+        return self.table.wait_for(ids, "ended", reply, cmd_id, protocol.wait_timeout(args))
 
     def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """What a polling session's tasks did since ``after``: at once if there is something,
