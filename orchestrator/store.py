@@ -86,7 +86,6 @@ At the default limits (20,000 events, 5,000 ended replicas, 7 days) the database
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sqlite3
@@ -97,6 +96,7 @@ from typing import Any, Callable, Iterable
 from .errors import StoreError
 from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
+from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
     REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
     SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, dumps, loads,
@@ -117,23 +117,6 @@ PRUNE_RETIRED_MIN = 16                   # terminal replica saves that trigger a
 _PRUNE_INTERVAL_S = 600.0                 # prune at least this often when anything is written
 _VACUUM_MIN_FREE_PAGES = 256              # only give pages back when >= 1 MB is free ...
 _VACUUM_MAX_PAGES = 4096                  # ... and at most 16 MB per prune, to bound the pause
-
-# SQLite primary result codes (the low byte of an extended code).
-_SQLITE_PERM, _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_READONLY = 3, 5, 6, 8
-_SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 10, 11, 13, 14, 26
-
-def _code(e: sqlite3.Error) -> int:
-    return (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
-
-
-def _is_corruption(e: sqlite3.Error) -> bool:
-    # OperationalError ("unable to open", "readonly", "disk full") is a DatabaseError too:
-    # only genuine corruption may send a file aside, never an environment problem.
-    if _code(e) in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
-        return True
-    msg = str(e)
-    return "malformed" in msg or "not a database" in msg
-
 
 class _Corrupt(Exception):
     pass
@@ -196,7 +179,7 @@ class Store:
                 except sqlite3.Error as e:
                     self._conn.close()
                     self._conn = None
-                    if _is_corruption(e):
+                    if is_corruption(e):
                         raise _Corrupt(str(e)) from None
                     raise self._sql_error(e, "pruning") from e
                 return
@@ -219,7 +202,7 @@ class Store:
         try:
             rows = conn.execute("PRAGMA quick_check").fetchall()
         except sqlite3.Error as e:
-            if _is_corruption(e):
+            if is_corruption(e):
                 raise _Corrupt(str(e)) from None
             raise self._sql_error(e, "checking") from e
         finally:
@@ -237,7 +220,7 @@ class Store:
             self._setup_writer(conn)
         except sqlite3.Error as e:
             conn.close()
-            if _is_corruption(e):
+            if is_corruption(e):
                 raise _Corrupt(str(e)) from None
             raise self._sql_error(e, "opening") from e
         except BaseException:
@@ -325,61 +308,11 @@ class Store:
         return aside
 
     # ------------------------------------------------------------------ errors
-    def _dir_problem(self) -> str | None:
-        """Probe the state dir with a real file create: the only test that is right for root,
-        read-only mounts, ACLs and full disks alike. Only called after something failed."""
-        probe = os.path.join(self.dir, f".store-probe-{os.getpid()}")
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return None
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return f"state dir {self.dir} is read-only"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return f"disk full writing {self.path}"
-            if e.errno == errno.ENOENT:
-                return f"state dir {self.dir} does not exist"
-            return None
-        try:
-            os.write(fd, b"x" * 4096)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return f"disk full writing {self.path}"
-        finally:
-            os.close(fd)
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
-        return None
-
     def _os_message(self, e: OSError, doing: str) -> str:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return f"state dir {self.dir} is read-only ({doing} {e.filename or self.path})"
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return f"disk full {doing} {e.filename or self.path}"
-        return f"{doing} {e.filename or self.path} failed: {e.strerror or e}"
+        return os_message(e, doing, self.dir, self.path)
 
     def _sql_error(self, e: sqlite3.Error, doing: str) -> StoreError:
-        code = _code(e)
-        if code == _SQLITE_FULL:
-            return StoreError(f"disk full writing {self.path}")
-        if code in (_SQLITE_BUSY, _SQLITE_LOCKED):
-            return StoreError(f"state db {self.path} is locked by another process ({e})")
-        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
-            return StoreError(f"state db {self.path} is corrupt ({e})")
-        if code in (_SQLITE_READONLY, _SQLITE_CANTOPEN, _SQLITE_PERM, _SQLITE_IOERR):
-            if not self.readonly:
-                problem = self._dir_problem()
-                if problem:
-                    return StoreError(problem)
-            if code == _SQLITE_READONLY:
-                return StoreError(f"state db {self.path} is read-only ({e})")
-            if code == _SQLITE_IOERR:
-                return StoreError(f"I/O error {doing} {self.path} ({e})")
-            return StoreError(f"cannot open state db {self.path} ({e})")
-        return StoreError(f"{doing} state db {self.path} failed: {e}")
+        return StoreError(sql_message(e, doing, self.dir, self.path, probe=not self.readonly))
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection) -> None:
