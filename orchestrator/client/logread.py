@@ -146,24 +146,10 @@ class _Follower:
                 self._close()
                 # Rotated more than once since the last poll: the files made in between
                 # are backups now, newer than ours; read them whole, oldest first.
-                for name in self._newer_backups(dirfd, old):
-                    try:
-                        self.fd, _ = open_log_file(dirfd, name, READ_FLAGS, where)
-                    except OSError:
-                        continue
-                    self.pos = 0
-                    got += self._read(out)
-                    self._close()
+                got += self._read_backups(dirfd, old, where, out)
         if self.fd < 0 and current is not None:
             if self.ino is None:  # its first file: rotated ones it may already have are older
-                for name in self._newer_backups(dirfd, None):
-                    try:
-                        self.fd, _ = open_log_file(dirfd, name, READ_FLAGS, where)
-                    except OSError:
-                        continue
-                    self.pos = 0
-                    got += self._read(out)
-                    self._close()
+                got += self._read_backups(dirfd, None, where, out)
             try:
                 fd, st2 = open_log_file(dirfd, self.name, READ_FLAGS, where)
             except OSError:
@@ -177,6 +163,19 @@ class _Follower:
             out.append(self.partial)
             self.partial = b""
         return out
+
+    def _read_backups(self, dirfd: int, old: tuple[int, int] | None, where: Path, out: list[bytes]) -> int:
+        """Read whole, oldest first, the backups newer than the file ``old``; bytes read."""
+        got = 0
+        for name in self._newer_backups(dirfd, old):
+            try:
+                self.fd, _ = open_log_file(dirfd, name, READ_FLAGS, where)
+            except OSError:
+                continue
+            self.pos = 0
+            got += self._read(out)
+            self._close()
+        return got
 
     def _newer_backups(self, dirfd: int, old: tuple[int, int] | None) -> list[str]:
         """``name.k-1`` .. ``name.1`` where ``name.k`` is the file we read before; all the
