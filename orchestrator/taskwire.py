@@ -9,8 +9,11 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
 
     size (u32) | kind (u8) | number (u64)
 
-    worker -> loop   HELLO       number: its pid; with it, over SCM_RIGHTS, its cancel word
-    loop -> worker   WELCOME     payload: the pickled (initializer, initargs), or empty
+    worker -> loop   HELLO       number: its pid; with it, over SCM_RIGHTS, its cancel word;
+                                 payload: its wire version (a byte; none: version 1)
+    loop -> worker   CONFIG      payload: JSON {"grace": s} (version 2, before WELCOME)
+    loop -> worker   WELCOME     number: max_tasks; payload: the pickled (initializer,
+                                 initargs), or empty
     worker -> loop   READY       its initializer ran: it takes tasks from now on
     loop -> worker   TASK        number: the task's; payload: the pickled (fn, args, kwargs)
     worker -> loop   RESULT      payload: the pickled return value
@@ -18,20 +21,33 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
                                  then the pickled (exception, remote traceback text)
                      UNPICKLABLE payload: one line, UTF-8 (the result or exception could not
                                  be pickled; the worker lives on)
-                     STOPPED     payload: the cause (CANCEL or TIMEOUT): the task ended on
-                                 the exception the loop asked for
+                     STOPPED     payload: the cause (CANCEL, TIMEOUT or SHUTDOWN): the task
+                                 ended on the exception the loop asked for; or REVOKE, with
+                                 number: the ask's, the held task given back unstarted
+                     KEPT        number: an ask's, whose task had started: it runs here
 
 The loop never unpickles a payload: tasks and results are opaque bytes to it, which only
 the worker and the submitting client load.
 
 The cancel words: two words of eight bytes the worker shares with the loop (a memfd it sends
 with HELLO). A worker is sent at most two tasks at a time (the one it runs, and the next,
-so that it never waits for the loop between tasks); the k-th TASK frame it gets uses word
-k % 2, as both ends count. To interrupt task N, the loop writes ``N << 2 | cause`` in its
-word, then sends ``CANCEL_SIGNAL`` to the worker if N runs; the worker's handler raises only
-if the word of the task it runs now names that task, and a worker that starts a task looks
-at its word first. A signal that comes late (the task has ended, the next one runs) finds
-another number and does nothing: a cancel can never land in another task.
+so that it never waits for the loop between tasks); they use the two words by turns, as both
+ends count (a version 1 worker: the k-th TASK frame, word k % 2; version 2: each frame it
+starts takes the word its predecessor did not, and a frame given back leaves its word to
+the next). To interrupt task N, the loop writes ``N << 2 | cause`` in its word, then sends
+``CANCEL_SIGNAL`` to the worker if N runs; the worker's handler raises only if the word of
+the task it runs now names that task, and a worker that starts a task looks at its word
+first. A signal that comes late (the task has ended, the next one runs) finds another number
+and does nothing: a cancel can never land in another task.
+
+Taking a held task back (version 2): when another worker of the pool is idle, the loop asks
+for the task a busy worker holds but may not have started, by writing ``revoke_word(r)``
+(cause 0; r counts the asks to this worker) in that task's word and sending the signal.
+The worker alone decides, with the signal blocked while it starts a task: not started, it
+answers STOPPED(REVOKE) with number r and skips that frame when it reads it; started, it
+answers KEPT with number r. The loop hands the task to another worker only after
+STOPPED(REVOKE), so a task never runs twice; once an ask is answered (or its task's own
+answer came first) the loop clears the word before the slot carries another task.
 """
 
 from __future__ import annotations
@@ -51,8 +67,11 @@ CANCEL_SIGNAL = signal.SIGRTMIN + 3
 WORD = struct.Struct("=Q")  # a cancel word, native order: both ends are on this host
 WORDS = 2  # a worker holds at most two tasks (one runs, one waits): a word each, by turns
 
-HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED = range(1, 9)
-CANCEL, TIMEOUT = 1, 2  # the cause in the cancel word's low bits, and in STOPPED
+HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG = range(1, 11)
+# The cause in the cancel word's low bits, and in STOPPED. REVOKE words name a frame's index
+# (revoke_word), the others a task's number.
+REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
+VERSION = 2  # what HELLO says: 2 knows REVOKE and KEPT
 
 
 def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
@@ -61,6 +80,16 @@ def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
 
 def cancel_word(number: int, cause: int) -> int:
     return number << 2 | cause
+
+
+def revoke_word(ask: int) -> int:
+    """The word of the loop's ``ask``-th request (from 1) for a held task back."""
+    return ask << 2 | REVOKE
+
+
+def asked(word: int) -> int:
+    """The ask a word carries (0: none: it is empty or names a task to stop)."""
+    return word >> 2 if word & 3 == REVOKE else 0
 
 
 class Frames:
@@ -80,18 +109,26 @@ class Frames:
         buf += data
         out = []
         at = 0
-        while len(buf) - at >= HEADER.size:
-            size, kind, number = HEADER.unpack_from(buf, at)
-            if size > MAX_FRAME:
-                raise ValueError(f"frame of {size} bytes")
-            end = at + HEADER.size + size
-            if len(buf) < end:
-                break
-            out.append((kind, number, bytes(buf[at + HEADER.size:end])))
-            at = end
+        with memoryview(buf) as view:  # one copy of each payload, however large
+            while len(buf) - at >= HEADER.size:
+                size, kind, number = HEADER.unpack_from(buf, at)
+                if size > MAX_FRAME:
+                    raise ValueError(f"frame of {size} bytes")
+                end = at + HEADER.size + size
+                if len(buf) < end:
+                    break
+                out.append((kind, number, bytes(view[at + HEADER.size:end])))
+                at = end
         if at:
             del buf[:at]
         return out
+
+
+def too_large(what: str, size: int) -> str | None:
+    """The line that refuses a payload over the wire's limit (MAX_FRAME), or None."""
+    if size <= MAX_FRAME:
+        return None
+    return f"{what} of {size:,} bytes is over the task wire's limit of {MAX_FRAME >> 30} GiB"
 
 
 def dumps(obj: Any, *, by_value: bool = False) -> bytes:

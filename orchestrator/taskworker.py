@@ -6,34 +6,91 @@ thread, and answers each with its result, its exception (with the remote traceba
 text) or a line saying why neither could be pickled. It exits 0 after ``max_tasks`` tasks
 (``max_tasks_per_child``; the pool replaces it) or when the loop closes the socket.
 
-Cancel and timeout: ``CANCEL_SIGNAL``'s handler raises :class:`orchestrator.Cancelled` (or
-:class:`orchestrator.TaskTimeout`) only if the cancel word names the task running now,
-so a signal that arrives after its task has ended does nothing. SIGTERM stays what it is
-in every Python worker: :class:`orchestrator.Terminated`, and the worker ends.
+Cancel, timeout and shutdown: ``CANCEL_SIGNAL``'s handler raises :class:`orchestrator.Cancelled`
+(:class:`orchestrator.TaskTimeout`, :class:`orchestrator.Terminated` for the executor's
+shutdown) only if the cancel word names the task running now, so a signal that arrives after
+its task has ended does nothing. The same signal asks for the task this worker holds but may
+not have started (another worker is idle): the handler gives it back, or says it started
+(taskwire.py, "Taking a held task back"). SIGTERM stays what it is in every Python worker:
+:class:`orchestrator.Terminated`, and the worker ends.
+
+A task's leftovers: the worker is its descendants' subreaper, so every process a task
+started, however it daemonized, stays below it; when a task ends, those still alive get
+SIGTERM, then SIGKILL after the pool's grace, before the answer goes out and the next task
+starts.
 """
 
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # the module signal wraps, lighter to import
+import json
 import mmap
 import os
+import select
 import socket
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
 from . import taskwire as w
+from .spawn.childsetup import prctl
 from .worker import Cancelled, TaskTimeout, Terminated
 
+_PR_SET_CHILD_SUBREAPER = 36
+_BLOCK = {w.CANCEL_SIGNAL}
 _current = 0  # the number of the task running now; 0 between tasks
-_slot = 0  # the cancel word of the task running now
+_slot = 0  # the cancel word of the task that runs (or ran last)
+_next = 0  # the cancel word of the next task this worker starts
+_skips = 0  # TASK frames given back by the handler, not read yet (they come next)
+_answered = 0  # the latest ask (taskwire.revoke_word) answered
 _word: Any = None  # memoryview of the cancel words, shared with the loop
+_sock: socket.socket | None = None
+_ours: BaseException | None = None  # the exception the handler raised in the task that runs
+_grace = 5.0
+_own: set[int] = set()  # processes the initializer started: the worker's, not a task's
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """CANCEL_SIGNAL: what the loop wrote in the cancel words. Only between the start and
+    the end of a task (``_current``), where the main thread is in no write of the socket."""
+    number = _current
+    if not number:
+        return  # between tasks: the next start looks at the words itself
+    # Blocked while it reads and answers: a second signal would run this again in the
+    # middle (Python handlers nest) and answer one ask twice.
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, _BLOCK)
+    try:
+        _look(number)
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+
+
+def _look(number: int) -> None:
+    global _answered, _skips, _ours
+    ask = w.asked(_word[_slot ^ 1])
+    if ask > _answered:  # the task held behind this one: not started, so never here
+        _answered = ask
+        _skips += 1
+        _send(w.frame(w.STOPPED, ask, bytes([w.REVOKE])))
     word = _word[_slot]
-    if _current and word >> 2 == _current:
-        raise TaskTimeout() if word & 3 == w.TIMEOUT else Cancelled()
+    ask = w.asked(word)
+    if ask:
+        if ask > _answered:  # the loop asks back the task that runs: it started
+            _answered = ask
+            _send(w.frame(w.KEPT, ask))
+    elif word >> 2 == number and _ours is None:
+        # One exception per task: a later signal (a timeout after the cancel, the next
+        # task's ask) never lands in the cleanup the first one began.
+        cause = word & 3
+        _ours = TaskTimeout() if cause == w.TIMEOUT else Terminated() if cause == w.SHUTDOWN else Cancelled()
+        raise _ours
+
+
+def _send(data: bytes) -> None:
+    assert _sock is not None
+    _sock.sendall(data)
 
 
 class _Reader:
@@ -48,7 +105,8 @@ class _Reader:
             if not data:
                 return None
             self._ready = self._frames.feed(data)
-        return self._ready.pop(0)
+            self._ready.reverse()
+        return self._ready.pop()
 
 
 def _connect(address: str) -> socket.socket:
@@ -59,20 +117,27 @@ def _connect(address: str) -> socket.socket:
 
 def main() -> None:
     """The executor pool's target (``orchestrator.taskworker:main``)."""
-    global _word
+    global _word, _sock, _grace
     address = os.environ.pop(w.SOCKET_ENV, "")
     if not address:
         raise SystemExit(f"{w.SOCKET_ENV} is not set: not started by an executor pool")
-    sock = _connect(address)
+    try:
+        prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a task's daemonized children stay ours to end
+    except OSError:
+        pass
+    sock = _sock = _connect(address)
     fd = os.memfd_create("orchestrator-cancel", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, w.WORD.size * w.WORDS)
         _word = memoryview(mmap.mmap(fd, w.WORD.size * w.WORDS)).cast("Q")
-        socket.send_fds(sock, [w.frame(w.HELLO, os.getpid())], [fd])
+        socket.send_fds(sock, [w.frame(w.HELLO, os.getpid(), bytes([w.VERSION]))], [fd])
     finally:
         os.close(fd)
     reader = _Reader(sock)
     got = reader.next()
+    while got is not None and got[0] == w.CONFIG:
+        _grace = float(json.loads(got[2]).get("grace", _grace))
+        got = reader.next()
     if got is None or got[0] != w.WELCOME:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
     _, max_tasks, init = got
@@ -86,6 +151,7 @@ def main() -> None:
             line = f"initializer failed: {type(err).__name__}: {err}".replace("\n", " ")[:1000]
             sock.sendall(w.frame(w.UNPICKLABLE, 0, line.encode("utf-8", "replace")))
             raise SystemExit(3) from None
+    _own.update(_children(os.getpid()))
     sock.sendall(w.frame(w.READY))
     done = 0
     while max_tasks == 0 or done < max_tasks:
@@ -95,7 +161,10 @@ def main() -> None:
         kind, number, payload = got
         if kind != w.TASK:
             continue
-        reply = _run(number, done % w.WORDS, payload)
+        reply = _run(number, payload)
+        if reply is None:
+            continue  # given back: another worker runs it
+        _end_leftovers()
         for stream in (sys.stdout, sys.stderr):  # a task's prints reach its log now, not at exit
             try:
                 stream.flush()
@@ -105,13 +174,32 @@ def main() -> None:
         done += 1
 
 
-def _run(number: int, slot: int, payload: bytes) -> bytes:
-    global _current, _slot
+def _run(number: int, payload: bytes) -> bytes | None:
+    """Run a TASK frame; its answer, or None if it was given back unstarted."""
+    global _current, _slot, _next, _skips, _answered, _ours
+    # The signal waits while this task starts: the handler sees either no task, or this one
+    # with _current set, never a start half made (the word is read once, here).
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, _BLOCK)
+    if _skips:
+        _skips -= 1
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        return None  # answered already, by the handler
+    ask = w.asked(_word[_next])
+    if ask > _answered:  # asked back before it started: given back, its word left to the next
+        _answered = ask
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        _send(w.frame(w.STOPPED, ask, bytes([w.REVOKE])))
+        return None
+    _slot, _next = _next, _next ^ 1
+    _ours = None
+    _current = number
     try:
         try:
-            _slot = slot
-            _current = number
-            _interrupt(0, None)  # a cancel that came before we knew the task's number
+            try:
+                _look(number)  # a cancel that came before the task started
+            finally:
+                # A signal that came while it was blocked is handled now, inside the task.
+                _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
             if payload[:1] == b"t":
                 fn, args, kwargs = _target(payload)
             else:
@@ -119,20 +207,117 @@ def _run(number: int, slot: int, payload: bytes) -> bytes:
             value = fn(*args, **kwargs)
         finally:
             _current = 0
-    except (Cancelled, TaskTimeout) as exc:
-        word = _word[slot]
-        if word >> 2 == number:  # the loop's: a task that raised one itself falls through
-            return w.frame(w.STOPPED, number, bytes([word & 3]))
+    except Terminated as exc:
+        if exc is _ours:  # the loop's: a task that raised one itself falls through
+            cause = w.TIMEOUT if isinstance(exc, TaskTimeout) else w.CANCEL if isinstance(exc, Cancelled) else w.SHUTDOWN
+            return w.frame(w.STOPPED, number, bytes([cause]))
+        if type(exc) is Terminated:
+            raise  # SIGTERM is not the task's error: the worker ends
         return _raised(number, exc)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too, as the standard library's workers
-        if isinstance(exc, Terminated):
-            raise  # SIGTERM is not the task's error: the worker ends
         return _raised(number, exc)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
         return w.frame(w.RESULT, number, data if data is not None else w.dumps(value))
     except Exception as err:
         return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
+
+
+# -- a task's leftover processes --------------------------------------------------------
+
+
+def _children(pid: int, tids: list[str] | None = None) -> list[int]:
+    out: list[int] = []
+    for tid in tids if tids is not None else _tids(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _tids(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
+def _end_leftovers() -> None:
+    """The processes the task left below this worker: SIGTERM, then SIGKILL after the
+    grace, before the next task starts. The common case (none) costs one read."""
+    me = os.getpid()
+    mine = _children(me, [str(threading.get_native_id())] if threading.active_count() == 1 else None)
+    if not mine or _own.issuperset(mine):
+        return
+    _reap()
+    fds = _pidfds(me)
+    if not fds:
+        return
+    for fd in fds:
+        _pidfd_signal(fd, _signal.SIGTERM)
+    deadline = time.monotonic() + _grace
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    alive = set(fds)
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for fd, _ in poller.poll(left * 1000):
+            alive.discard(fd)
+            poller.unregister(fd)
+        _reap()
+    # What is still there (and what was born since) is killed; down the tree again, since
+    # a child that died may have left children of its own, re-parented to us.
+    for _ in range(3):
+        for fd in _pidfds(me):
+            _pidfd_signal(fd, _signal.SIGKILL)
+            alive.add(fd)
+        _reap()
+        if _own.issuperset(_children(me)):
+            break
+    for fd in set(fds) | alive:
+        os.close(fd)
+    _reap()
+
+
+def _pidfds(me: int) -> list[int]:
+    """A pidfd of every live descendant (a pidfd pins the identity: no pid reuse between
+    reading the tree and signalling it)."""
+    fds: list[int] = []
+    todo = [pid for pid in _children(me) if pid not in _own]
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:
+            continue
+        todo += _children(pid)
+    return fds
+
+
+def _pidfd_signal(fd: int, sig: int) -> None:
+    try:
+        _signal.pidfd_send_signal(fd, sig)
+    except OSError:
+        pass
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _target(payload: bytes) -> tuple[Any, list, dict]:

@@ -232,7 +232,7 @@ class ManagerBridge:
         os.set_inheritable(self._cmd_fd, True)
         os.set_inheritable(self._reply.fd, True)
         return {"pid": self.pid, "cmd_fd": self._cmd_fd, "reply_fd": self._reply.fd, "ready": self.ready,
-                "partial": bytes(self._frames._buf).hex(), "unsent": bytes(self._reply._buf).hex()}
+                "partial": bytes(self._frames._buf).hex(), "unsent": self._reply.pending_bytes().hex()}
 
     def take_over(self, carried: dict | None) -> None:
         """The manager an earlier image of the daemon ran, with its pipes; commands sent
@@ -248,7 +248,7 @@ class ManagerBridge:
         self._frames = FrameReader()
         self._frames._buf += bytes.fromhex(carried["partial"])
         self._reply = BufferedWriter(reply_w)
-        self._reply._buf += bytes.fromhex(carried["unsent"])
+        self._reply.write(bytes.fromhex(carried["unsent"]))
         self.ready = bool(carried["ready"])
         if self.ready:
             self.down_reason = None

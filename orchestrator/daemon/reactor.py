@@ -62,37 +62,66 @@ class Writer(Protocol):
 
 
 class BufferedWriter:
-    """A non-blocking pipe end for the loop: what the pipe cannot take now (its reader is
-    stalled) waits here, and the reactor flushes it when the fd turns writable. A reader that
-    is gone (EPIPE) drops the buffer: there is nobody left to read it."""
+    """A non-blocking pipe or socket end for the loop: what the fd cannot take now (its
+    reader is stalled) waits here, and the reactor flushes it when the fd turns writable
+    (the owner registers it: ``Reactor.add_writer``). A reader that is gone (EPIPE) drops
+    the buffer: there is nobody left to read it. What waits is kept as the chunks it was
+    given, each written from an offset: a frame of 1 GiB is never copied to be sent."""
+
+    SMALL = 1 << 16  # chunks below this are joined, so that many small frames cost few writes
 
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self.fd = fd
-        self._buf = bytearray()
+        self._chunks: collections.deque[bytes | memoryview] = collections.deque()
 
     def write(self, data: bytes) -> None:
-        self._buf += data
-        self.flush()
+        if not data:
+            return
+        if isinstance(data, bytearray):
+            data = bytes(data)  # the caller may change its own buffer afterwards
+        chunks = self._chunks
+        if not chunks:
+            try:
+                n = os.write(self.fd, data)
+            except BlockingIOError:
+                n = 0
+            except BrokenPipeError:
+                return
+            if n == len(data):
+                return
+            chunks.append(memoryview(data)[n:])
+            return
+        last = chunks[-1]
+        if len(chunks) > 1 and len(last) < self.SMALL and len(data) < self.SMALL:
+            chunks[-1] = bytes(last) + data
+        else:
+            chunks.append(data)
 
     def pending(self) -> bool:
-        return bool(self._buf)
+        return bool(self._chunks)
 
     def pending_bytes(self) -> bytes:
         """What the fd has not taken yet."""
-        return bytes(self._buf)
+        return b"".join(self._chunks)
 
     def fileno(self) -> int:
         return self.fd
 
     def flush(self) -> None:
+        chunks = self._chunks
         try:
-            while self._buf:
-                del self._buf[: os.write(self.fd, self._buf)]
+            while chunks:
+                head = chunks[0]
+                n = os.write(self.fd, head)
+                if n == len(head):
+                    chunks.popleft()
+                else:
+                    chunks[0] = memoryview(head)[n:]
         except BlockingIOError:
             pass
         except BrokenPipeError:
-            self._buf.clear()
+            chunks.clear()
 
     def close(self) -> None:
         os.close(self.fd)

@@ -184,29 +184,29 @@ class TaskCommands(TaskTable):
         return row["state"] if row is not None else None
 
     def _cmd_close(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """A session ends: its unfinished tasks cancelled (``cancel``), or left to run; with
-        ``delete`` (an embedded executor's pool) the pool goes too, its queued tasks failed,
-        its workers stopped, and the reply waits until every one of them is reaped."""
+        """A session ends: its unfinished tasks cancelled (``cancel``: the running ones get
+        ``Terminated``, a shutdown, not a user's cancel), or left to run; with ``delete`` (an
+        embedded executor's pool) the pool goes too: its queued tasks cancelled or failed,
+        each running task stopped and given the pool's grace to clean up, and only then its
+        workers stopped; the reply waits until every one of them is reaped."""
         session = self._sessions.get(str(args.get("session")))
         cancel, delete = bool(args.get("cancel")), bool(args.get("delete"))
         if session is not None:
             if cancel:
                 for task in list(session.tasks.values()):
-                    self.cancel(task)
+                    self.shut_down(task)
             self._drop_session(session)
         if not delete:
             return None
         xp = self._exec_pool(args.get("pool"))
-        for task in [t for t in self._live.values() if t.pool is xp]:
-            if cancel:
-                self.cancel(task)
-            else:
-                self._end(task, T.FAILED, "lost", self.stop_reason)
-        xp.closing = True
-        if xp.rss_timer is not None:
-            xp.rss_timer.cancel()
-        ids = self.table.supervisor.delete_pool(xp.name)
-        return self.table.wait_for(ids, "ended", reply, cmd_id, protocol.wait_timeout(args))
+        timeout = protocol.wait_timeout(args)
+
+        def then() -> None:
+            ids = self.table.supervisor.delete_pool(xp.name)
+            self.table.wait_for(ids, "ended", reply, cmd_id, timeout)
+
+        self.stop_pool(xp, cancel=cancel, then=then)
+        return protocol.DEFERRED
 
     def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """What a polling session's tasks did since ``after``: at once if there is something,

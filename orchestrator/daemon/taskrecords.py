@@ -48,6 +48,7 @@ class Task:
     result: bytes | None = None  # the pickled result or exception (kind result or raised)
     timer: Timer | None = None
     slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
+    asked_back: bool = False  # its worker was asked to give it back (another is idle): no answer yet
     waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
 
     def record(self) -> dict:
@@ -73,8 +74,12 @@ class Worker:
     word: mmap.mmap | None = None
     word_fd: int = -1  # the memfd behind ``word``
     ready: bool = False
+    version: int = 1  # its wire version (HELLO): 2 can give a held task back
     tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
-    sent: int = 0  # TASK frames sent: the k-th uses cancel word k % WORDS
+    sent: int = 0  # TASK frames sent (a version 1 worker: the k-th uses cancel word k % WORDS)
+    next_slot: int = 0  # version 2: the cancel word of the next task sent
+    asks: int = 0  # held tasks asked back so far (the ask's number, in its word)
+    asked: Task | None = None  # the task asked back, until the worker answers for it
     done: int = 0
     kill_timer: Timer | None = None
     lost_reason: str | None = None  # why the loop killed it, if it did
@@ -95,12 +100,14 @@ class ExecPool:
     idle: collections.deque = field(default_factory=collections.deque)  # workers with no task
     single: collections.deque = field(default_factory=collections.deque)  # workers that may take a second
     workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
+    holders: set[Worker] = field(default_factory=set)  # workers that hold a task behind the one they run
     next_n: int = 1
     reserved: int = 0  # task numbers below it are recorded as handed out (the pool's row)
     rss_timer: Timer | None = None
     rss_check: bool = False  # memory_max by RSS: no memory controller here
     said: str | None = None  # the last worker's complaint (its initializer failed)
     closing: bool = False
+    on_quiet: Callable[[], None] | None = None  # closing: called once no worker is busy
     done: int = 0  # tasks ended since the daemon started
 
     @property

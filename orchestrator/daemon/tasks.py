@@ -103,6 +103,7 @@ class Tasks(TaskCommands):
         for t in self._live.values():
             tasks.append({**t.record(), "payload": as_text(t.payload), "result": None, "ref": t.ref,
                           "session": t.session.name if t.session is not None else None, "slot": t.slot,
+                          "asked_back": t.asked_back,
                           "timer": deadline(t.timer)})
         workers = []
         for worker in [wk for xp in self._pools.values() for wk in xp.workers.values()] + list(self._accepted):
@@ -113,7 +114,9 @@ class Tasks(TaskCommands):
                             "pid": worker.pid, "sock": keep(worker.sock.fileno()), "out": keep(worker.writer.fd),
                             "pending_out": as_text(bytes(worker.writer.pending_bytes())),
                             "pending_in": as_text(worker.frames.pending()), "word": keep(worker.word_fd)
-                            if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent,
+                            if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent, "version": worker.version,
+                            "next_slot": worker.next_slot, "asks": worker.asks,
+                            "asked": worker.asked.id if worker.asked is not None else None,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
                             "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
         pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "done": xp.done,
@@ -161,7 +164,8 @@ class Tasks(TaskCommands):
             task = Task(row["id"], int(row["n"]), xp, as_bytes(row["payload"], "payload") if row["payload"] else None,
                         row.get("ref"), owner, row["timeout"], int(row["retries"]), state=T(row["state"]),
                         attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
-                        started_at=row["started_at"], slot=int(row.get("slot") or 0))
+                        started_at=row["started_at"], slot=int(row.get("slot") or 0),
+                        asked_back=bool(row.get("asked_back")))
             if row.get("timer") is not None:
                 task.timer = reactor.call_later(max(0.0, float(row["timer"]) - now),
                                                 functools.partial(self._timed_out, task))
@@ -188,7 +192,7 @@ class Tasks(TaskCommands):
         worker.frames.feed(as_bytes(item.get("pending_in") or "", "pending_in"))
         if item.get("pending_out"):
             worker.writer.write(as_bytes(item["pending_out"], "pending_out"))
-        self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+        self._watch(worker)
         xp = self._pools.get(item["pool"]) if item.get("pool") else None
         rep = self.table.replica(item["replica"]) if item.get("replica") else None
         if xp is None or rep is None:  # not identified yet: it says HELLO to this image
@@ -197,6 +201,8 @@ class Tasks(TaskCommands):
             return
         worker.pid, worker.replica, worker.pool = int(item["pid"]), rep, xp
         worker.ready, worker.sent, worker.done = bool(item["ready"]), int(item["sent"]), int(item["done"])
+        worker.version = int(item.get("version", 1))
+        worker.next_slot, worker.asks = int(item.get("next_slot", 0)), int(item.get("asks", 0))
         worker.lost_reason = item.get("lost_reason")
         if item.get("word") is not None:
             worker.word_fd = int(item["word"])
@@ -209,6 +215,10 @@ class Tasks(TaskCommands):
             worker.tasks.append(task)
             if not task.state.terminal:
                 task.worker = worker
+            if task_id == item.get("asked"):
+                worker.asked = task
+        if len(worker.tasks) > 1:
+            xp.holders.add(worker)
         xp.workers[rep.id] = worker
         if item.get("kill") is not None and worker.tasks:
             what = "cancel" if worker.tasks[0].state is T.CANCELLED else "timeout"

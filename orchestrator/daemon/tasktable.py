@@ -6,7 +6,10 @@ queue of tasks, and for each worker the one task it runs. The loop alone hands a
 worker, so at every moment it knows which worker runs which task; a cancel or a timeout
 is delivered for that task's number (the cancel words, taskwire.py) and can never land in
 the task a worker runs next. A busy worker is sent one more task to hold (still QUEUED
-until it starts), so that it never waits for a round trip through the loop between two.
+until it starts), so that it never waits for a round trip through the loop between two;
+but never while another worker of the pool is idle: then a held task is asked back
+(taskwire.py, "Taking a held task back") and, once its worker says it had not started it,
+handed to the idle one. Idle first: a queued task goes to an idle worker whenever one exists.
 
     submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
                  ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
@@ -29,12 +32,13 @@ import base64
 import collections
 import errno
 import functools
+import json
 import logging
 import mmap
 import os
 import socket
 import struct
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .. import protocol, signals
 from .. import taskwire as w
@@ -145,10 +149,16 @@ class TaskTable:
                 continue
             worker = Worker(conn, BufferedWriter(out))
             self._accepted.add(worker)
-            self.table.reactor.add_reader(conn.fileno(), functools.partial(self._readable, worker))
+            self._watch(worker)
             # The socket is abstract: anyone on the host may connect. One that does not say
             # who it is holds an fd only this long.
             self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+
+    def _watch(self, worker: Worker) -> None:
+        """Read what ``worker`` sends; flush what it is sent, however large (the reactor
+        writes the rest of a frame as the socket drains)."""
+        self.table.reactor.add_reader(worker.sock.fileno(), functools.partial(self._readable, worker))
+        self.table.reactor.add_writer(worker.writer)
 
     def _hello_timeout(self, worker: Worker) -> None:
         if worker in self._accepted:
@@ -203,9 +213,21 @@ class TaskTable:
             self._interrupt(worker, task, w.CANCEL)
         return True
 
+    def shut_down(self, task: Task) -> None:
+        """As ``cancel``, but a task that runs gets ``Terminated`` (its executor shuts down)."""
+        worker = task.worker
+        if task.state is not T.RUNNING or worker is None or worker.task is not task:
+            self.cancel(task)
+            return
+        self._end(task, T.CANCELLED, "cancelled", "cancelled")
+        self._interrupt(worker, task, w.SHUTDOWN)
+
     def _dispatch(self, xp: ExecPool) -> None:
         """Hand queued tasks out: to idle workers first, then one more to each busy worker,
-        so that none waits for a round trip through the loop between two tasks."""
+        so that none waits for a round trip through the loop between two tasks. A task
+        that goes to a free worker while an older one is held behind a busy worker has that
+        one asked back (it is the next free worker's); workers still idle at the end ask
+        held tasks back too."""
         while xp.queue:
             task = xp.queue[0]
             if task.state is not T.QUEUED:
@@ -216,6 +238,67 @@ class TaskTable:
                 return
             xp.queue.popleft()
             self._send(xp, worker, task)
+            if xp.holders and len(worker.tasks) == 1:
+                self._take_back(xp, 1, older_than=task.n)
+        if xp.idle and xp.holders:
+            idle = {wk for wk in xp.idle if not wk.closed and wk.ready and not wk.tasks and self._room(xp, wk)}
+            self._take_back(xp, len(idle))
+
+    def _take_back(self, xp: ExecPool, want: int, *, older_than: int | None = None) -> None:
+        """Ask up to ``want`` held, unstarted tasks back from busy workers, oldest first
+        (each is handed on once its worker gives it back); asks still unanswered count."""
+        if xp.closing or want <= 0:
+            return
+        held: list[tuple[int, Worker]] = []
+        for wk in xp.holders:
+            task = wk.tasks[1] if len(wk.tasks) > 1 else None
+            if task is None or task.state is not T.QUEUED or wk.closed:
+                continue
+            if wk.asked is not None:
+                want -= older_than is None
+            elif wk.version >= 2 and (older_than is None or task.n < older_than):
+                held.append((task.n, wk))
+        for _, wk in sorted(held, key=lambda h: h[0])[:max(0, want)]:
+            self._ask_back(wk, wk.tasks[1])
+
+    def _ask_back(self, worker: Worker, task: Task) -> None:
+        if worker.word is None or worker.asked is not None:
+            return
+        worker.asks += 1
+        worker.asked = task
+        task.asked_back = True
+        self._set_word(worker, task.slot, w.revoke_word(worker.asks))
+        self._signal(worker)
+
+    def _answered(self, worker: Worker) -> Task | None:
+        """The worker has answered the ask for its held task (or that task answered for
+        itself): the ask's word is cleared, unless a cancel has overwritten it since."""
+        task, worker.asked = worker.asked, None
+        if task is None:
+            return None
+        task.asked_back = False
+        if worker.word is not None:
+            at = task.slot * w.WORD.size
+            if w.WORD.unpack_from(worker.word, at)[0] == w.revoke_word(worker.asks):
+                self._set_word(worker, task.slot, 0)
+        return task
+
+    @staticmethod
+    def _name(worker: Worker) -> str:
+        return worker.replica.id if worker.replica is not None else "a worker"
+
+    @staticmethod
+    def _set_word(worker: Worker, slot: int, value: int) -> None:
+        assert worker.word is not None
+        at = slot * w.WORD.size
+        worker.word[at:at + w.WORD.size] = w.WORD.pack(value)
+
+    def _signal(self, worker: Worker) -> bool:
+        proc = self._proc(worker)
+        if proc is None:
+            return False
+        signals.to_child(proc.pid, w.CANCEL_SIGNAL)
+        return True
 
     def _free_worker(self, xp: ExecPool) -> Worker | None:
         for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
@@ -226,18 +309,27 @@ class TaskTable:
         return None
 
     def _room(self, xp: ExecPool, worker: Worker) -> bool:
-        """May ``worker`` be sent one more task (max_tasks_per_child counts those it holds)?"""
-        return not xp.closing and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
+        """May ``worker`` be sent one more task (max_tasks_per_child counts those it holds)?
+        Not while it has an ask to answer: which cancel word the next frame takes depends
+        on that answer."""
+        return (not xp.closing and worker.asked is None
+                and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks))
 
     def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
         """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
         the worker runs."""
         task.worker = worker
-        task.slot = worker.sent % w.WORDS
+        if worker.version >= 2:
+            task.slot, worker.next_slot = worker.next_slot, worker.next_slot ^ 1
+        else:
+            task.slot = worker.sent % w.WORDS
+        task.asked_back = False
         worker.sent += 1
         worker.tasks.append(task)
         worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
-        if len(worker.tasks) == 1:
+        if len(worker.tasks) > 1:
+            xp.holders.add(worker)
+        else:
             self._head(worker)
             if self._room(xp, worker):
                 xp.single.append(worker)
@@ -247,8 +339,13 @@ class TaskTable:
         metrics, ``started``). One cancelled or timed out while it waited there stops at
         once (its word says so); the kill after the grace stands behind that too."""
         task = worker.tasks[0]
+        if task.asked_back:
+            return  # asked back: it starts here only once the worker says it did (KEPT)
         if task.state is not T.QUEUED:
-            self._arm_kill(worker, task, "cancel" if task.state is T.CANCELLED else "timeout")
+            # Stopped while it waited here: its word says so, and the worker may have begun
+            # it before we knew, so it hears the signal too.
+            self._signal(worker)
+            self._arm_kill(worker, task, self._what(task))
             return
         task.state = task_transition(task.id, task.state, T.RUNNING)
         task.attempts += 1
@@ -259,6 +356,10 @@ class TaskTable:
         if task.timeout is not None:
             task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
         self._tell(task, "started", task.id)
+
+    @staticmethod
+    def _what(task: Task) -> str:
+        return "timeout" if task.state is T.TIMED_OUT else "cancel"
 
     def _timed_out(self, task: Task) -> None:
         worker = task.worker
@@ -278,12 +379,9 @@ class TaskTable:
         at = task.slot * w.WORD.size
         worker.word[at:at + w.WORD.size] = w.WORD.pack(w.cancel_word(task.n, cause))
         if worker.tasks[0] is not task:
-            return
-        proc = self._proc(worker)
-        if proc is None:
-            return
-        signals.to_child(proc.pid, w.CANCEL_SIGNAL)
-        self._arm_kill(worker, task, "cancel" if cause == w.CANCEL else "timeout")
+            return  # it stops as soon as it starts
+        if self._signal(worker) and not task.asked_back:  # asked back: the answer to that says more
+            self._arm_kill(worker, task, {w.CANCEL: "cancel", w.TIMEOUT: "timeout"}.get(cause, "shutdown"))
 
     def _arm_kill(self, worker: Worker, task: Task, what: str) -> None:
         if worker.kill_timer is not None:
@@ -300,7 +398,7 @@ class TaskTable:
         if proc is None or worker.closed:
             return
         worker.lost_reason = why
-        log.warning("%s: %s; killing its process tree", worker.replica.id if worker.replica else "?", why)
+        log.warning("%s: %s; killing its process tree", self._name(worker), why)
         if renew and worker.replica is not None and worker.pool is not None and not worker.pool.closing:
             self.table.supervisor.renew(worker.replica, why, now=True)
         self.table.containment.kill_after_grace(proc)
@@ -424,14 +522,14 @@ class TaskTable:
         except ValueError as err:
             for fd in fds:
                 os.close(fd)
-            log.error("task socket of %s: %s; closing it", worker.replica.id if worker.replica else "a worker", err)
+            log.error("task socket of %s: %s; closing it", self._name(worker), err)
             self._disconnected(worker)
             return True
         for kind, number, payload in frames:
             if worker.closed:
                 break
             if kind == w.HELLO:
-                self._hello(worker, number, fds)
+                self._hello(worker, number, fds, payload[0] if payload else 1)
                 fds = []
             else:
                 self._frame(worker, kind, number, payload)
@@ -439,7 +537,7 @@ class TaskTable:
             os.close(fd)
         return True
 
-    def _hello(self, worker: Worker, pid: int, fds: list[int]) -> None:
+    def _hello(self, worker: Worker, pid: int, fds: list[int], version: int) -> None:
         cred_pid = _CRED.unpack(worker.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
         proc = self.table.proc_by_pid(cred_pid) if cred_pid == pid and worker.pid == 0 else None
         rep = proc.replica if proc is not None else None
@@ -465,8 +563,10 @@ class TaskTable:
             return
         worker.word_fd = memfd  # kept: an upgrade hands it to the next image, which maps it again
         self._accepted.discard(worker)
-        worker.pid, worker.replica, worker.pool = pid, rep, xp
+        worker.pid, worker.replica, worker.pool, worker.version = pid, rep, xp, version
         xp.workers[rep.id] = worker
+        if version >= 2:
+            worker.writer.write(w.frame(w.CONFIG, 0, json.dumps({"grace": xp.grace}).encode()))
         worker.writer.write(w.frame(w.WELCOME, xp.max_tasks, xp.init))
 
     def _frame(self, worker: Worker, kind: int, number: int, payload: bytes) -> None:
@@ -482,11 +582,29 @@ class TaskTable:
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
             xp.said = payload.decode("utf-8", "replace")
             return
+        if kind in (w.STOPPED, w.KEPT) and (kind == w.KEPT or payload == bytes([w.REVOKE])):
+            if worker.asked is None or number != worker.asks:
+                log.warning("%s: an answer to an ask it was not asked; ignored", self._name(worker))
+                return
+            if kind == w.STOPPED:
+                self._given_back(xp, worker)
+                return
+            kept = self._answered(worker)
+            if kept is not None and worker.tasks and worker.tasks[0] is kept:
+                self._head(worker)  # it started when its predecessor ended
+            if len(worker.tasks) == 1 and self._room(xp, worker):
+                xp.single.append(worker)
+            self._dispatch(xp)  # the idle worker may ask another busy one
+            return
         task = worker.task
+        if task is not None and task is worker.asked and task.n == number:
+            self._answered(worker)  # it ran and ended before the ask reached it
+            self._head(worker)
         if task is None or task.n != number or kind not in (w.RESULT, w.RAISED, w.UNPICKLABLE, w.STOPPED):
-            log.warning("%s: an answer for a task it does not run; ignored", worker.replica.id if worker.replica else "?")
+            log.warning("%s: an answer for a task it does not run; ignored", self._name(worker))
             return
         worker.tasks.popleft()
+        xp.holders.discard(worker)
         task.worker = None
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
@@ -521,6 +639,64 @@ class TaskTable:
         elif self._room(xp, worker):
             xp.single.append(worker)
         self._dispatch(xp)
+        self._check_quiet(xp)
+
+    def _given_back(self, xp: ExecPool, worker: Worker) -> None:
+        """The worker gave the task asked back unstarted: first in the queue again, its
+        cancel word the next task's."""
+        task = self._answered(worker)
+        if task is None or task not in worker.tasks:
+            return
+        worker.next_slot = task.slot
+        head = worker.tasks[0] is task
+        worker.tasks.remove(task)
+        xp.holders.discard(worker)
+        if task.worker is worker:
+            task.worker = None
+        if task.state is T.QUEUED:
+            xp.queue.appendleft(task)
+        if head and worker.tasks:
+            self._head(worker)
+        if not xp.closing:
+            if not worker.tasks:
+                xp.idle.append(worker)
+            elif len(worker.tasks) == 1 and self._room(xp, worker):
+                xp.single.append(worker)
+        self._dispatch(xp)
+        self._check_quiet(xp)
+
+    def _check_quiet(self, xp: ExecPool) -> None:
+        """A closing pool whose workers have all answered for their tasks (or are gone):
+        what waited for that goes on (the pool's deletion: SIGTERM only reaches workers
+        whose tasks' cleanup is over)."""
+        if xp.on_quiet is None:
+            return
+        if any(wk.tasks and not wk.closed for wk in xp.workers.values()):
+            return
+        then, xp.on_quiet = xp.on_quiet, None
+        then()
+
+    def stop_pool(self, xp: ExecPool, *, cancel: bool, then: Callable[[], None]) -> None:
+        """The executor shuts its pool down: queued tasks are cancelled (``cancel``) or
+        failed; each running task gets one exception, ``Terminated``, and its cleanup runs
+        undisturbed until it answers or the pool's grace passes (then its tree is killed);
+        ``then()`` once no worker is busy."""
+        xp.closing = True
+        if xp.rss_timer is not None:
+            xp.rss_timer.cancel()
+        running = {wk.tasks[0].id for wk in xp.workers.values()
+                   if wk.tasks and wk.tasks[0].state is T.RUNNING and not wk.closed}
+        for task in [t for t in self._live.values() if t.pool is xp]:
+            worker = task.worker
+            if cancel:
+                self.shut_down(task)
+            elif task.id in running and worker is not None:
+                self._end(task, T.FAILED, "lost", self.stop_reason)
+                self._interrupt(worker, task, w.SHUTDOWN)
+            else:
+                self._end(task, T.FAILED, "unrun", self.stop_reason)
+        xp.on_quiet = then
+        self._check_quiet(xp)
 
     def _disconnected(self, worker: Worker) -> None:
         """EOF or a broken peer: stop reading. Its task is settled when its replica has
@@ -540,6 +716,7 @@ class TaskTable:
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
         worker.sock.close()
+        self.table.reactor.remove_writer(worker.writer)
         try:
             worker.writer.close()
         except OSError:
@@ -563,10 +740,16 @@ class TaskTable:
             pass
         self._close(worker)
         task = worker.task
+        if task is not None and task is worker.asked and task.state is T.QUEUED:
+            self._answered(worker)  # asked back, no answer: it may have begun, so as if it had
+            self._head(worker)
         waited = list(worker.tasks)[1:]
         worker.tasks.clear()
+        xp.holders.discard(worker)
+        worker.asked = None
         for never in reversed(waited):  # sent, never started (still QUEUED): first in the queue again
             never.worker = None
+            never.asked_back = False
             if never.state is T.QUEUED:
                 xp.queue.appendleft(never)
         if task is not None and task.state is T.RUNNING:
@@ -579,6 +762,7 @@ class TaskTable:
             else:
                 self._end(task, T.FAILED, "lost", reason)
         self._dispatch(xp)
+        self._check_quiet(xp)
         self.table.changed()
 
     def requeue(self, task: Task, why: str) -> None:
@@ -588,6 +772,7 @@ class TaskTable:
             task.timer.cancel()
             task.timer = None
         task.worker = None
+        task.asked_back = False
         task.pool.queue.appendleft(task)
         self._save(task, old)
         log.info("%s: %s; queued again (attempt %d of %d)", task.id, why, task.attempts + 1, task.retries + 1)
