@@ -78,6 +78,11 @@ def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind, number) + payload
 
 
+def header(kind: int, number: int, size: int) -> bytes:
+    """A frame's header alone: its payload is written after it, uncopied."""
+    return HEADER.pack(size, kind, number)
+
+
 def cancel_word(number: int, cause: int) -> int:
     return number << 2 | cause
 
@@ -95,8 +100,22 @@ def asked(word: int) -> int:
 class Frames:
     """Frames out of a byte stream fed in any pieces (the loop's non-blocking reads)."""
 
+    LARGE = 1 << 20
+
     def __init__(self) -> None:
         self._buf = bytearray()
+
+    def feed_views(self, data: bytes) -> list[tuple[int, int, bytes | memoryview]]:
+        """As ``feed``, but a large frame that fills the buffer alone comes out as a view of
+        that buffer, not a copy (the worker: a 1 GiB argument is not held twice)."""
+        buf = self._buf
+        if len(buf) + len(data) > self.LARGE and len(buf) >= HEADER.size:
+            size, kind, number = HEADER.unpack_from(buf)
+            if HEADER.size + size == len(buf) + len(data) <= HEADER.size + MAX_FRAME:
+                buf += data
+                self._buf = bytearray()
+                return [(kind, number, memoryview(buf)[HEADER.size:])]
+        return list(self.feed(data))
 
     def pending(self) -> bytes:
         """What was read of a frame not complete yet."""
@@ -147,7 +166,7 @@ def dumps(obj: Any, *, by_value: bool = False) -> bytes:
     return b"d" + dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | memoryview) -> Any:
     """What ``dumps`` (or a target task's JSON result, ``j``) made."""
     head = data[:1]
     if head == b"d":
@@ -155,7 +174,7 @@ def loads(data: bytes) -> Any:
 
         return dill.loads(data[1:])
     if head == b"j":
-        return json.loads(data[1:])
+        return json.loads(bytes(data[1:]))
     return pickle.loads(data[1:])
 
 

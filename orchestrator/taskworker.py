@@ -97,14 +97,14 @@ class _Reader:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._frames = w.Frames()
-        self._ready: list[tuple[int, int, bytes]] = []
+        self._ready: list[tuple[int, int, bytes | memoryview]] = []
 
-    def next(self) -> tuple[int, int, bytes] | None:
+    def next(self) -> tuple[int, int, bytes | memoryview] | None:
         while not self._ready:
             data = self._sock.recv(1 << 20)
             if not data:
                 return None
-            self._ready = self._frames.feed(data)
+            self._ready = self._frames.feed_views(data)
             self._ready.reverse()
         return self._ready.pop()
 
@@ -136,11 +136,11 @@ def main() -> None:
     reader = _Reader(sock)
     got = reader.next()
     while got is not None and got[0] == w.CONFIG:
-        _grace = float(json.loads(got[2]).get("grace", _grace))
+        _grace = float(json.loads(bytes(got[2])).get("grace", _grace))
         got = reader.next()
     if got is None or got[0] != w.WELCOME:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
-    _, max_tasks, init = got
+    _, max_tasks, init = got[0], got[1], bytes(got[2])
     _signal.signal(w.CANCEL_SIGNAL, _interrupt)
     if init:
         initializer, initargs = w.loads(init)
@@ -174,7 +174,7 @@ def main() -> None:
         done += 1
 
 
-def _run(number: int, payload: bytes) -> bytes | None:
+def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     """Run a TASK frame; its answer, or None if it was given back unstarted."""
     global _current, _slot, _next, _skips, _answered, _ours
     # The signal waits while this task starts: the handler sees either no task, or this one
@@ -218,7 +218,11 @@ def _run(number: int, payload: bytes) -> bytes | None:
         return _raised(number, exc)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
-        return w.frame(w.RESULT, number, data if data is not None else w.dumps(value))
+        data = data if data is not None else w.dumps(value)
+        too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
+        if too_large:
+            return _unpicklable(number, too_large)
+        return w.frame(w.RESULT, number, data)
     except Exception as err:
         return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
 
@@ -320,14 +324,14 @@ def _reap() -> None:
             return
 
 
-def _target(payload: bytes) -> tuple[Any, list, dict]:
+def _target(payload: bytes | memoryview) -> tuple[Any, list, dict]:
     """A ``module:function`` task: imported here, from the submitter's PYTHONPATH and cwd
     (a target that cannot be imported fails this task, with the reason; the worker lives)."""
     import json
 
     from .targets import TargetRef, load_target
 
-    call = json.loads(payload[1:])
+    call = json.loads(bytes(payload[1:]))
     fn = load_target(TargetRef(call["target"], tuple(call.get("pythonpath") or ())), call.get("cwd"))
     return fn, call.get("args") or [], call.get("kwargs") or {}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import wait
 from pathlib import Path
 
 import psutil
@@ -80,18 +81,10 @@ def test_take_back_under_churn_runs_every_task_exactly_once(make_executor: MakeE
     ex = make_executor(max_workers=3)
     marks = tmp_path / "marks"
     marks.mkdir()
-    futures = []
-    for i in range(300):
-        futures.append(ex.submit(_mark_once, str(marks / str(i)), 0.02 if i % 7 == 0 else 0.0))
-    assert [f.result(timeout=60) for f in futures] == list(range(300)) or True
+    futures = [ex.submit(wordfns.mark_once, str(marks / str(i)), str(tmp_path / "log"), 0.02 if i % 7 == 0 else 0.0)
+               for i in range(300)]
+    assert [f.result(timeout=60) for f in futures] == list(range(300))
     assert sorted(int(p.name) for p in marks.iterdir()) == list(range(300))
-
-
-def _mark_once(path: str, seconds: float) -> int:
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # a second run would raise
-    os.close(fd)
-    time.sleep(seconds)
-    return int(os.path.basename(path))
 
 
 @pytest.mark.parametrize("size", [300 << 10, 50 << 20])
@@ -165,3 +158,53 @@ def test_the_initializers_own_processes_are_not_a_tasks_leftovers(make_executor:
     helper = int(record.read_text())
     assert ex.submit(wordfns.pid_of_worker).result(timeout=30)
     assert _alive(helper, time.time())
+
+
+def test_an_argument_at_the_wires_limit_runs_and_one_byte_more_is_refused(make_executor: MakeExecutor) -> None:
+    """The documented limit (1 GiB pickled) holds exactly: at it the task runs; one byte
+    over, its future fails with one line and the executor carries on."""
+    from orchestrator import taskwire
+
+    ex = make_executor(max_workers=1)
+    overhead = len(taskwire.dumps((wordfns.size_of, (bytes(1 << 20),), {}))) - (1 << 20)
+    size = taskwire.MAX_FRAME - overhead
+    data = bytes(size)
+    assert len(taskwire.dumps((wordfns.size_of, (data,), {}))) == taskwire.MAX_FRAME
+    assert ex.submit(wordfns.size_of, data).result(timeout=120) == size
+    del data
+    over = ex.submit(wordfns.size_of, bytes(size + 1))
+    with pytest.raises(Exception, match="over the task wire's limit of 1 GiB") as err:
+        over.result(timeout=120)
+    assert "\n" not in str(err.value)
+    assert ex.submit(wordfns.pid_of_worker).result(timeout=30)
+
+
+def test_cancels_racing_take_backs_land_only_where_they_were_aimed(make_executor: MakeExecutor,
+                                                                    tmp_path: Path) -> None:
+    """Three workers, tasks of mixed lengths (workers go idle while others hold tasks, so
+    held tasks are asked back all the time), a third of them cancelled at random moments:
+    every task runs at most once, every one not cancelled runs exactly once and returns,
+    and no Cancelled reaches a task that was not cancelled."""
+    import random
+
+    rng = random.Random(7)
+    ex = make_executor(max_workers=3)
+    marks, log = tmp_path / "marks", tmp_path / "cancelled.log"
+    marks.mkdir()
+    futures: list = []
+    for wave in range(40):  # in waves: the queue drains, and workers free while others hold
+        first = len(futures)
+        for i in range(first, first + 6):
+            futures.append(ex.submit(wordfns.mark_once, str(marks / str(i)), str(log),
+                                     rng.choice([0.0, 0.0, 0.002, 0.03])))
+        for _ in range(2):
+            futures[rng.randrange(first, first + 6)].cancel()
+        wait(futures[first:], timeout=60)
+    ended = [(i, f.cancelled(), None if f.cancelled() else f.result(timeout=60)) for i, f in enumerate(futures)]
+    assert sum(1 for _, cancelled, _ in ended if cancelled) > 20
+    for i, cancelled, value in ended:
+        if not cancelled:
+            assert value == i
+            assert (marks / str(i)).exists()
+    landed = {int(line) for line in log.read_text().split()} if log.exists() else set()
+    assert landed <= {i for i, cancelled, _ in ended if cancelled}

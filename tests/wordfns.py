@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import Terminated
+from orchestrator import Cancelled, Terminated
 
 
 def say(path: str, text: str) -> None:
@@ -91,3 +91,18 @@ def leaves_child_then_cancelled(record: str, started: str) -> None:
         time.sleep(60)
     except Terminated:
         raise
+
+
+def mark_once(path: str, log: str, seconds: float) -> int:
+    """Makes its marker exclusively (a second run would raise), sleeps; a Cancelled that
+    reaches it is logged with its number."""
+    number = int(os.path.basename(path))
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.close(fd)
+    try:
+        time.sleep(seconds)
+    except Cancelled:
+        with open(log, "a") as f:
+            f.write(f"{number}\n")
+        raise
+    return number

@@ -113,6 +113,9 @@ class TaskCommands(TaskTable):
         payload = as_bytes(payload, "payload")
         if not payload:
             raise InvalidSpec("a task needs a payload or a target")
+        too_large = w.too_large("the task's pickled call", len(payload))
+        if too_large:
+            raise InvalidSpec(too_large)
         opts = xp.options
         timeout = one.get("timeout", opts.get("timeout"))
         if timeout is not None:

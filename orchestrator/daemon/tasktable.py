@@ -326,7 +326,9 @@ class TaskTable:
         task.asked_back = False
         worker.sent += 1
         worker.tasks.append(task)
-        worker.writer.write(w.frame(w.TASK, task.n, task.payload or b""))
+        payload = task.payload or b""
+        worker.writer.write(w.header(w.TASK, task.n, len(payload)))
+        worker.writer.write(payload)
         if len(worker.tasks) > 1:
             xp.holders.add(worker)
         else:
