@@ -86,7 +86,7 @@ class BufferedWriter:
                 n = os.write(self.fd, data)
             except BlockingIOError:
                 n = 0
-            except BrokenPipeError:
+            except (BrokenPipeError, ConnectionResetError):
                 return
             if n == len(data):
                 return
@@ -120,7 +120,7 @@ class BufferedWriter:
                     chunks[0] = memoryview(head)[n:]
         except BlockingIOError:
             pass
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):
             chunks.clear()
 
     def close(self) -> None:
