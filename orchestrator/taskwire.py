@@ -56,7 +56,7 @@ import json
 import pickle
 import signal
 import struct
-from typing import Any
+from typing import Any, Callable
 
 HEADER = struct.Struct("!IBQ")
 MAX_FRAME = 1 << 30  # a corrupt length must not make either side allocate without bound
@@ -72,6 +72,7 @@ HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG 
 # (revoke_word), the others a task's number.
 REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
 VERSION = 2  # what HELLO says: 2 knows REVOKE and KEPT
+OVERSIZE = 0x80  # Frames.feed: a frame over its limit, not read (the kind's high bit)
 
 
 def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
@@ -104,6 +105,7 @@ class Frames:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._skip = 0
 
     def feed_views(self, data: bytes) -> list[tuple[int, int, bytes | memoryview]]:
         """As ``feed``, but a large frame that fills the buffer alone comes out as a view of
@@ -121,11 +123,30 @@ class Frames:
         """What was read of a frame not complete yet."""
         return bytes(self._buf)
 
-    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+    @property
+    def skipping(self) -> int:
+        """Bytes of a frame over its limit still to be read and dropped."""
+        return self._skip
+
+    def resume(self, pending: bytes, skipping: int = 0) -> None:
+        """Go on from what another reader of this stream had (an upgrade's hand-over)."""
+        self._buf += pending
+        self._skip = skipping
+
+    def feed(self, data: bytes, limit: Callable[[int], int] | None = None) -> list[tuple[int, int, bytes]]:
         """(kind, number, payload) of every frame completed by ``data``; ValueError on a
-        frame over MAX_FRAME (the peer is broken: the caller drops it)."""
+        frame over MAX_FRAME (the peer is broken: the caller drops it).
+
+        ``limit(kind)``: the largest payload a frame of that kind may have, decided on its
+        header: one over it is not buffered but read past, and comes out as
+        ``(kind | OVERSIZE, number, its size as 8 bytes)``; the stream stays in step."""
+        chunk: bytes | memoryview = data
+        if self._skip:
+            n = min(self._skip, len(data))
+            self._skip -= n
+            chunk = memoryview(data)[n:]  # read past, uncopied
         buf = self._buf
-        buf += data
+        buf += chunk
         out = []
         at = 0
         with memoryview(buf) as view:  # one copy of each payload, however large
@@ -133,6 +154,15 @@ class Frames:
                 size, kind, number = HEADER.unpack_from(buf, at)
                 if size > MAX_FRAME:
                     raise ValueError(f"frame of {size} bytes")
+                if limit is not None and size > limit(kind):
+                    out.append((kind | OVERSIZE, number, size.to_bytes(8, "big")))
+                    have = len(buf) - at - HEADER.size
+                    if have >= size:
+                        at += HEADER.size + size
+                        continue
+                    self._skip = size - have
+                    at = len(buf)
+                    break
                 end = at + HEADER.size + size
                 if len(buf) < end:
                     break

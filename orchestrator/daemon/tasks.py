@@ -113,7 +113,7 @@ class Tasks(TaskCommands):
                             "replica": worker.replica.id if worker.replica is not None else None,
                             "pid": worker.pid, "sock": keep(worker.sock.fileno()), "out": keep(worker.writer.fd),
                             "pending_out": as_text(bytes(worker.writer.pending_bytes())),
-                            "pending_in": as_text(worker.frames.pending()), "word": keep(worker.word_fd)
+                            "pending_in": as_text(worker.frames.pending()), "skip_in": worker.frames.skipping, "word": keep(worker.word_fd)
                             if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent, "version": worker.version,
                             "next_slot": worker.next_slot, "asks": worker.asks,
                             "asked": worker.asked.id if worker.asked is not None else None,
@@ -189,7 +189,7 @@ class Tasks(TaskCommands):
             if fd is not None:
                 os.set_inheritable(int(fd), False)
         worker = Worker(conn, BufferedWriter(int(item["out"])))
-        worker.frames.feed(as_bytes(item.get("pending_in") or "", "pending_in"))
+        worker.frames.resume(as_bytes(item.get("pending_in") or "", "pending_in"), int(item.get("skip_in") or 0))
         if item.get("pending_out"):
             worker.writer.write(as_bytes(item["pending_out"], "pending_out"))
         self._watch(worker)

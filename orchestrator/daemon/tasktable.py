@@ -60,6 +60,8 @@ KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps mo
 KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
 SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
 HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
+HELLO_MAX = 16  # the payload a connection may send before it said who it is
+LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far shorter
 ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
 
 
@@ -105,6 +107,7 @@ class TaskTable:
         self._ended_bytes = 0
         self.stop_reason = stop_reason
         self.result_max_bytes = result_max_bytes
+        self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
 
     # -- the listener -------------------------------------------------------------------
 
@@ -520,7 +523,7 @@ class TaskTable:
             self._disconnected(worker)
             return True
         try:
-            frames = worker.frames.feed(data)
+            frames = worker.frames.feed(data, self._limit if worker.pid else self._hello_limit)
         except ValueError as err:
             for fd in fds:
                 os.close(fd)
@@ -530,7 +533,9 @@ class TaskTable:
         for kind, number, payload in frames:
             if worker.closed:
                 break
-            if kind == w.HELLO:
+            if kind & w.OVERSIZE:
+                self._oversize(worker, kind & ~w.OVERSIZE, number, int.from_bytes(payload, "big"))
+            elif kind == w.HELLO:
                 self._hello(worker, number, fds, payload[0] if payload else 1)
                 fds = []
             else:
@@ -538,6 +543,28 @@ class TaskTable:
         for fd in fds:
             os.close(fd)
         return True
+
+    def _limit(self, kind: int) -> int:
+        """The largest payload an identified worker's frame of ``kind`` may have."""
+        if kind in (w.RESULT, w.RAISED):
+            return w.MAX_FRAME if self.result_max_bytes is None else self.result_max_bytes
+        return LINE_MAX
+
+    def _oversize(self, worker: Worker, kind: int, number: int, size: int) -> None:
+        """A frame over its limit, seen on its header and read past unbuffered: a result
+        or exception fails its task in one line (the worker lives on); anything else is
+        a peer that is no worker of ours, or a broken one, and is closed."""
+        task = worker.task
+        if kind in (w.RESULT, w.RAISED) and worker.pid and task is not None and task.n == number:
+            limit = self.result_max_bytes
+            assert limit is not None
+            what = "result" if kind == w.RESULT else "exception"
+            line = f"its {what} of {size} bytes is over the limit of {size_text(limit)} (--result-max-bytes)"
+            self._frame(worker, w.UNPICKLABLE, number, line.encode("utf-8"))
+            return
+        log.warning("task socket of %s: a frame of kind %d and %d bytes, over its limit; closing it",
+                    self._name(worker), kind, size)
+        self._disconnected(worker)
 
     def _hello(self, worker: Worker, pid: int, fds: list[int], version: int) -> None:
         cred_pid = _CRED.unpack(worker.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
@@ -611,12 +638,7 @@ class TaskTable:
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
             worker.kill_timer = None
-        limit = self.result_max_bytes
-        if task.state is T.RUNNING and limit is not None and kind in (w.RESULT, w.RAISED) and len(payload) > limit:
-            what = "result" if kind == w.RESULT else "exception"
-            self._end(task, T.FAILED, "error", f"task {task.id}: its {what} of {len(payload)} bytes is over the "
-                                               f"limit of {size_text(limit)} (--result-max-bytes)")
-        elif task.state is T.RUNNING:
+        if task.state is T.RUNNING:
             if kind == w.RESULT:
                 self._end(task, T.DONE, "result", payload)
             elif kind == w.RAISED:
