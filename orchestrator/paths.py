@@ -4,6 +4,7 @@
       daemon.pid        the daemon's pid, POSIX-locked (F_SETLK) for as long as it lives
       authkey           the channel's auth key (0600)
       control.sock      the manager server's Unix socket (0600)
+      tasks.sock        the executor workers' task listener (0600)
       state.db          the journal (store.py), with -wal and -shm beside it
       watchdog-report.json   what the watchdog did after the daemon died
       logs/daemon.log   the detached daemon's stdout and stderr
@@ -81,6 +82,7 @@ class Paths:
         self.pidfile = self.state_dir / PIDFILE_NAME
         self.authkey = self.state_dir / AUTHKEY_NAME
         self.socket = self.state_dir / SOCKET_NAME
+        self.tasks_socket = self.state_dir / "tasks.sock"
         self.db = self.state_dir / "state.db"
         self.logs = self.state_dir / LOGS_NAME
         self.log = self.logs / LOG_NAME

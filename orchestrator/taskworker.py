@@ -28,6 +28,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -110,8 +111,14 @@ class _Reader:
 
 
 def _connect(address: str) -> socket.socket:
+    """The loop's listener, checked before anything it sends is read: it must be this
+    user's (or root's, a daemon that runs its workers as another user)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + address[1:] if address.startswith("@") else address)
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid not in (os.geteuid(), 0):
+        sock.close()
+        raise SystemExit(f"the task listener {address} belongs to uid {uid}, not to this worker's user: refused")
     return sock
 
 

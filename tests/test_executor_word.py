@@ -208,3 +208,16 @@ def test_cancels_racing_take_backs_land_only_where_they_were_aimed(make_executor
             assert (marks / str(i)).exists()
     landed = {int(line) for line in log.read_text().split()} if log.exists() else set()
     assert landed <= {i for i, cancelled, _ in ended if cancelled}
+
+
+def test_a_process_per_task_never_loses_a_worker_that_connected_early(make_executor: MakeExecutor,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """With a fresh worker per task, a worker forked warm may connect before the loop has
+    read its spawner's answer: it waits, unread, and is taken once its pid is known."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    ex = make_executor(max_workers=2, max_tasks_per_child=1)
+    pids = [f.result(timeout=60) for f in [ex.submit(wordfns.pid_of_worker) for _ in range(150)]]
+    assert len(set(pids)) == 150
+    assert not [r for r in caplog.records if "no worker of an executor pool" in r.getMessage()]

@@ -468,6 +468,7 @@ class Engine:
         if self.watchdog is not None and sp.start_time is not None:
             self.watchdog.add(sp.pid, sp.start_time, sp.pid, "worker", rep.id)
         self.transition(rep, S.STARTING)
+        self.tasks.spawned(sp.pid)  # an executor worker that connected before we knew its pid
 
     def failed(self, rep: Replica, reason: str) -> None:
         """It ended before it ran (could not start, not ready): FAILED, then the restart policy."""

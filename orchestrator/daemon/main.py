@@ -26,7 +26,6 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 from __future__ import annotations
 
 import json
-import hashlib
 import logging
 import os
 import secrets
@@ -244,11 +243,10 @@ class Daemon:
         if doc is None:
             self._keep_watchdog_report()
         link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
-                            remove_files=[str(paths.socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        # Executor workers connect to an abstract socket named after the state dir: the same
-        # for every run of this daemon (the stored pools' specs carry it), no file to clean.
-        digest = hashlib.sha1(os.fsencode(os.path.abspath(paths.state_dir))).hexdigest()[:16]
-        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=f"@orchestrator-tasks-{digest}",
+                            remove_files=[str(paths.socket), str(paths.tasks_socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
+        # Executor workers connect to a socket in the state dir (0700): only the daemon's user
+        # reaches it, and nobody can bind its name first.
+        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=str(paths.tasks_socket),
                               task_stop_reason="interrupted: the daemon stopped",
                               result_max_bytes=self.result_max_bytes,
                               inherited_sockets=tuple(self.inherited_sockets))

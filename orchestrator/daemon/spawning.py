@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from ..errors import InvalidSpec
+from ..taskwire import SOCKET_ENV as TASK_SOCKET_ENV
 from ..spec import Runtime
 from ..states import Replica
 from ..states import ReplicaState as S
@@ -46,6 +47,7 @@ class Table(Protocol):
     watchdog: Any
     log_capture: Any  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
     listeners: Listeners  # the pools' listening sockets
+    tasks: Any  # tasks.Tasks: where an executor pool's workers connect (its ``address``)
 
     def pool(self, name: Any) -> Pool | None: ...
     def commit(self) -> bool: ...
@@ -225,6 +227,8 @@ class Spawning:
                 fds, names = table.listeners.fds(pool.policy.sockets, pool.name)
                 plan = dataclasses.replace(plan, listen_fds=tuple(fds))
                 plan.env.update(env_for(fds, names))
+            if pool.executor is not None:  # the listener of this run (a stored spec may name an older one)
+                plan.env[TASK_SOCKET_ENV] = table.tasks.address
             if pool.policy.ready == "notify":
                 req.notify = self.supervisor.readiness.notify_socket(rep)
                 plan.env.update(req.notify.env())

@@ -77,6 +77,7 @@ class Tasks(TaskCommands):
     def before_handover(self) -> None:
         """Answer what waits on the loop (a session's poll, a `result --wait`): both ask
         again, and the next image answers."""
+        self.take_parked()
         for session in self._sessions.values():
             if session.poll is not None:
                 reply, cmd_id, timer = session.poll

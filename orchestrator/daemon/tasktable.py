@@ -36,6 +36,7 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import socket
 import struct
 from typing import Any, Callable, Protocol
@@ -46,7 +47,7 @@ from ..errors import InvalidSpec
 from ..states import Replica, task_transition
 from ..states import TaskState as T
 from .pools import CRASHLOOP, Pool
-from .reactor import BufferedWriter, Reactor
+from .reactor import BufferedWriter, Reactor, Timer
 from .taskrecords import ExecPool, Reply, Session, Task, Worker, as_text, how_it_ended, outcome, received_fds, size_text
 
 log = logging.getLogger("orchestrator")
@@ -61,6 +62,7 @@ KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
 SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
 HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
 HELLO_MAX = 16  # the payload a connection may send before it said who it is
+PARKED_MAX = 64  # connections of our user from pids not known yet, waiting unread
 LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far shorter
 ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
 
@@ -97,11 +99,14 @@ class TaskTable:
         ``stop_reason``: what a task cut short by a shutdown ends with; ``result_max_bytes``:
         a larger result fails its task (None: no bound)."""
         self.table = table
-        self._address = address or f"@orchestrator-tasks-{token or os.getpid()}-{os.getpid()}"
+        # No address given (an embedded loop): an abstract name nobody can guess, so none can
+        # bind it first; who connects is checked at accept either way.
+        self._address = address or f"@orchestrator-tasks-{secrets.token_hex(16)}"
         self._listener: socket.socket | None = None
         self._pools: dict[str, ExecPool] = {}
         self._sessions: dict[str, Session] = {}
         self._accepted: set[Worker] = set()  # connected, not identified yet
+        self._parked: dict[int, tuple[socket.socket, Timer]] = {}  # pid -> its connection, unread
         self._live: dict[str, Task] = {}  # unfinished tasks by id
         self._ended: collections.OrderedDict[str, Task] = collections.OrderedDict()  # the latest KEEP_ENDED
         self._ended_bytes = 0
@@ -110,6 +115,11 @@ class TaskTable:
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
 
     # -- the listener -------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """Where this loop's executor workers connect (``$ORCHESTRATOR_TASK_SOCKET``)."""
+        return self._address
 
     def _listen(self) -> None:
         if self._listener is not None:
@@ -143,19 +153,68 @@ class TaskTable:
             except OSError as err:  # EMFILE: the worker retries nothing; it fails and is replaced
                 log.error("task listener: accept failed: %s", err)
                 return
-            conn.setblocking(False)
             try:
-                out = os.dup(conn.fileno())  # its own fd: the reactor watches one fd per direction
-            except OSError as err:
-                log.error("task listener: %s", err)
+                pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            except OSError:
                 conn.close()
                 continue
-            worker = Worker(conn, BufferedWriter(out))
-            self._accepted.add(worker)
-            self._watch(worker)
-            # The socket is abstract: anyone on the host may connect. One that does not say
-            # who it is holds an fd only this long.
-            self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+            if self._is_worker(pid):
+                self._take(conn)
+            elif uid == os.geteuid() and len(self._parked) < PARKED_MAX and pid not in self._parked:
+                # Ours, but not known as a replica yet: a worker forked warm can connect before
+                # its spawner's answer is read. It waits, unread, until then or HELLO_TIMEOUT.
+                self._parked[pid] = (conn, self.table.reactor.call_later(
+                    HELLO_TIMEOUT, functools.partial(self._unpark, pid, False)))
+            else:
+                log.warning("task socket: a connection from pid %d, which is no worker of an executor pool; "
+                            "closed", pid)
+                conn.close()
+
+    def spawned(self, pid: int) -> None:
+        """A replica's process ``pid`` exists now (engine.spawned): if it connected already,
+        its connection is taken."""
+        if pid in self._parked:
+            self._unpark(pid, True)
+
+    def take_parked(self) -> None:
+        """Every parked connection is taken as it is (an upgrade: the next image reads
+        their HELLOs and checks them)."""
+        for pid in list(self._parked):
+            conn, timer = self._parked.pop(pid)
+            timer.cancel()
+            self._take(conn)
+
+    def _unpark(self, pid: int, known: bool) -> None:
+        conn, timer = self._parked.pop(pid, (None, None))
+        if conn is None or timer is None:
+            return
+        timer.cancel()
+        if known and self._is_worker(pid):
+            self._take(conn)
+        else:
+            log.warning("task socket: pid %d connected but is no worker of an executor pool; closed", pid)
+            conn.close()
+
+    def _is_worker(self, pid: int) -> bool:
+        """Is ``pid`` the main process of a live replica of an executor pool? Checked by the
+        peer's credentials at accept, before a byte of it is read."""
+        proc = self.table.proc_by_pid(pid)
+        rep = proc.replica if proc is not None else None
+        return rep is not None and rep.pool in self._pools and not rep.state.terminal
+
+    def _take(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        try:
+            out = os.dup(conn.fileno())  # its own fd: the reactor watches one fd per direction
+        except OSError as err:
+            log.error("task listener: %s", err)
+            conn.close()
+            return
+        worker = Worker(conn, BufferedWriter(out))
+        self._accepted.add(worker)
+        self._watch(worker)
+        # Until its HELLO it may send only that, and hold an fd only this long.
+        self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
 
     def _watch(self, worker: Worker) -> None:
         """Read what ``worker`` sends; flush what it is sent, however large (the reactor
@@ -867,6 +926,10 @@ class TaskTable:
         for worker in list(self._accepted):
             self._close(worker)
         self._accepted.clear()
+        for conn, timer in self._parked.values():
+            timer.cancel()
+            conn.close()
+        self._parked.clear()
         if self._listener is not None:
             self.table.reactor.remove_reader(self._listener.fileno())
             self._listener.close()
