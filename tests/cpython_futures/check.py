@@ -27,12 +27,23 @@ def _last(detail: str) -> str:
     return " | ".join(lines[-2:])[:300]
 
 
-def problems(doc: dict[str, Any], expected: dict[str, Any], readme: str) -> list[str]:
-    """Every way the run differs from the list, one line each (empty: they agree)."""
+def _module(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def problems(doc: dict[str, Any], expected: dict[str, Any], readme: str, counts: bool = True) -> list[str]:
+    """Every way the run differs from the list, one line each (empty: they agree). Only the
+    entries of the modules the run ran (``doc["modules"]``) count; ``counts``: each of those
+    modules ran as many tests as the list's ``counts`` say."""
     out: list[str] = []
     tests: dict[str, dict[str, Any]] = doc.get("tests", {})
-    listed: dict[str, dict[str, Any]] = expected.get("tests", {})
-    skips: dict[str, dict[str, Any]] = expected.get("skipped", {})
+    modules = set(doc.get("modules") or {_module(name) for name in tests})
+    listed = {k: v for k, v in expected.get("tests", {}).items() if _module(k) in modules}
+    skips = {k: v for k, v in expected.get("skipped", {}).items() if _module(k) in modules}
+    for module in sorted(modules) if counts else ():
+        ran, want = sum(_module(name) == module for name in tests), expected.get("counts", {}).get(module)
+        if ran != want:
+            out.append(f"{module}: {ran} tests ran, expected.toml's counts say {want}")
     readme_flat = _flat(readme)
     for name, entry in sorted(listed.items()):
         kind = entry.get("kind")

@@ -1,7 +1,7 @@
 """Run CPython's own ``test_concurrent_futures`` process-pool tests against
 ``orchestrator.Executor`` (``cpython_standin``), and write each test's outcome as JSON.
 
-    python3.13 tests/cpython_futures/run.py --out results.json [-k PATTERN] [--per-test 15]
+    python3.13 tests/cpython_futures/run.py --out results.json [--modules M,M] [-k PATTERN] [--per-test 15]
 
 Run by ``tests/test_cpython_futures.py`` in a venv of ``venvcache.py`` (the Python whose test
 package it is, with orchestrator's dependencies; the checkout on ``PYTHONPATH``). For each
@@ -201,13 +201,13 @@ def init_resources_class(module: Any, ours: list[type]) -> type:
     return type("OrchestratorFailingInitializerResourcesTest", (base,), body)
 
 
-def build(patterns: list[str]) -> unittest.TestSuite:
+def build(modules: list[str], patterns: list[str]) -> unittest.TestSuite:
     import cpython_standin
 
     mixin = cpython_standin.mixin()
     suite = unittest.TestSuite()
     loader = unittest.TestLoader()
-    for name in MODULES:
+    for name in modules:
         module = importlib.import_module(f"{PACKAGE}.{name}")
         ours = classes(module, mixin)
         if name == "test_init":
@@ -256,10 +256,14 @@ def _leftovers(bound: float) -> list[list[float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="the JSON of outcomes")
+    ap.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)} (all)")
     ap.add_argument("-k", action="append", default=[], help="only tests whose id contains it (or matches the glob)")
     ap.add_argument("--per-test", type=float, default=15.0, help="seconds a test may take (then as long for its tearDown)")
     ap.add_argument("-v", action="store_true", help="a line per test on stderr")
     args = ap.parse_args(argv)
+    modules = [m for m in args.modules.split(",") if m]
+    if not modules or set(modules) - set(MODULES):
+        ap.error(f"--modules: choose from {', '.join(MODULES)}")
 
     os.environ["ORCH_CPYTHON_STANDIN"] = str(HERE)  # the fresh interpreters of the tests: the site hook
     os.environ["ORCH_CPYTHON_REPO"] = str(REPO)
@@ -274,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     support.verbose = 0  # as regrtest without -v: no per-test timings on stdout
     cpython_standin.install()
     t0 = time.monotonic()
-    suite = build(args.k)
+    suite = build(modules, args.k)
     guard = Guard()
     result = Recorder(guard, args.per_test, args.v)
     suite.run(result)
-    left = _leftovers(15.0)
-    doc = {"python": sys.version, "executable": sys.executable, "modules": list(MODULES),
+    left = _leftovers(5.0)
+    doc = {"python": sys.version, "executable": sys.executable, "modules": modules,
            "per_test_s": args.per_test, "wall_s": round(time.monotonic() - t0, 1), "tests": result.outcomes,
            "leftover_processes": left}
     args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
