@@ -1,7 +1,7 @@
 """Tasks: ``orchestrator.Executor`` against ``ProcessPoolExecutor``, loky and pebble, side by side.
 
-Four parts, each with every pool open at once and the variants interleaved round by round
-in a rotating order (after a warm-up round), all with 2 workers:
+Five parts, each with every pool open at once and the variants interleaved round by round
+in a rotating order (after a warm-up round), all with 2 workers but the fifth's case B:
 
 1. **tiny tasks**: ``map`` of a no-op over N tasks on warm pools, tasks/s (N per variant is
    sized from its warm-up rate, so every round lasts about as long for each); also one
@@ -20,6 +20,14 @@ in a rotating order (after a warm-up round), all with 2 workers:
    worker process gone (its pidfd readable), and the task sees no exception.
 4. **kill -9 of one busy worker** with 50 tasks of 50 ms in flight: how many futures fail,
    and with what; whether the same executor takes a task afterwards.
+5. **head-of-line**: warm pools, ``time.sleep`` tasks submitted back to back, when each
+   future ends. A: 2 workers, 6 s, 3 s, 0.1 s: the third can end at ~3.1 s (on the worker
+   the 3 s task frees), or after 6 s if a busy worker held it. B: 4 workers, one long task
+   (20 s; 6 s in quick mode) then seven of 1 s: the last short one can end at ~3 s on the
+   three free workers. Each pool also with a process per task (``max_tasks_per_child=1``,
+   pebble's ``max_tasks=1``; loky has none). Here every pool runs its round at the same
+   time: the tasks sleep, so they do not compete for the CPUs, and a round lasts as long
+   as its longest task instead of that times the pools.
 
 The tasks live in ``benchmarks/taskfns.py``, which imports nothing but ``os`` and ``time``:
 every pool imports them by name, and a fresh worker pays no import of this module's. Every
@@ -134,27 +142,27 @@ class Pools:
         self.stack = contextlib.ExitStack()
         self.skipped: dict[str, str] = {}
 
-    def ours(self, **kw: Any) -> Any:
+    def ours(self, workers: int = WORKERS, **kw: Any) -> Any:
         from orchestrator import Executor
 
-        ex = Executor(max_workers=WORKERS, **kw)
+        ex = Executor(max_workers=workers, **kw)
         self.stack.callback(ex.shutdown, wait=True, cancel_futures=True)
         return ex
 
-    def ppe(self, ctx: str | None = None, **kw: Any) -> cf.ProcessPoolExecutor:
-        ex = cf.ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context(ctx) if ctx else None, **kw)
+    def ppe(self, ctx: str | None = None, workers: int = WORKERS, **kw: Any) -> cf.ProcessPoolExecutor:
+        ex = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(ctx) if ctx else None, **kw)
         self.stack.callback(ex.shutdown, wait=True, cancel_futures=True)
         return ex
 
-    def loky(self, install: bool, say: Callable[[str], None]) -> Any:
+    def loky(self, install: bool, say: Callable[[str], None], workers: int = WORKERS) -> Any:
         loky = peers.ensure_package("loky", "loky", install=install, say=say)
-        ex = loky.ProcessPoolExecutor(max_workers=WORKERS)
+        ex = loky.ProcessPoolExecutor(max_workers=workers)
         self.stack.callback(ex.shutdown, wait=True, kill_workers=True)
         return ex
 
-    def pebble(self, install: bool, say: Callable[[str], None], **kw: Any) -> Any:
+    def pebble(self, install: bool, say: Callable[[str], None], workers: int = WORKERS, **kw: Any) -> Any:
         pebble = peers.ensure_package("pebble", "pebble", install=install, say=say)
-        pool = pebble.ProcessPool(max_workers=WORKERS, **kw)
+        pool = pebble.ProcessPool(max_workers=workers, **kw)
 
         def close() -> None:
             pool.stop()
@@ -461,13 +469,104 @@ def part_kill(quick: bool, progress: Callable[[str], None], install: bool, round
             "skipped": skipped}
 
 
+# -- 5. head-of-line -------------------------------------------------------------------------------
+
+HOL_A = (6.0, 3.0, 0.1)  # 2 workers: the third task's worker is the first one free (at 3 s)
+HOL_B_WORKERS, HOL_B_SHORT, HOL_B_N = 4, 1.0, 7  # one long task, then 7 short ones on the 3 others
+HOL_B_LONG = {True: 6.0, False: 20.0}  # quick: scaled down from the issue's 20 s
+HOL_SETTLE = 0.5  # after the warm-up and each round: a process-per-task pool's new workers come up
+LOKY_PROC = "loky, max_tasks_per_child=1"
+
+
+def _stamp(into: list[float], i: int, t0: float) -> Callable[[cf.Future], None]:
+    """A done-callback: the time its future ended, from ``t0``, into ``into[i]`` (it runs
+    in the pool's own thread as the future ends)."""
+    def done(_: cf.Future) -> None:
+        into[i] = pc() - t0
+    return done
+
+
+def part_head_of_line(quick: bool, progress: Callable[[str], None], install: bool, rounds: int) -> dict[str, Any]:
+    """Warm pools, tasks of ``time.sleep`` submitted back to back: when does each future
+    resolve (its done-callback's time, from just before the first submit)? Case A: two
+    workers, 6 s, 3 s, 0.1 s: the third can start when the 3 s one ends (~3.1 s); a pool that
+    gave it to the busy worker of the 6 s one resolves it after 6 s. Case B: four workers,
+    one long task then seven of 1 s: the three free workers take them (~3 s); one held behind
+    the long task ends after it. Every pool of both cases runs its tasks at the same time in
+    a round (they sleep: they do not compete for the CPUs), submitted in a rotating order."""
+    long_s = HOL_B_LONG[quick]
+    cases: dict[str, tuple[int, list[float]]] = {
+        "a": (WORKERS, list(HOL_A)), "b": (HOL_B_WORKERS, [long_s] + [HOL_B_SHORT] * HOL_B_N)}
+    pools = Pools()
+    variants: dict[tuple[str, str], Any] = {}
+    try:
+        progress("head-of-line: starting the pools")
+        for case, (n, _) in cases.items():
+            makers: dict[str, Callable[[int], Any]] = {
+                OURS: lambda n: pools.ours(n),
+                OURS_PROC: lambda n: pools.ours(n, max_tasks_per_child=1),
+                PPE: lambda n: pools.ppe(workers=n),
+                PPE_SPAWN: lambda n: pools.ppe(workers=n, max_tasks_per_child=1),
+                LOKY: lambda n: pools.loky(install, progress, n),
+                PEBBLE: lambda n: pools.pebble(install, progress, n),
+                PEBBLE_PROC: lambda n: pools.pebble(install, progress, n, max_tasks=1),
+            }
+            for name, make in makers.items():
+                try:
+                    variants[(case, name)] = make(n)
+                except peers.Unavailable as err:
+                    pools.skipped[name] = str(err)
+        pools.skipped[LOKY_PROC] = "loky cannot: its executor has no max_tasks_per_child (workers are reused)"
+        progress("head-of-line: warm-up")
+        for (case, _), pool in variants.items():
+            _map(pool, pid, 2 * cases[case][0])  # every worker up and through a task
+        stamps: dict[tuple[str, str], list[list[float]]] = {key: [] for key in variants}
+        keys = list(variants)
+        for r in range(rounds):
+            time.sleep(HOL_SETTLE)
+            progress(f"head-of-line: round {r + 1}/{rounds} ({max(long_s, HOL_A[0]):g} s)")
+            got: dict[tuple[str, str], list[float]] = {}
+            futs: list[cf.Future] = []
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                sleeps = cases[key[0]][1]
+                got[key] = [float("nan")] * len(sleeps)
+                t0 = pc()
+                for i, seconds in enumerate(sleeps):
+                    fut = _submit(variants[key], time.sleep, seconds)
+                    fut.add_done_callback(_stamp(got[key], i, t0))
+                    futs.append(fut)
+            _, pending = cf.wait(futs, timeout=max(long_s, HOL_A[0]) * 3 + 30)
+            if pending:
+                raise RuntimeError(f"head-of-line: {len(pending)} futures still pending")
+            failed = [f.exception() for f in futs if f.exception() is not None]
+            if failed:
+                raise RuntimeError(f"head-of-line: {len(failed)} tasks failed, e.g. {failed[0]!r}")
+            for key, times in got.items():
+                stamps[key].append(times)
+        time.sleep(HOL_SETTLE)
+    finally:
+        pools.close()
+    out: dict[str, Any] = {"a": {}, "b": {}}
+    for (case, name), runs in stamps.items():
+        if case == "a":
+            out["a"][name] = {"third_s": summary([t[2] for t in runs]), "first_s": summary([t[0] for t in runs]),
+                              "second_s": summary([t[1] for t in runs]), "raw_s": runs}
+        else:
+            out["b"][name] = {"last_short_s": summary([max(t[1:]) for t in runs]),
+                              "long_s": summary([t[0] for t in runs]), "raw_s": runs}
+    return {"rounds": rounds, "case_a": {"workers": WORKERS, "sleeps_s": list(HOL_A), "variants": out["a"]},
+            "case_b": {"workers": HOL_B_WORKERS, "long_s": long_s, "short_s": HOL_B_SHORT, "shorts": HOL_B_N,
+                       "variants": out["b"]},
+            "skipped": pools.skipped}
+
+
 # -- the section -------------------------------------------------------------------------------
 
 def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = None,
         install: bool = True) -> dict[str, Any]:
     """Every part in turn. ``batches``: rounds per part (default 2 quick, 4 full); the tiny
-    tasks run one more (quick) or twice as many (full), the kill part half as many (at
-    least 1); ours is cancelled 100 times a round."""
+    tasks run one more (quick) or twice as many (full), the kill and head-of-line parts half
+    as many (at least 1); ours is cancelled 100 times a round."""
     rounds = batches if batches is not None else (2 if quick else 4)
     tmp = Path(tempfile.mkdtemp(prefix="bench-suite-tasks-"))
     fifo = Fifo(tmp / "tasks.fifo")
@@ -476,11 +575,12 @@ def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = N
         proc = part_process_per_task(quick, progress, install, rounds, tmp)
         cancel = part_cancel(quick, progress, install, rounds, fifo)
         kill = part_kill(quick, progress, install, max(1, rounds // 2), fifo)
+        hol = part_head_of_line(quick, progress, install, max(1, rounds // 2))
     finally:
         fifo.close()
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {"workers": WORKERS, "tiny": tiny, "process_per_task": proc, "cancel": cancel,
-                              "kill": kill}
+                              "kill": kill, "head_of_line": hol}
     result["targets"] = targets(result)
     return result
 
@@ -564,7 +664,23 @@ def render(res: dict[str, Any]) -> list[str]:
             f"in flight ({kill['rounds']} round(s))",
             *_table(["pool", "futures lost per round", "errors", "kill → all settled p50 ms",
                      "same executor usable after"], rows)]
-    for part in ("tiny", "process_per_task", "cancel", "kill"):
+    hol = res["head_of_line"]
+    a, b = hol["case_a"], hol["case_b"]
+    names = list(dict.fromkeys([*a["variants"], *b["variants"]]))
+
+    def secs(v: dict | None, key: str) -> str:
+        return f"{v[key]['p50']:.2f} / {v[key]['max']:.2f}" if v else "-"
+    rows = [[name, secs(a["variants"].get(name), "third_s"), secs(a["variants"].get(name), "second_s"),
+             secs(b["variants"].get(name), "last_short_s"), secs(b["variants"].get(name), "long_s")]
+            for name in names]
+    sleeps = ", ".join(f"{x:g} s" for x in a["sleeps_s"])
+    out += [f"5. head-of-line, warm pools, seconds from the first submit to each future's end (p50 / max of "
+            f"{hol['rounds']} round(s)): A: {a['workers']} workers, sleeps of {sleeps} (the third can end at "
+            f"~{a['sleeps_s'][1] + a['sleeps_s'][2]:g} s); B: {b['workers']} workers, one of {b['long_s']:g} s then "
+            f"{b['shorts']} of {b['short_s']:g} s (the last short one can end at "
+            f"~{-(-b['shorts'] // (b['workers'] - 1)) * b['short_s']:g} s)",
+            *_table(["pool", "A: third ends", "A: second (3 s) ends", "B: last short ends", "B: long ends"], rows)]
+    for part in ("tiny", "process_per_task", "cancel", "kill", "head_of_line"):
         for name, why in (res[part].get("skipped") or {}).items():
             out.append(f"  not run ({part}): {name}: {why}")
     return out
