@@ -106,7 +106,11 @@ class Orchestrator(Verbs):
             report_dir = self._state_dir
             if report_dir is None:
                 report_dir = self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
-            link = WatchdogLink(report_dir, token=self._token, batch=True)
+            # A dir of our own is removed by close(), or by the watchdog once it has cleaned
+            # up after our death (no report then: nobody would look for it). Never a dir
+            # the caller gave.
+            link = WatchdogLink(report_dir, token=self._token, batch=True,
+                                remove_files=[self._own_dir] if self._own_dir is not None else ())
         store = None
         if self._db is not None:
             from ..store import Store  # sqlite3 only for a caller that asked for a journal

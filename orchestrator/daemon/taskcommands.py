@@ -73,6 +73,7 @@ class TaskCommands(TaskTable):
             self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
         elif xp.options != options:
             xp.options = options
+            self._watch_memory(xp)
             if pool.executor is not None:
                 pool.executor["options"] = options
             self.table.save_pool(pool)

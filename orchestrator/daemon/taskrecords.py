@@ -78,6 +78,7 @@ class Worker:
     done: int = 0
     kill_timer: Timer | None = None
     lost_reason: str | None = None  # why the loop killed it, if it did
+    over_memory: bool = False  # killed for passing memory_max (its task is not retried)
     closed: bool = False
 
     @property
