@@ -32,7 +32,8 @@ def touch(mib: int, progress: str, runs: str, at: float = 0.0, hold: float = 30.
     with open(progress, "r+b") as f:
         word = mmap.mmap(f.fileno(), PROGRESS.size)
     word[:] = PROGRESS.pack(0, resident())
-    block = bytearray(mib << 20)
+    # Not bytearray(n): its memset would touch every page in one C call, before any progress.
+    block = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for i in range(mib):
         for at in range(i << 20, (i + 1) << 20, 4096):
             block[at] = 1

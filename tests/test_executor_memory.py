@@ -83,6 +83,20 @@ def test_a_task_killed_for_memory_is_not_retried(make_executor: MakeExecutor, tm
     assert len(runs.read_text().split()) == 1, "a task killed for memory_max ran again (retries)"
 
 
+def test_memory_kills_do_not_put_the_pool_in_a_crash_loop(make_executor: MakeExecutor,  # noqa: F811
+                                                          tmp_path: Path) -> None:
+    """A greedy task is the task's fault, not its worker's: the worker is replaced at once,
+    not counted as a crash (five within a minute would stop the pool replacing workers)."""
+    ex = make_executor(max_workers=1, memory_max=LIMIT)
+    _no_memory_controller(ex)
+    for i in range(6):
+        with pytest.raises(WorkerLost, match="memory limit 200 MiB exceeded"):
+            ex.submit(memfns.touch, 400, memfns.new_progress(tmp_path / f"p{i}"), str(tmp_path / "runs")).result(60)
+    assert ex.submit(memfns.resident).result(timeout=60) < LIMIT
+    pool = [p for p in ex.orchestrator.status()["pools"] if p["name"] == ex.pool][0]
+    assert pool["state"] != "crashloop" and pool.get("restarts", 0) == 0, pool
+
+
 @pytest.mark.parametrize("setsid", [False, True], ids=["child", "setsid-child"])
 def test_a_child_holding_the_memory_is_counted_and_killed(make_executor: MakeExecutor,  # noqa: F811
                                                           tmp_path: Path, setsid: bool) -> None:
@@ -202,7 +216,7 @@ def test_the_host_s_sigkill_leaves_no_cgroup_and_no_state_dir(tmp_path: Path, pr
         from orchestrator import Executor
         ex = Executor(max_workers=1, env={{{TAG_VAR!r}: {orch_test_tag!r}}})
         pid = ex.submit(os.getpid).result(timeout=60)
-        print(ex.orchestrator.watchdog_pid, pid, ex.orchestrator.containment.path or "-", flush=True)
+        print(ex.orchestrator.watchdog_pid, pid, getattr(ex.orchestrator.containment, "path", None) or "-", flush=True)
         time.sleep(300)
     """))
     proc = subprocess.Popen([sys.executable, str(host)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

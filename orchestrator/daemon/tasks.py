@@ -116,7 +116,7 @@ class Tasks(TaskCommands):
                             if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
                             "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
-        pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "done": xp.done,
+        pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "ended": dict(xp.ended),
                   "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                  for xp in self._pools.values() if not xp.closing]
         sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events]}
@@ -144,7 +144,8 @@ class Tasks(TaskCommands):
             xp: ExecPool | None = self._adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
                              next_n=int(carried["next_n"]))
             assert xp is not None
-            xp.reserved, xp.said, xp.done = int(carried["reserved"]), carried.get("said"), int(carried.get("done", 0))
+            xp.reserved, xp.said = int(carried["reserved"]), carried.get("said")
+            xp.ended.update({str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
         for ss in doc.get("sessions", []):
             session = self._open_session(ss["name"], None)
             session.seq = int(ss["seq"])

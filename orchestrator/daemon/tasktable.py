@@ -325,7 +325,7 @@ class TaskTable:
         if task.session is not None:
             task.session.tasks.pop(task.ref, None)
         self._live.pop(task.id, None)
-        task.pool.done += 1
+        task.pool.ended[state.value] += 1
         self.table.metrics.task_ended(task.pool.name, task.state.value,
                                       task.ended_at - task.started_at if task.started_at is not None else None)
         self._ended[task.id] = task
@@ -664,7 +664,9 @@ class TaskTable:
                 log.warning("%s: its process tree holds %.0f MiB, over memory_max",
                             worker.replica.id if worker.replica else "?", used / (1 << 20))
                 proc.escaped += outside  # what left its group: the kill after the grace reaches it too
-                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=False)
+                # renew: replaced at once and not counted as a crash (its task's doing, not
+                # the worker's): a few greedy requests must not put the pool in a crash loop.
+                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=True)
         xp.rss_timer = self.table.reactor.call_later(CHECK_INTERVAL if busy else IDLE_INTERVAL,
                                                      lambda: self._check_rss(xp))
 
