@@ -238,3 +238,19 @@ def test_the_host_s_sigkill_leaves_no_cgroup_and_no_state_dir(tmp_path: Path, pr
             proc.stdout.close()
     assert subtree == "-" or not os.path.exists(subtree), f"the watchdog left {subtree}"
     assert list(tmp.iterdir()) == [], "the embedded host's own state dir outlived it"
+
+
+def test_with_the_memory_controller_memory_max_is_the_worker_cgroups(make_executor: MakeExecutor,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    ex = make_executor(max_workers=1, memory_max=LIMIT)
+    containment = ex.orchestrator.containment
+    if containment is None or "memory" not in containment.controllers:
+        have = sorted(containment.controllers) if containment is not None and containment.mode == "cgroup" else None
+        pytest.skip("the memory controller is not enabled for the embedded executor's worker cgroups here "
+                    f"({'controllers: ' + (', '.join(have) or 'none') if have is not None else 'no cgroups'})")
+    pid = ex.submit(os.getpid).result(timeout=60)
+    with open(f"/proc/{pid}/cgroup") as f:
+        own = (cgroup.find_mount() or "") + f.read().strip().split("::", 1)[1]
+    assert Path(own, "memory.max").read_text().strip() == str(LIMIT)
+    with pytest.raises(WorkerLost, match="memory limit 200 MiB exceeded"):
+        ex.submit(memfns.touch, 1536, memfns.new_progress(tmp_path / "progress"), str(tmp_path / "runs")).result(60)

@@ -39,7 +39,9 @@ class Orchestrator(Verbs):
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
     and returns only when all are reaped. ``watchdog=True`` starts a watchdog process that
-    kills every worker if this process dies without leaving the context (SIGKILL, OOM).
+    kills every worker if this process dies without leaving the context (SIGKILL, OOM),
+    then removes their cgroups and the temporary dir this process made for the watchdog's
+    report (``$TMPDIR/orchestrator-*``, made when neither ``state_dir`` nor ``db`` is given).
     ``db``: journal pools, replicas and events into that SQLite file (orchestrator.store);
     ids then continue across runs, and replicas of a run that was killed are recorded LOST.
     ``cgroup``: "auto" or a cgroup2 dir gives each replica a cgroup of its own, in a subtree
