@@ -203,41 +203,64 @@ def test_the_embedded_executor_runs_its_workers_in_cgroups_and_removes_them(make
     assert not os.path.exists(subtree), f"{subtree} outlived the executor's shutdown"
 
 
-def test_the_host_s_sigkill_leaves_no_cgroup_and_no_state_dir(tmp_path: Path, procs: ProcessTracker,
-                                                              orch_test_tag: str) -> None:
-    """The watchdog kills the workers, removes their cgroups (if they had some) and then
-    the state dir the host made for itself in $TMPDIR."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def _kill_host(tmp_path: Path, code: str, procs: ProcessTracker, env: dict[str, str] | None = None) -> list[str]:
+    """Run ``code`` as a host script until it prints a line (its watchdog's pid first, then
+    other pids to see gone, then anything), SIGKILL it, and wait (bounded) until the pids
+    are gone: the watchdog has finished its clean-up. The line's words."""
     host = tmp_path / "host.py"
-    host.write_text(textwrap.dedent(f"""
-        import os, sys, time
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from orchestrator import Executor
-        ex = Executor(max_workers=1, env={{{TAG_VAR!r}: {orch_test_tag!r}}})
-        pid = ex.submit(os.getpid).result(timeout=60)
-        print(ex.orchestrator.watchdog_pid, pid, getattr(ex.orchestrator.containment, "path", None) or "-", flush=True)
-        time.sleep(300)
-    """))
+    host.write_text(textwrap.dedent(code))
     proc = subprocess.Popen([sys.executable, str(host)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})})
     try:
         assert proc.stdout is not None
-        watchdog, worker, subtree = proc.stdout.readline().split()
-        procs.track(int(watchdog))
-        assert [p.name for p in tmp.iterdir() if p.name.startswith("orchestrator-")], "no state dir of its own"
-        everything = _idents(int(watchdog), int(worker))
+        words = proc.stdout.readline().split()
+        procs.track(int(words[0]))
+        everything = _idents(*(int(w) for w in words if w.isdigit()))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        assert not wait_gone(everything, 30), "the worker or the watchdog outlived the host's SIGKILL"
+        assert not wait_gone(everything, 30), "the watchdog (or a worker) outlived the host's SIGKILL"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
+    return words
+
+
+def test_the_host_s_sigkill_leaves_no_cgroup_and_no_state_dir(tmp_path: Path, procs: ProcessTracker,
+                                                              orch_test_tag: str) -> None:
+    """The watchdog kills the workers, removes their cgroups (if they had some) and then
+    the state dir the host made for itself in $TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _, _, subtree = _kill_host(tmp_path, f"""
+        import os, pathlib, sys, time
+        from orchestrator import Executor
+        ex = Executor(max_workers=1, env={{{TAG_VAR!r}: {orch_test_tag!r}}})
+        pid = ex.submit(os.getpid).result(timeout=60)
+        assert [p for p in pathlib.Path({str(tmp)!r}).iterdir() if p.name.startswith("orchestrator-")]
+        print(ex.orchestrator.watchdog_pid, pid, getattr(ex.orchestrator.containment, "path", None) or "-", flush=True)
+        time.sleep(300)
+    """, procs, {"TMPDIR": str(tmp)})
     assert subtree == "-" or not os.path.exists(subtree), f"the watchdog left {subtree}"
     assert list(tmp.iterdir()) == [], "the embedded host's own state dir outlived it"
+
+
+def test_the_host_s_sigkill_keeps_a_state_dir_it_was_given(tmp_path: Path, procs: ProcessTracker) -> None:
+    """Only a dir the host made for itself goes: one it was given keeps the watchdog's report."""
+    given = tmp_path / "mine"
+    given.mkdir()
+    (given / "keep.txt").write_text("the user's")
+    _kill_host(tmp_path, f"""
+        import time
+        from orchestrator import Orchestrator
+        orch = Orchestrator(state_dir={str(given)!r})
+        orch.start()
+        print(orch.watchdog_pid, flush=True)
+        time.sleep(300)
+    """, procs)
+    assert sorted(p.name for p in given.iterdir()) == ["keep.txt", "watchdog-report.json"]
 
 
 def test_with_the_memory_controller_memory_max_is_the_worker_cgroups(make_executor: MakeExecutor,  # noqa: F811

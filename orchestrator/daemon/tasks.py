@@ -115,7 +115,8 @@ class Tasks(TaskCommands):
                             "pending_in": as_text(worker.frames.pending()), "word": keep(worker.word_fd)
                             if worker.word_fd >= 0 else None, "ready": worker.ready, "sent": worker.sent,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
-                            "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
+                            "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason,
+                            "over_memory": worker.over_memory})
         pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "ended": dict(xp.ended),
                   "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                  for xp in self._pools.values() if not xp.closing]
@@ -199,6 +200,7 @@ class Tasks(TaskCommands):
         worker.pid, worker.replica, worker.pool = int(item["pid"]), rep, xp
         worker.ready, worker.sent, worker.done = bool(item["ready"]), int(item["sent"]), int(item["done"])
         worker.lost_reason = item.get("lost_reason")
+        worker.over_memory = bool(item.get("over_memory"))  # its task is not retried on the other side either
         if item.get("word") is not None:
             worker.word_fd = int(item["word"])
             worker.word = mmap.mmap(worker.word_fd, w.WORD.size * w.WORDS)
