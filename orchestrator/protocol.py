@@ -32,6 +32,9 @@ MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale 
 DEFAULT_WAIT = 3600.0  # a wait without a time-out is still bounded
 DEFERRED = object()  # a command handler's result when its reply comes later (a wait)
 READ_ONLY = frozenset({"status", "wait", "ping", "health", "metrics"})  # never journaled, never need the disk
+# Never journaled as ``command`` events either: reads and polls. An idle daemon-mode
+# executor polls task_events about once a second; journaled, it pushed the real history out.
+UNJOURNALED = READ_ONLY | {"task_events", "tasks", "task_result"}
 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _REPLICA_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-([0-9]{1,18})")

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import psutil
 
@@ -143,14 +143,19 @@ def tagged(tag: str) -> set[Ident]:
     return found
 
 
-def wait_gone(identities: Iterable[tuple[int, int]], timeout: float) -> list[tuple[int, int]]:
+def wait_gone(identities: Iterable[tuple[int, Any]], timeout: float) -> list[tuple[int, Any]]:
     """Wait (bounded, on pidfds) until every ``(pid, start)`` has exited, zombie or reaped;
-    return those that did not."""
-    from watchdog.identity import open_verified
+    return those that did not. ``start``: clock ticks (watchdog.identity), or an ``Ident``'s
+    psutil create time (then checked against it, and the wait is on the same process)."""
+    from watchdog.identity import open_verified, start_time
 
     fds = {}
     for pid, start in identities:
-        fd = open_verified(pid, start)
+        ticks = start
+        if isinstance(start, float):  # an Ident: compared as clock ticks it would never match
+            ident = Ident.of(pid)
+            ticks = start_time(pid) if ident is not None and ident[1] == start else None
+        fd = open_verified(pid, ticks) if ticks is not None else None
         if fd is not None:
             fds[fd] = (pid, start)
     try:

@@ -21,8 +21,9 @@ Flow:
    ``cgroup.kill`` each, one bounded wait on their events fds, rmdir); ``sweep()`` the
    ledger's processes (plus the token), which finds whatever lives outside those cgroups;
    remove the ``--remove`` paths and, out of its daemon/ first, the emptied subtree (both
-   only while holding the lock); write ``<state_dir>/watchdog-report.json`` atomically;
-   exit 0.
+   only while holding the lock); write ``<state_dir>/watchdog-report.json`` atomically
+   (unless the state dir itself was among the paths removed: an embedded host's own
+   temporary dir); exit 0.
 """
 
 from __future__ import annotations
@@ -292,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ledger_errors=ledger.errors,
         removed=removed,
     )
-    _write_report(args.state_dir, report)
+    if not any(r["path"] == args.state_dir and r["status"] == "removed" for r in removed):
+        _write_report(args.state_dir, report)  # (a state dir removed as asked: an embedded host's own)
     return 0  # the lock, if we took it, goes with us
 
 

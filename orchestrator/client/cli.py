@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from ..errors import DaemonNotRunning, OrchestratorError
+from ..errors import DaemonNotRunning, OrchestratorError, UnknownReplica
 from ..paths import Paths, read_env_file
 from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from ..version import __version__
@@ -554,6 +554,8 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
     from .display import clock, open_store_readonly
     from .logcli import stdout_gone
 
+    if args.replica is not None and not _known_replica(paths, args.replica):
+        raise UnknownReplica(f"unknown replica {args.replica!r}")  # as terminate says it: one line, exit 1
     if not paths.db.exists() and not args.follow:
         return EXIT_OK
     store = open_store_readonly(paths)  # with --follow, it picks the file up once it appears
@@ -574,6 +576,19 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
                 return EXIT_OK
             time.sleep(0.2)  # a reader of another process's file: there is no event to wait on
             rows = store.events(replica=args.replica, since=args.since, after_seq=seq)
+    finally:
+        store.close()
+
+
+def _known_replica(paths: Any, rid: str) -> bool:
+    """A replica the journal knows: its row, or (its row pruned) an event of it."""
+    from .display import open_store_readonly
+
+    if not paths.db.exists():
+        return False
+    store = open_store_readonly(paths)
+    try:
+        return bool(store.events(replica=rid, limit=1)) or any(r["id"] == rid for r in store.replicas(True))
     finally:
         store.close()
 

@@ -39,7 +39,9 @@ class Orchestrator(Verbs):
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
     and returns only when all are reaped. ``watchdog=True`` starts a watchdog process that
-    kills every worker if this process dies without leaving the context (SIGKILL, OOM).
+    kills every worker if this process dies without leaving the context (SIGKILL, OOM),
+    then removes their cgroups and the temporary dir this process made for the watchdog's
+    report (``$TMPDIR/orchestrator-*``, made when neither ``state_dir`` nor ``db`` is given).
     ``db``: journal pools, replicas and events into that SQLite file (orchestrator.store);
     ids then continue across runs, and replicas of a run that was killed are recorded LOST.
     ``cgroup``: "auto" or a cgroup2 dir gives each replica a cgroup of its own, in a subtree
@@ -106,7 +108,11 @@ class Orchestrator(Verbs):
             report_dir = self._state_dir
             if report_dir is None:
                 report_dir = self._own_dir = tempfile.mkdtemp(prefix="orchestrator-")
-            link = WatchdogLink(report_dir, token=self._token, batch=True)
+            # A dir of our own is removed by close(), or by the watchdog once it has cleaned
+            # up after our death (no report then: nobody would look for it). Never a dir
+            # the caller gave.
+            link = WatchdogLink(report_dir, token=self._token, batch=True,
+                                remove_files=[self._own_dir] if self._own_dir is not None else ())
         store = None
         if self._db is not None:
             from ..store import Store  # sqlite3 only for a caller that asked for a journal

@@ -619,7 +619,7 @@ class Engine:
             self.journal.pool(pool.name, pool.stored(), pool.desired, pool.next_n)
 
     def _journal_command(self, op: Any, cmd_id: Any, error: str | None) -> None:
-        if op not in protocol.READ_ONLY:
+        if op not in protocol.UNJOURNALED:
             self.journal.command(op, cmd_id, error)
 
     # -- waiting ------------------------------------------------------------------

@@ -73,6 +73,7 @@ class TaskCommands(TaskTable):
             self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
         elif xp.options != options:
             xp.options = options
+            self._watch_memory(xp)
             if pool.executor is not None:
                 pool.executor["options"] = options
             self.table.save_pool(pool)
@@ -289,14 +290,17 @@ class TaskCommands(TaskTable):
         return xp
 
     def pool_counts(self, name: str) -> dict | None:
-        """An executor pool's tasks for ``status``: queued, running, done (ended, as kept)."""
+        """An executor pool's tasks for ``status``: queued and running now; ended since the
+        daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
+        timed_out, lost (the daemon died while it ran)."""
         xp = self._pools.get(name)
         if xp is None:
             return None
         queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
         running = sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.RUNNING)
         queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
-        return {"queued": queued, "running": running, "done": xp.done}
+        return {"queued": queued, "running": running,
+                **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal}}
 
     def _open_session(self, name: str, sink: Sink | None) -> Session:
         session = self._sessions.get(name)

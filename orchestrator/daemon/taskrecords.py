@@ -52,10 +52,13 @@ class Task:
     waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
 
     def record(self) -> dict:
-        """The task's row (store.save_task) and, without payload and result, its listing."""
+        """The task's row (store.save_task) and, without payload and result, its listing.
+        ``worker``: the replica that runs it or ran it (none while it is QUEUED, even after an
+        attempt: that worker is not its any more); ``last_worker``: the latest that did."""
         return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
                 "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
-                "worker": self.worker_id, "queued_at": self.queued_at, "started_at": self.started_at,
+                "worker": self.worker_id if self.state is not T.QUEUED else None, "last_worker": self.worker_id,
+                "queued_at": self.queued_at, "started_at": self.started_at,
                 "ended_at": self.ended_at, "reason": self.reason,
                 "payload": self.payload if not self.state.terminal else None,
                 "kind": self.kind, "result": self.result}
@@ -83,6 +86,7 @@ class Worker:
     done: int = 0
     kill_timer: Timer | None = None
     lost_reason: str | None = None  # why the loop killed it, if it did
+    over_memory: bool = False  # killed for passing memory_max (its task is not retried)
     closed: bool = False
 
     @property
@@ -108,7 +112,7 @@ class ExecPool:
     said: str | None = None  # the last worker's complaint (its initializer failed)
     closing: bool = False
     on_quiet: Callable[[], None] | None = None  # closing: called once no worker is busy
-    done: int = 0  # tasks ended since the daemon started
+    ended: collections.Counter = field(default_factory=collections.Counter)  # state -> tasks ended since the start
 
     @property
     def max_tasks(self) -> int:

@@ -119,8 +119,9 @@ class Tasks(TaskCommands):
                             "next_slot": worker.next_slot, "asks": worker.asks,
                             "asked": worker.asked.id if worker.asked is not None else None,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
-                            "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason})
-        pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "done": xp.done,
+                            "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason,
+                            "over_memory": worker.over_memory})
+        pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said, "ended": dict(xp.ended),
                   "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                  for xp in self._pools.values() if not xp.closing]
         sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events]}
@@ -148,7 +149,8 @@ class Tasks(TaskCommands):
             xp: ExecPool | None = self._adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
                              next_n=int(carried["next_n"]))
             assert xp is not None
-            xp.reserved, xp.said, xp.done = int(carried["reserved"]), carried.get("said"), int(carried.get("done", 0))
+            xp.reserved, xp.said = int(carried["reserved"]), carried.get("said")
+            xp.ended.update({str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
         for ss in doc.get("sessions", []):
             session = self._open_session(ss["name"], None)
             session.seq = int(ss["seq"])
@@ -205,6 +207,7 @@ class Tasks(TaskCommands):
         worker.version = int(item.get("version", 1))
         worker.next_slot, worker.asks = int(item.get("next_slot", 0)), int(item.get("asks", 0))
         worker.lost_reason = item.get("lost_reason")
+        worker.over_memory = bool(item.get("over_memory"))  # its task is not retried on the other side either
         if item.get("word") is not None:
             worker.word_fd = int(item["word"])
             worker.word = mmap.mmap(worker.word_fd, w.WORD.size * w.WORDS)

@@ -48,12 +48,11 @@ from ..states import Replica, task_transition
 from ..states import TaskState as T
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
+from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
 from .taskrecords import ExecPool, Reply, Session, Task, Worker, as_text, how_it_ended, outcome, received_fds, size_text
 
 log = logging.getLogger("orchestrator")
 WORKER_TARGET = "orchestrator.taskworker:main"
-RSS_INTERVAL = 1.0  # memory_max without a memory controller: each worker's RSS this often
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
 SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
@@ -113,6 +112,7 @@ class TaskTable:
         self.stop_reason = stop_reason
         self.result_max_bytes = result_max_bytes
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
+        self._memory = TreeMemory(table.reactor.monotonic)
 
     # -- the listener -------------------------------------------------------------------
 
@@ -230,7 +230,8 @@ class TaskTable:
     # -- executor pools ---------------------------------------------------------------------
 
     def _cgroup_memory(self, limit: int) -> bool:
-        """Whether the cgroup's memory.max can bound a worker here (else: its RSS, polled)."""
+        """Whether the cgroup's memory.max can bound a worker here (else: its tree's RSS,
+        polled: taskmemory.py)."""
         try:
             self.table.containment.check_limits({"memory_max": limit})
         except InvalidSpec:
@@ -242,9 +243,7 @@ class TaskTable:
         xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=next_n)
         pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
         self._reserve(xp, pool)
-        if options.get("memory_max") is not None and not self._cgroup_memory(options["memory_max"]):
-            xp.rss_check = True
-            xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+        self._watch_memory(xp)
         return xp
 
     def _reserve(self, xp: ExecPool, pool: Pool | None = None) -> None:
@@ -415,6 +414,7 @@ class TaskTable:
         task.attempts += 1
         task.worker_id = worker.replica.id if worker.replica is not None else None
         task.started_at = self.table.os.time()
+        self._memory_busy(worker.pool)
         self._save(task, T.QUEUED)
         self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at)
         if task.timeout is not None:
@@ -487,7 +487,7 @@ class TaskTable:
         if task.session is not None:
             task.session.tasks.pop(task.ref, None)
         self._live.pop(task.id, None)
-        task.pool.done += 1
+        task.pool.ended[state.value] += 1
         self.table.metrics.task_ended(task.pool.name, task.state.value,
                                       task.ended_at - task.started_at if task.started_at is not None else None)
         self._ended[task.id] = task
@@ -837,8 +837,9 @@ class TaskTable:
                 xp.queue.appendleft(never)
         if task is not None and task.state is T.RUNNING:
             task.worker = None
-            reason = self.stop_reason if self.table.closing else worker.lost_reason or how_it_ended(rep)
-            if task.attempts <= task.retries and not xp.closing:
+            memory = self._memory_reason(xp, worker, rep)  # it passed memory_max: it would again
+            reason = self.stop_reason if self.table.closing else memory or worker.lost_reason or how_it_ended(rep)
+            if task.attempts <= task.retries and not xp.closing and memory is None:
                 # Cut short by something not its own doing: it runs again (after the next
                 # start, if the daemon is stopping), the attempt counted.
                 self.requeue(task, f"its worker {rep.id} was lost ({reason})")
@@ -891,27 +892,61 @@ class TaskTable:
             if task.state is T.QUEUED:
                 self._end(task, T.FAILED, "unrun", why)
 
-    # -- memory_max without a memory controller ---------------------------------------------
+    # -- memory_max without a memory controller (taskmemory.py) -----------------------------
+
+    def _watch_memory(self, xp: ExecPool) -> None:
+        """Start or stop the poll of ``xp``'s memory_max for its options now: polled where
+        no memory controller enforces it (a config reload may add or drop the limit)."""
+        limit = xp.options.get("memory_max")
+        xp.rss_check = limit is not None and not self._cgroup_memory(limit)
+        if xp.rss_check and xp.rss_timer is None:
+            xp.rss_timer = self.table.reactor.call_later(CHECK_INTERVAL, lambda: self._check_rss(xp))
+
+    def _memory_busy(self, xp: ExecPool | None) -> None:
+        """A task starts in ``xp``: its next check within CHECK_INTERVAL (an idle pool's
+        comes only every IDLE_INTERVAL)."""
+        timer = xp.rss_timer if xp is not None else None
+        if xp is None or timer is None or timer.deadline <= self.table.reactor.monotonic() + CHECK_INTERVAL:
+            return
+        timer.cancel()
+        xp.rss_timer = self.table.reactor.call_later(CHECK_INTERVAL, lambda: self._check_rss(xp))
 
     def _check_rss(self, xp: ExecPool) -> None:
-        """memory_max where no memory controller enforces it: each worker's RSS, every
-        RSS_INTERVAL; one past the limit is killed (its task lost, with the reason), and
-        replaced as a worker that died is."""
-        if xp.closing or self._pools.get(xp.name) is not xp:
+        """memory_max where no memory controller enforces it: the resident memory of each
+        worker's whole tree (taskmemory.TreeMemory), every CHECK_INTERVAL while one runs a
+        task, else every IDLE_INTERVAL. One past the limit is killed, its tree with it (its
+        task fails with the reason, not retried), and replaced as a worker that died is."""
+        xp.rss_timer = None
+        limit = xp.options.get("memory_max")
+        if xp.closing or self._pools.get(xp.name) is not xp or not xp.rss_check or limit is None:
             return
-        limit = xp.options["memory_max"]
+        busy = False
         for worker in list(xp.workers.values()):
             proc = self._proc(worker)
-            if proc is None or worker.closed:
+            if proc is None or worker.closed or worker.over_memory:
                 continue
-            try:
-                with open(f"/proc/{proc.pid}/statm", "rb") as f:
-                    rss = int(f.read().split()[1]) * _PAGE
-            except (OSError, ValueError, IndexError):
-                continue
-            if rss > limit:
-                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=False)
-        xp.rss_timer = self.table.reactor.call_later(RSS_INTERVAL, lambda: self._check_rss(xp))
+            busy = busy or bool(worker.tasks)
+            used, outside = self._memory.measure(proc.pid, proc.cgroup)
+            if used > limit:
+                worker.over_memory = True
+                log.warning("%s: its process tree holds %.0f MiB, over memory_max",
+                            worker.replica.id if worker.replica else "?", used / (1 << 20))
+                proc.escaped += outside  # what left its group: the kill after the grace reaches it too
+                # renew: replaced at once and not counted as a crash (its task's doing, not
+                # the worker's): a few greedy requests must not put the pool in a crash loop.
+                self._kill(worker, f"memory limit {size_text(limit)} exceeded", renew=True)
+        xp.rss_timer = self.table.reactor.call_later(CHECK_INTERVAL if busy else IDLE_INTERVAL,
+                                                     lambda: self._check_rss(xp))
+
+    def _memory_reason(self, xp: ExecPool, worker: Worker, rep: Replica) -> str | None:
+        """Why ``worker`` was lost if memory_max killed it (our kill, or the kernel's in its
+        cgroup with memory.max), else None."""
+        if worker.over_memory:
+            return worker.lost_reason
+        limit = xp.options.get("memory_max")
+        if limit is not None and not xp.rss_check and rep.reason == "OOM-killed":
+            return f"memory limit {size_text(limit)} exceeded"
+        return None
 
     def _proc(self, worker: Worker) -> Any:
         rep = worker.replica
