@@ -255,11 +255,27 @@ def _tids(pid: int) -> list[str]:
         return []
 
 
+_mine_fd = -1  # /proc/self/task/<main thread>/children, kept open: one pread per task
+
+
+def _my_children() -> list[int]:
+    """This worker's children (of every thread, if the task left threads running)."""
+    global _mine_fd
+    if threading.active_count() > 1:
+        return _children(os.getpid())
+    try:
+        if _mine_fd < 0:
+            _mine_fd = os.open(f"/proc/self/task/{threading.get_native_id()}/children", os.O_RDONLY | os.O_CLOEXEC)
+        return [int(p) for p in os.pread(_mine_fd, 1 << 16, 0).split()]
+    except (OSError, ValueError):
+        return _children(os.getpid())
+
+
 def _end_leftovers() -> None:
     """The processes the task left below this worker: SIGTERM, then SIGKILL after the
     grace, before the next task starts. The common case (none) costs one read."""
     me = os.getpid()
-    mine = _children(me, [str(threading.get_native_id())] if threading.active_count() == 1 else None)
+    mine = _my_children()
     if not mine or _own.issuperset(mine):
         return
     _reap()
