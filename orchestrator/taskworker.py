@@ -35,6 +35,7 @@ import time
 import traceback
 from typing import Any
 
+from . import signals
 from . import taskwire as w
 from .spawn.childsetup import prctl
 from .worker import Cancelled, TaskTimeout, Terminated
@@ -283,7 +284,7 @@ def _end_leftovers() -> None:
     if not fds:
         return
     for fd in fds:
-        _pidfd_signal(fd, _signal.SIGTERM)
+        signals.to_pidfd(fd, _signal.SIGTERM)
     deadline = time.monotonic() + _grace
     poller = select.poll()
     for fd in fds:
@@ -301,7 +302,7 @@ def _end_leftovers() -> None:
     # a child that died may have left children of its own, re-parented to us.
     for _ in range(3):
         for fd in _pidfds(me):
-            _pidfd_signal(fd, _signal.SIGKILL)
+            signals.to_pidfd(fd, _signal.SIGKILL)
             alive.add(fd)
         _reap()
         if _own.issuperset(_children(me)):
@@ -330,11 +331,6 @@ def _pidfds(me: int) -> list[int]:
     return fds
 
 
-def _pidfd_signal(fd: int, sig: int) -> None:
-    try:
-        _signal.pidfd_send_signal(fd, sig)
-    except OSError:
-        pass
 
 
 def _reap() -> None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +94,15 @@ def test_cpython_test_concurrent_futures(modules: tuple[str, ...], tmp_path: Pat
         pytest.skip(why)
     vpy = venvcache.ensure_venv(python, timeout=400)
     out = tmp_path / "outcomes.json"
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp"), "ORCH_TEST_TAG": orch_test_tag}
-    done = subprocess.run([str(vpy), str(RUN), "--out", str(out), "--modules", ",".join(modules)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    # A short TMPDIR of its own: the tests' Manager sockets live there, and a unix socket's
+    # path must stay under 108 bytes (pytest's tmp_path under xdist can be longer).
+    tmp = tempfile.mkdtemp(prefix="cf-")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": tmp, "ORCH_TEST_TAG": orch_test_tag}
+    try:
+        done = subprocess.run([str(vpy), str(RUN), "--out", str(out), "--modules", ",".join(modules)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 0 and out.exists(), f"run.py exit {done.returncode}:\n{done.stdout}{done.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     for pid, _ in doc["leftover_processes"]:  # ended by the watchdog with the run; if not, by procs

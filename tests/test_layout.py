@@ -159,6 +159,7 @@ EXCEPTIONS = {
     ("manager.channelserver", "client.channel"),  # the server end of the client's wire code:
     ("manager.server", "client.channel"),  # the frames, the auth key and the socket's address
     ("manager.server", "spawn.childsetup"),  # PR_SET_PDEATHSIG, as a replica sets it
+    ("taskworker", "spawn.childsetup"),  # PR_SET_CHILD_SUBREAPER: a task's daemonized children stay below it
     ("executor", "daemon.embedded"),  # Executor() runs its pool's control loop in this process
     ("executor", "client.channel"),  # Executor(state_dir=...): its pool is in that daemon
 }
