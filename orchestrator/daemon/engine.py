@@ -217,7 +217,9 @@ class Engine:
         they start after once those have ended, and so on. With a ``budget`` (seconds)
         every grace is cut so that all is over inside it (systemd's TimeoutStopSec,
         Kubernetes' terminationGracePeriodSeconds), each layer getting an equal share of
-        what is left. Desired sizes are kept: the next start brings the pools back."""
+        what is left. Desired sizes are kept: the next start brings the pools back. It
+        returns once every replica tree it signalled is gone: the descendants that left a
+        replica's process group too, SIGKILLed when their grace is over (containment.py)."""
         if self.closed:
             return
         self.closing = True
@@ -239,6 +241,9 @@ class Engine:
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
             self.reactor.run_until(done, 5.0)
+        # What left a stopped replica's group outlives its reap until the SIGKILL after its
+        # grace, a timer of this loop: waited for here, or it would outlive the loop.
+        self.containment.end_escapes(end)
         self._outbox.extend(self._waiters.fail_all(ShuttingDown("the orchestrator is shutting down")))
         self.settle()
         self.spawning.stop()
