@@ -711,6 +711,65 @@ def test_ready_cancel(reactor, os_api, closed_port):
     assert ident is None or _gone(ident, pid)
 
 
+
+def test_ready_wait_carried_keeps_its_deadline_and_schedule(reactor, os_api, closed_port):
+    """An upgrade's hand-over of a wait (``carried()``) and the next image's wait made from
+    it: the same deadline, the next attempt when it was due, the attempts and the last
+    reason kept; the message still names the pool's ready_timeout."""
+    port = closed_port.getsockname()[1]
+    spec = parse(f"tcp:127.0.0.1:{port}")
+    first = retry_until_ready(spec, reactor, os_api, period=0.3, deadline_s=3,
+                              on_ready=lambda: None, on_timeout=lambda why: None)
+    # Three attempts: at least 0.6 s into the wait, which a restarted deadline would add.
+    assert reactor.run_until(lambda: first.attempts >= 3 and first.carried()["next"] is not None, 5)
+    carried = first.carried()
+    first.cancel()
+    assert carried["deadline"] > reactor.monotonic() and carried["attempts"] >= 3
+    assert carried["last"] == f"tcp 127.0.0.1:{port}: connection refused"
+    assert carried["next"] > reactor.monotonic() - 0.3
+    timeouts: list[str] = []
+    again = retry_until_ready(spec, reactor, os_api, period=0.3, deadline_s=3, on_ready=lambda: None,
+                              on_timeout=timeouts.append, carried=carried)
+    assert reactor.run_until(lambda: bool(timeouts), 6)
+    late = reactor.monotonic() - carried["deadline"]
+    assert 0 <= late < 0.5, f"expired {late:.2f} s after the carried deadline"
+    assert again.attempts > carried["attempts"]  # it went on trying meanwhile
+    assert timeouts == [f"not ready within 3 s (last: tcp 127.0.0.1:{port}: connection refused)"]
+
+
+def test_ready_wait_carried_past_its_deadline_only_expires(reactor, os_api, closed_port):
+    spec = parse(f"tcp:127.0.0.1:{closed_port.getsockname()[1]}")
+    closed_port.listen()  # an attempt would succeed now: none may be made
+    ready: list[bool] = []
+    timeouts: list[str] = []
+    h = retry_until_ready(spec, reactor, os_api, deadline_s=5, on_ready=lambda: ready.append(True),
+                          on_timeout=timeouts.append,
+                          carried={"deadline": reactor.monotonic() - 0.1, "next": None, "attempts": 3, "last": None})
+    assert reactor.run_until(lambda: bool(timeouts), 5)
+    assert not ready and h.attempts == 3
+    assert timeouts[0].startswith("not ready within 5 s")
+
+
+def test_notify_socket_detached_and_taken_over(reactor):
+    """An upgrade's notify socket: detached (its fd inheritable, still bound), a datagram
+    sent meanwhile waits in it, and the socket made from that fd reads it."""
+    got: list[dict[str, str]] = []
+    closed: list[str] = []
+    before = open_fds()
+    ns = NotifySocket(reactor, lambda n, f: got.append(f), _name(), on_close=lambda: closed.append("first"))
+    fd = ns.detach()
+    assert ns.closed and closed == ["first"] and os.get_inheritable(fd)
+    ns.close()  # closing the old one no longer closes the socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"READY=1", "\0" + ns.name)  # the name is still bound
+    again = NotifySocket(reactor, lambda n, f: got.append(f), ns.name, fd=fd, on_close=lambda: closed.append("again"))
+    assert not os.get_inheritable(fd)
+    assert reactor.run_until(lambda: bool(got), 5)
+    assert got == [{"READY": "1"}]
+    again.close()
+    assert closed == ["first", "again"] and open_fds() == before
+
+
 # -- through the daemon: who may notify, how long an attempt may take ---------------------
 
 _SEND_READY_FOR = """

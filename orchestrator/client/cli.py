@@ -326,7 +326,7 @@ def _client(paths: Any, timeout: float | None = None) -> Any:
 # config file's [daemon] table fills in the rest)
 _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
                    "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes"}
-UPGRADE_TIMEOUT = 120.0  # the check (imports), the wait for starting replicas, the exec and the take-over
+UPGRADE_TIMEOUT = 120.0  # the check (imports), the drain of ended replicas' cgroups, the exec and the take-over
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
 

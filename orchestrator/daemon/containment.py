@@ -12,6 +12,14 @@ watchdog; ``signal_tree`` reaches every member, ``kill_after_grace`` and ``kill_
 ``release``d), with the OOM evidence. ``ProcessGroups`` does the same to the replica's
 process group and the descendants that left it (``escaped``, killed after the grace too).
 
+Descendants that left a stopped replica's group (process groups only: nothing leaves a
+cgroup) outlive its main process's reap until the SIGKILL after its grace. From that reap
+on they are the containment's, not the replica's: each held through a pidfd (so its kill
+cannot hit a reused pid, and its end is an event) with its kill deadline, as are those a
+SIGKILL was sent to and which have not exited yet. The loop's shutdown waits for them
+(``end_escapes``: the grace, then SIGKILL, bounded), so none outlives an embedded
+``with`` block or a daemon's stop; an upgrade carries them (``carried``/``take_over``).
+
 Layout (``watchdog.cgroup.Subtree``): under the daemon's own cgroup (``auto``) or a given
 cgroup dir (``PATH``), ``orchestrator-<sha1(state dir)[:12]>/`` with ``daemon/`` (the daemon
 moves itself in, so its watchdog and manager are born there, outside every replica's
@@ -39,10 +47,11 @@ import hashlib
 import logging
 import os
 import signal
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from watchdog import cgroup
 from watchdog.cgroup import CgroupUnavailable, Subtree
+from watchdog.identity import open_verified
 
 from .. import signals
 from ..errors import InvalidSpec, OrchestratorError
@@ -56,6 +65,7 @@ __all__ = ["Cgroups", "ProcessGroups", "CgroupUnavailable", "Tree", "Signals", "
 RECORD_NAME = "cgroup"  # in the state dir: the subtree of the daemon that runs (or last ran) there
 PROBE_SUFFIX = ".probe"  # replicas/<id>.probe: the cgroup of a replica's exec probes
 DRAIN_TIMEOUT = 3.0  # seconds a replica's cgroup may take to empty after its main process exited
+KILLED_EXIT_TIMEOUT = 5.0  # seconds SIGKILLed processes may take to exit, at a shutdown
 
 
 class Tree(Protocol):
@@ -66,6 +76,7 @@ class Tree(Protocol):
     reaped: bool
     killed: bool  # SIGKILL sent by us (not the kernel's OOM killer)
     escaped: list[tuple[int, int]]  # (pid, start) of descendants that left its group
+    kill_timer: Any  # reactor.Timer of the SIGKILL after its grace, if it is being stopped
 
 
 class Signals(Protocol):
@@ -82,6 +93,17 @@ def subtree_name(state_dir: Any) -> str:
     return f"{cgroup.MARK}-{digest[:12]}"
 
 
+class _Escape:
+    """A descendant that left a replica's group, held after that replica's reap: its pidfd
+    in the reactor (readable once it has exited) and the timer of its SIGKILL."""
+
+    __slots__ = ("ident", "fd", "deadline", "timer")
+
+    def __init__(self, ident: tuple[int, int], fd: int, deadline: float | None) -> None:
+        self.ident, self.fd, self.deadline = ident, fd, deadline
+        self.timer: Any = None
+
+
 class ProcessGroups:
     """No cgroups: a replica is its process group plus the descendants that left it."""
 
@@ -92,10 +114,12 @@ class ProcessGroups:
     def __init__(self, reason: str) -> None:
         self.reason = reason
         self.os: Any = None
+        self.reactor: Any = None
+        self._escapes: dict[tuple[int, int], _Escape] = {}
 
     def attach(self, reactor: Any, os_api: Signals, watchdog: Any = None) -> None:
         """The loop's reactor, the signals to send and the watchdog's feed (none needed here)."""
-        self.os = os_api
+        self.reactor, self.os = reactor, os_api
 
     def claim(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
         """No cgroup (CgroupUnavailable if ``limits`` need one): the child makes its group."""
@@ -121,19 +145,112 @@ class ProcessGroups:
             tree.killed = True
             tree.escaped += self.os.escaped_descendants(tree.pid)
             self.os.signal_group(tree.pid, signal.SIGKILL)
-        for ident in tree.escaped:
-            self.os.signal_verified(ident, signal.SIGKILL)
-        tree.escaped = []
+        self._kill_escaped(tree)
 
     def kill_tree(self, tree: Tree) -> None:
-        """SIGKILL now (a shutdown out of time): the group of an unreaped main process."""
+        """SIGKILL now (a shutdown out of time): the group of an unreaped main process, and
+        the descendants that left it."""
         tree.killed = True
+        tree.escaped += self.os.escaped_descendants(tree.pid)
         self.os.signal_group(tree.pid, signal.SIGKILL)
+        self._kill_escaped(tree)
+
+    def _kill_escaped(self, tree: Tree) -> None:
+        """SIGKILL to the descendants that left the tree's group; held until they have
+        exited, so that a shutdown can wait for them."""
+        for ident in tree.escaped:
+            if self.os.signal_verified(ident, signal.SIGKILL):
+                self._hold(ident, None)
+        tree.escaped = []
 
     def end_remnants(self, tree: Tree) -> None:
         """Its main process exited, not reaped yet: the zombie still pins the group, so what
-        the worker left in it is killed before the reap."""
+        the worker left in it is killed before the reap. The descendants that left it and
+        were asked to stop are held here from now on, with their kill after the grace (the
+        replica's ``escaped`` is emptied, so its own timer can go)."""
         self.os.signal_group(tree.pid, signal.SIGKILL)
+        if tree.escaped:
+            timer = tree.kill_timer
+            due = timer.deadline if timer is not None and not timer.cancelled else self.reactor.monotonic()
+            for ident in tree.escaped:
+                self._hold(ident, due)
+            tree.escaped = []
+
+    # -- escaped descendants, after their replica's reap -----------------------------
+
+    def _hold(self, ident: tuple[int, int], deadline: float | None) -> None:
+        """Hold ``ident`` until it has exited; SIGKILL at ``deadline`` (None: sent already)."""
+        held = self._escapes.get(ident)
+        if held is not None:
+            if deadline is None and held.timer is not None:  # killed now: no later kill due
+                held.timer.cancel()
+                held.timer = held.deadline = None
+            return
+        try:
+            fd = open_verified(*ident)
+        except OSError as err:  # EMFILE: not held, so not waited for; its kill is sent now
+            log.error("cannot watch the escaped process %d (%s): killed now", ident[0], err.strerror or err)
+            self.os.signal_verified(ident, signal.SIGKILL)
+            return
+        if fd is None:
+            return  # gone already
+        held = self._escapes[ident] = _Escape(ident, fd, deadline)
+        self.reactor.add_reader(fd, lambda: self._gone(held))
+        if deadline is not None:
+            held.timer = self.reactor.call_at(deadline, lambda: self._kill(held))
+
+    def _kill(self, held: _Escape) -> None:
+        held.timer = held.deadline = None
+        signals.to_pidfd(held.fd, signal.SIGKILL)
+
+    def _gone(self, held: _Escape) -> None:
+        if self._escapes.pop(held.ident, None) is not held:
+            return
+        self._forget(held)
+
+    def _forget(self, held: _Escape) -> None:
+        if held.timer is not None:
+            held.timer.cancel()
+        try:
+            self.reactor.remove_reader(held.fd)
+        except (KeyError, ValueError, OSError):  # the reactor has closed already
+            pass
+        os.close(held.fd)
+
+    def settled(self) -> bool:
+        """No escaped descendant of a stopped replica is still alive."""
+        return not self._escapes
+
+    def end_escapes(self, until: float | None = None) -> None:
+        """A shutdown, once every replica is reaped: run the loop until every escaped
+        descendant held is gone, each killed when its grace is over; bounded by the latest
+        of those kills (and by ``until``, a monotonic deadline: the stop budget). Then
+        SIGKILL to what is left and a bounded wait for it to exit."""
+        if not self._escapes:
+            return
+        now = self.reactor.monotonic()
+        due = max((e.deadline for e in self._escapes.values() if e.deadline is not None), default=now)
+        limit = due - now + 1.0  # the kills fire within, then the exits are events
+        if until is not None:
+            limit = min(limit, until - now)
+        if limit > 0:
+            self.reactor.run_until(self.settled, limit)
+        if self._escapes:
+            for held in list(self._escapes.values()):
+                self._kill(held)
+            if not self.reactor.run_until(self.settled, KILLED_EXIT_TIMEOUT):
+                log.error("escaped process(es) %s still alive %g s after SIGKILL",
+                          ", ".join(str(e.ident[0]) for e in self._escapes.values()), KILLED_EXIT_TIMEOUT)
+
+    def carried(self) -> list[list[Any]]:
+        """For an upgrade: each escaped descendant held, ``[pid, start, kill deadline]``."""
+        return [[e.ident[0], e.ident[1], e.deadline] for e in self._escapes.values()]
+
+    def take_over(self, carried: Iterable[Any]) -> None:
+        """The escaped descendants an earlier image held, held here with their kill
+        deadlines (their pidfds did not survive the exec: reopened, identity-checked)."""
+        for pid, start, deadline in carried:
+            self._hold((int(pid), int(start)), None if deadline is None else float(deadline))
 
     def watch_end(self, tree: Tree, code: int | None, since: float, then: Callable[[bool], None]) -> None:
         """Reaped: it has ended now. ``then(oom)``: a SIGKILL we did not send, that the
@@ -162,6 +279,10 @@ class ProcessGroups:
         return {"containment": self.mode, "containment_reason": self.reason, "cgroup_subtree": None}
 
     def close(self) -> bool:
+        """The fds of escaped descendants still held (after a shutdown's end_escapes: none
+        normally). Idempotent."""
+        while self._escapes:
+            self._forget(self._escapes.popitem()[1])
         return True
 
 
@@ -264,6 +385,19 @@ class Cgroups:
         """Its main process exited: what it left, whatever group or session it is in."""
         assert tree.cgroup is not None
         self.kill(tree.cgroup)
+
+    def settled(self) -> bool:
+        """Nothing escapes a cgroup: what a replica left is its cgroup's drain (watch_end)."""
+        return True
+
+    def end_escapes(self, until: float | None = None) -> None:
+        pass
+
+    def carried(self) -> list[list[Any]]:
+        return []
+
+    def take_over(self, carried: Iterable[Any]) -> None:
+        pass
 
     def watch_end(self, tree: Tree, code: int | None, since: float, then: Callable[[bool], None]) -> None:
         """Reaped; ended once its cgroup is empty (an event, bounded: DRAIN_TIMEOUT). Then

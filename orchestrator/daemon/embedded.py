@@ -5,7 +5,8 @@
         orch.terminate(ids[0])
         orch.scale("web", 5)
         print(orch.status())
-    # here every replica has been terminated and reaped, and the watchdog has exited
+    # here every replica has been terminated and reaped (with the descendants that left
+    # its process group: SIGKILLed after the grace and gone), and the watchdog has exited
 
 The loop runs in one background thread, the only owner of the replica table; the methods
 below send it commands (the same plain-data commands the daemon's channel carries) and
@@ -38,7 +39,9 @@ class Orchestrator(Verbs):
     """Runs the control loop in this process; a context manager.
 
     Leaving the context terminates every replica (SIGTERM to its group, ``grace``, SIGKILL)
-    and returns only when all are reaped. ``watchdog=True`` starts a watchdog process that
+    and returns only when all are reaped and every process of their trees has exited: a
+    descendant in a session of its own that ignores SIGTERM included (its SIGKILL after the
+    grace is a timer of the loop, which the close runs before it returns). ``watchdog=True`` starts a watchdog process that
     kills every worker if this process dies without leaving the context (SIGKILL, OOM),
     then removes their cgroups and the temporary dir this process made for the watchdog's
     report (``$TMPDIR/orchestrator-*``, made when neither ``state_dir`` nor ``db`` is given).
@@ -182,8 +185,7 @@ class Orchestrator(Verbs):
                 engine.close()
                 if engine.store is not None:
                     engine.store.close()
-                if self.containment is not None:
-                    self.containment.close()
+                engine.containment.close()  # the default process groups too: what they still hold
 
     # -- commands ---------------------------------------------------------------------
 

@@ -217,7 +217,9 @@ class Engine:
         they start after once those have ended, and so on. With a ``budget`` (seconds)
         every grace is cut so that all is over inside it (systemd's TimeoutStopSec,
         Kubernetes' terminationGracePeriodSeconds), each layer getting an equal share of
-        what is left. Desired sizes are kept: the next start brings the pools back."""
+        what is left. Desired sizes are kept: the next start brings the pools back. It
+        returns once every replica tree it signalled is gone: the descendants that left a
+        replica's process group too, SIGKILLed when their grace is over (containment.py)."""
         if self.closed:
             return
         self.closing = True
@@ -239,6 +241,9 @@ class Engine:
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
             self.reactor.run_until(done, 5.0)
+        # What left a stopped replica's group outlives its reap until the SIGKILL after its
+        # grace, a timer of this loop: waited for here, or it would outlive the loop.
+        self.containment.end_escapes(end)
         self._outbox.extend(self._waiters.fail_all(ShuttingDown("the orchestrator is shutting down")))
         self.settle()
         self.spawning.stop()
@@ -426,17 +431,24 @@ class Engine:
         return list(self._waiters)
 
     def adopt(self, rep: Replica, pidfd: int, *, cgroup: str | None, cleanup: list[Callable[[], None]],
-              kill_deadline: float | None, killed: bool, escaped: list[tuple[int, int]]) -> Proc:
-        """A replica whose process an earlier image of this daemon started (RUNNING or
-        STOPPING): watched again through ``pidfd``; its SIGKILL deadline, if it is stopping,
-        kept. The watchdog's ledger has it already."""
+              kill_deadline: float | None, killed: bool, escaped: list[tuple[int, int]],
+              ready_fd: int | None = None) -> Proc:
+        """A replica whose process an earlier image of this daemon started (STARTING,
+        RUNNING, STOPPING, or ended but not reaped): watched again through ``pidfd``, and
+        through its ready pipe ``ready_fd`` if its exec was not known to have succeeded;
+        its SIGKILL deadline, if it is stopping, kept. The watchdog's ledger has it already."""
         pool = self._pools[rep.pool]
         rep.made_from = (pool.runtime, pool.policy)
         self._replicas[rep.id] = rep
-        pool.live[rep.id] = rep
-        proc = Proc(rep.pid or 0, pidfd, -1, rep, killed=killed, escaped=escaped, cleanup=cleanup, cgroup=cgroup)
+        if not rep.state.terminal:  # a replica interrupted while starting is not the pool's any more
+            pool.live[rep.id] = rep
+        proc = Proc(rep.pid or 0, pidfd, -1 if ready_fd is None else ready_fd, rep, killed=killed, escaped=escaped,
+                    cleanup=cleanup, cgroup=cgroup)
         self._procs[proc.pid] = proc
         self.reactor.add_reader(pidfd, lambda: self._on_exit(proc))
+        if ready_fd is not None:
+            os.set_inheritable(ready_fd, False)  # it was, for the exec
+            self.reactor.add_reader(ready_fd, lambda: self._on_ready(proc))
         if kill_deadline is not None:
             proc.kill_timer = self.reactor.call_at(kill_deadline, lambda: self.containment.kill_after_grace(proc))
         return proc

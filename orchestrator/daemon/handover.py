@@ -1,11 +1,11 @@
 """`orchestrator upgrade`: the daemon re-executes itself in place, as `systemctl daemon-reexec`.
 
     upgrade (a command) ──► the new code tried in a separate process: ``python -m
-        │                   orchestrator.daemon.main --check 1`` imports the daemon's
-        │                   modules and says whether it reads hand-over version 1
+        │                   orchestrator.daemon.main --check 2`` imports the daemon's
+        │                   modules and says whether it reads hand-over version 2
         │                   (no: the command's one-line error, nothing touched)
-        ├─► quiesce: new spawns held, wait (bounded) until no replica is STARTING and no
-        │   ended one's tree is still draining (no: refused, the spawns go on)
+        ├─► quiesce: new spawns held, wait (bounded) until no ended replica's tree is
+        │   still draining (no: refused, the spawns go on)
         ├─► between two turns: probes, timers and notify sockets released, the spawners
         │   stopped, one store commit, the store closed; the fds that carry over made
         │   inheritable; the hand-over document written to a memfd; TERM/INT/HUP/CHLD
@@ -16,23 +16,35 @@
             (a process's, on a carried fd) is kept; the new image rebuilds (``Daemon``
             with ``handover``), unblocks the signals, and answers the upgrade command.
 
-What carries over, by fd (``HANDOVER`` version 1): the pid file's lock, the watchdog's feed
+What carries over, by fd (``HANDOVER`` version 2): the pid file's lock, the watchdog's feed
 pipe (and its ledger, to replay to a restarted watchdog), the manager's two pipes (and the
-bytes of a frame half read or half written), each replica's log pipes (read ends), the
-pools' listening sockets and systemd's, the metrics listener, the task listener and each
-executor worker's connection and cancel words (tasks.py). By value: what the store does
-not hold (each pool's restart bookkeeping and scheduled replacements, a STOPPING replica's
-SIGKILL deadline, open ``wait``s, the daemon's settings, start time and token; the
-unfinished tasks with their payloads and timeouts, and the events a client has not polled
-yet). Rebuilt:
-the store (reopened), the spawners, pidfds (``pidfd_open`` of our own unreaped children: a
-zombie pins its pid), probes and healthy_after timers (from the replica's start), the signal
-pipe, the loop-lag monitor and the metrics counters. Monotonic deadlines survive exec (one
-clock for the whole machine).
+bytes of a frame half read or half written), each replica's log pipes (read ends), its
+ready pipe while its exec is not confirmed, its notify socket (a ``READY=1`` sent during the
+exec waits in it), the pools' listening sockets and systemd's, the metrics listener, the
+task listener and each executor worker's connection and cancel words (tasks.py). By value:
+what the store does not hold (each pool's restart bookkeeping and scheduled replacements, a
+STOPPING replica's SIGKILL deadline, a STARTING replica's wait for readiness as it stands
+(readiness.py: its start_secs, probe or notify deadline, and when its probe's next attempt
+is due), the descendants that left a stopped replica's process group with their SIGKILL
+deadlines (containment.py), open ``wait``s, the daemon's settings, start time and token;
+the unfinished tasks with their payloads and timeouts, and the events a client has not
+polled yet). Rebuilt: the store (reopened), the spawners, pidfds (``pidfd_open`` of our own
+unreaped children: a zombie pins its pid), liveness probes and healthy_after timers (from
+the replica's start), the signal pipe, the loop-lag monitor and the metrics counters. An
+attempt of a probe in flight at the exec is cut short (killed whole) and made again at once
+by the new image, within the same deadline. Monotonic deadlines survive exec (one clock for
+the whole machine). Version 2 adds the STARTING replicas, ready pipes, notify sockets and
+escaped descendants to version 1 (whose images waited until nothing was STARTING); this
+code reads both.
 
-Not carried, so refused with one line: a rollout or a reload's ordered delete in flight. A
-STARTING replica is waited for. A client's poll for task events and a `result --wait` are
-answered just before the exec (with nothing new); both ask again, and the next image answers.
+Not carried, so refused with one line: a rollout or a reload's ordered delete in flight
+(each is a sequence of steps the new image would have to resume half way). A replica reaped
+whose cgroup has not emptied yet is waited for: its end is recorded once the cgroup is
+empty, which containment.py bounds (DRAIN_TIMEOUT, well inside QUIESCE_TIMEOUT). No spawn
+is ever in flight between two turns (a batch is asked and answered within one callback,
+and spawns are held from the check on: the PENDING replicas carry as such). A client's
+poll for task events and a `result --wait` are answered just before the exec (with nothing
+new); both ask again, and the next image answers.
 
 If the exec itself fails the old image resumes (store reopened, spawners and probes
 restarted). If the new image fails while taking over, it exits: the watchdog sees its
@@ -60,10 +72,10 @@ from ..version import __version__
 
 log = logging.getLogger("orchestrator")
 
-HANDOVER = 1  # the format this code writes
-SUPPORTED = frozenset({1})  # the formats this code reads
+HANDOVER = 2  # the format this code writes
+SUPPORTED = frozenset({1, 2})  # the formats this code reads (1: no STARTING replica in it)
 CHECK_TIMEOUT = 30.0  # the --check process: imports only, normally well under a second
-QUIESCE_TIMEOUT = 10.0  # STARTING replicas and draining trees, before an upgrade is refused
+QUIESCE_TIMEOUT = 10.0  # draining trees, before an upgrade is refused
 BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)  # kept pending across the exec
 INTERRUPTED = "interrupted by an upgrade"
 
@@ -195,6 +207,7 @@ class Upgrade:
         self.quiesced = False
         self._waiting = False
         self._deadline: Any = None
+        self._readiness: dict[int, dict | None] = {}  # pid -> what readiness handed over (for a failed exec)
         why = self._refusal()
         if why is not None:
             self._refused(why, answered=False)
@@ -247,10 +260,11 @@ class Upgrade:
         self.look()
 
     def look(self) -> None:
-        """At a turn's end: nothing STARTING, no tree draining, then the exec is due."""
+        """At a turn's end: no tree draining, then the exec is due (a STARTING replica
+        carries over: its readiness wait goes on in the next image)."""
         if not self._waiting:
             return
-        if self.engine.replicas_in(S.STARTING) or self.engine.draining():
+        if self.engine.draining():
             return
         why = self._refusal()
         if why is not None:
@@ -265,8 +279,7 @@ class Upgrade:
         if not self._waiting:
             return
         self._waiting = False
-        starting = len(self.engine.replicas_in(S.STARTING))
-        self._refused(f"{starting} replica(s) still starting and {self.engine.draining()} ending after "
+        self._refused(f"{self.engine.draining()} ended replica(s) whose cgroup still holds processes after "
                       f"{QUIESCE_TIMEOUT:g} s; try again")
 
     # -- the exec -------------------------------------------------------------------------
@@ -326,7 +339,9 @@ class Upgrade:
         if reopen:
             engine.journal.store = self.daemon._new_store()
             for proc in engine.procs():
-                engine.supervisor.readiness.resume(proc)
+                if proc.ready_fd >= 0:
+                    os.set_inheritable(proc.ready_fd, False)
+                engine.supervisor.readiness.resume(proc, self._readiness.get(proc.pid))
         engine.start_spawners()
         self._refused(why)
 
@@ -342,10 +357,14 @@ class Upgrade:
             for end in ends or ():
                 os.set_inheritable(end, True)
             kill = proc.kill_timer.deadline if proc.kill_timer is not None and not proc.kill_timer.cancelled else None
+            if proc.ready_fd >= 0:
+                os.set_inheritable(proc.ready_fd, True)
+            readiness = self._readiness[proc.pid] = engine.supervisor.readiness.hand_over(proc)
             replicas.append({"record": rep.to_record(), "cgroup": proc.cgroup, "logs": list(ends) if ends else None,
                              "kill_deadline": kill, "killed": proc.killed, "escaped": [list(e) for e in proc.escaped],
                              "log_max_bytes": engine.pool(rep.pool).policy.log_max_bytes,
-                             "log_backups": engine.pool(rep.pool).policy.log_backups})
+                             "log_backups": engine.pool(rep.pool).policy.log_backups,
+                             "ready_fd": proc.ready_fd if proc.ready_fd >= 0 else None, "readiness": readiness})
         for rep in engine.replicas_in(S.PENDING):
             pending.append(rep.to_record())
         metrics = None
@@ -354,7 +373,8 @@ class Upgrade:
             listener.set_inheritable(True)
             metrics = listener.fileno()
         containment_doc = {"path": daemon.containment.path, "reason": daemon.containment.reason,
-                           "moved_self": getattr(daemon.containment, "moved_self", True)}
+                           "moved_self": getattr(daemon.containment, "moved_self", True),
+                           "escapes": daemon.containment.carried()}
         return {
             "handover": HANDOVER, "from": __version__, "pid": os.getpid(),
             "daemon": {"settings": daemon.settings, "started_at": daemon.started_at, "token": engine.config.token,
@@ -406,6 +426,7 @@ def take_over(daemon: Any, doc: dict) -> None:
     from ..states import Replica
 
     engine = daemon.engine
+    engine.containment.take_over(doc["daemon"].get("containment", {}).get("escapes", []))
     engine.listeners.take_over(doc["listeners"])
     engine.supervisor.restore(daemon.store.load()[0], relaunch=False)
     carried_pools = doc.get("pools", {})
@@ -430,10 +451,12 @@ def take_over(daemon: Any, doc: dict) -> None:
             rlog = daemon.log_capture.adopt(rep.id, tuple(item["logs"]), max_bytes=item.get("log_max_bytes"),
                                             backups=item.get("log_backups"))
             cleanup.append(rlog.finish)
+        ready_fd = item.get("ready_fd")
         proc = engine.adopt(rep, pidfd, cgroup=item.get("cgroup"), cleanup=cleanup,
                             kill_deadline=item.get("kill_deadline"), killed=bool(item.get("killed")),
-                            escaped=[(int(a), int(b)) for a, b in item.get("escaped", [])])
-        engine.supervisor.readiness.resume(proc)
+                            escaped=[(int(a), int(b)) for a, b in item.get("escaped", [])],
+                            ready_fd=None if ready_fd is None else int(ready_fd))
+        engine.supervisor.readiness.resume(proc, item.get("readiness"))  # a STARTING one's wait goes on
     for record in doc.get("pending", []):
         engine.adopt_pending(Replica.from_record(record))
     engine.tasks.take_over(doc.get("tasks"))  # executor pools: their tasks, on the carried connections

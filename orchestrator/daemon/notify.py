@@ -15,6 +15,10 @@ process group (process groups), like ``NotifyAccess=all`` within one unit, so th
 mark this one ready. A datagram that fails the check is dropped and counted (``refused``;
 the first one of each socket is logged). Fds passed along (sd_notify's barrier) are closed
 at once.
+
+Across an upgrade a socket carries over as its fd (``detach`` in the old image, ``fd=`` in
+the new): same name, same bound socket, so a ``READY=1`` sent meanwhile waits in its queue
+for the new image to read.
 """
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ class NotifySocket:
     becomes ``on_message(name, fields)``; garbage (oversized, not UTF-8, no field),
     datagrams from other users and, with ``sender_ok``, from a pid it refuses are dropped.
     Pick a name nobody can squat (the abstract namespace is shared by the network
-    namespace). ``OSError`` if it is taken."""
+    namespace). ``OSError`` if it is taken. ``fd``: the socket already bound to that name,
+    handed over by an earlier image of the daemon (``detach``), taken over instead of bound
+    anew. ``on_close``: told once when it is closed or detached."""
 
     def __init__(self, reactor: Readers, on_message: Callable[[str, dict[str, str]], None],
-                 name: str, sender_ok: Callable[[int], bool] | None = None) -> None:
+                 name: str, sender_ok: Callable[[int], bool] | None = None, *, fd: int | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         if not name or "\0" in name or len(name.encode()) > 107:
             raise InvalidSpec(f"notify socket name {name!r}: 1..107 bytes, no NUL")
         self.name = name
@@ -64,13 +71,26 @@ class NotifySocket:
         self._sender_ok = sender_ok
         self._reactor = reactor
         self._on_message = on_message
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            sock.bind("\0" + name)
-        except OSError:
-            sock.close()
-            raise
+        self._on_close = on_close
+        if fd is not None:
+            sock = socket.socket(fileno=fd)
+            try:  # as bound: only what the exec needed is undone
+                if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_DGRAM:
+                    raise OSError(f"fd {fd} is not a unix datagram socket")
+                sock.set_inheritable(False)
+                sock.setblocking(False)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+                sock.bind("\0" + name)
+            except OSError:
+                sock.close()
+                raise
         self._sock: socket.socket | None = sock
         self._uids = {os.geteuid(), 0}
         self._cmsg = socket.CMSG_SPACE(_UCRED) + socket.CMSG_SPACE(16 * array.array("i").itemsize)
@@ -113,6 +133,24 @@ class NotifySocket:
             self._reactor.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+            self._closed()
+
+    def detach(self) -> int:
+        """For an upgrade: unregistered, no longer ours, the socket's fd (inheritable, still
+        bound and open) for the next image's ``NotifySocket(..., fd=)``; closed from now on."""
+        sock = self._sock
+        assert sock is not None, "detach of a closed notify socket"
+        self._reactor.remove_reader(sock.fileno())
+        fd = sock.detach()
+        os.set_inheritable(fd, True)
+        self._sock = None
+        self._closed()
+        return fd
+
+    def _closed(self) -> None:
+        told, self._on_close = self._on_close, None
+        if told is not None:
+            told()
 
 
 def from_replica(pid: int, main_pid: int | None, cgroup: str | None) -> bool:

@@ -490,7 +490,7 @@ class _ReadyWait(Handle):
     def __init__(self, spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, period: float,
                  attempt_timeout: float, deadline_s: float, on_ready: Callable[[], None],
                  on_timeout: Callable[[str], None], env: dict[str, str] | None,
-                 box: ProbeBox | None = None) -> None:
+                 box: ProbeBox | None = None, carried: dict | None = None) -> None:
         self.spec = spec
         self._box = box
         self.done = False
@@ -500,11 +500,24 @@ class _ReadyWait(Handle):
         self._reactor, self._os, self._env = reactor, os_api, env
         self._period, self._attempt_timeout, self._deadline_s = period, attempt_timeout, deadline_s
         self._on_ready, self._on_timeout = on_ready, on_timeout
-        self._deadline = reactor.monotonic() + deadline_s
+        now = reactor.monotonic()
+        first: float | None = now
+        self._deadline = now + deadline_s
+        if carried is not None:  # an earlier image's wait, going on: its deadline, its next attempt
+            self._deadline = float(carried["deadline"])
+            self.attempts = int(carried.get("attempts") or 0)
+            self.last_reason = carried.get("last")
+            first = now if carried.get("next") is None else max(now, float(carried["next"]))
+            if first >= self._deadline:
+                first = None  # over before its next attempt: only the expiry is left
         self._timer = reactor.call_at(self._deadline, self._expired)  # Handle.cancel() cancels it
         self._retry: TimerLike | None = None
+        self._next_at: float | None = None  # when the attempt that _retry starts is due
         self._attempt_handle: Handle | None = None
-        self._attempt()
+        if first == now:
+            self._attempt()
+        elif first is not None:
+            self._retry_at(first)
 
     @property
     def pid(self) -> int | None:  # type: ignore[override]
@@ -514,12 +527,23 @@ class _ReadyWait(Handle):
     def active(self) -> bool:
         return not self.done
 
+    def carried(self) -> dict:
+        """Where this wait stands, for an upgrade's next image (``retry_until_ready(...,
+        carried=)``): its deadline, when its next attempt is due (None: now; an attempt in
+        flight is cut short by the exec and made again at once) and what the attempts said."""
+        return {"deadline": self._deadline, "next": self._next_at if self._retry is not None else None,
+                "attempts": self.attempts, "last": self.last_reason}
+
     def _attempt(self) -> None:
-        self._retry = None
+        self._retry = self._next_at = None
         left = self._deadline - self._reactor.monotonic()
         self._attempt_handle = run_once(self.spec, self._reactor, self._os,
                                         timeout=max(0.001, min(self._attempt_timeout, left)),
                                         on_result=self._result, env=self._env, box=self._box)
+
+    def _retry_at(self, when: float) -> None:
+        self._next_at = when
+        self._retry = self._reactor.call_at(when, self._attempt)
 
     def _result(self, ok: bool, reason: str | None) -> None:
         self._attempt_handle = None
@@ -530,7 +554,7 @@ class _ReadyWait(Handle):
             self._on_ready()
             return
         self.last_reason = reason
-        self._retry = self._reactor.call_later(self._period, self._attempt)
+        self._retry_at(self._reactor.monotonic() + self._period)
 
     def _expired(self) -> None:
         last = self.last_reason or f"{self.spec.label}: no answer yet"
@@ -547,7 +571,7 @@ class _ReadyWait(Handle):
     def _release(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
-            self._retry = None
+            self._retry = self._next_at = None
         if self._attempt_handle is not None:
             self._attempt_handle.cancel()
             self._attempt_handle = None
@@ -556,11 +580,14 @@ class _ReadyWait(Handle):
 def retry_until_ready(spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, *, period: float = 0.2,
                       attempt_timeout: float = 1.0, deadline_s: float, on_ready: Callable[[], None],
                       on_timeout: Callable[[str], None], env: dict[str, str] | None = None,
-                      box: ProbeBox | None = None) -> Handle:
+                      box: ProbeBox | None = None, carried: dict | None = None) -> _ReadyWait:
     """Readiness: attempt now, then ``period`` after each failure, until a success
     (``on_ready()``) or ``deadline_s`` from now (``on_timeout("not ready within S s (last:
-    <reason>)")``). Exactly one of the two is called, from the loop, unless cancelled."""
+    <reason>)")``). Exactly one of the two is called, from the loop, unless cancelled.
+    ``carried``: what ``carried()`` of the same wait in an earlier image of the daemon said
+    (an upgrade): its deadline and the time of its next attempt are kept, not restarted."""
     _check_active(spec)
     if period <= 0 or attempt_timeout <= 0 or deadline_s <= 0:
         raise ValueError("readiness needs period, attempt_timeout and deadline_s > 0")
-    return _ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env, box)
+    return _ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env, box,
+                      carried)
