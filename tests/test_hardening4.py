@@ -1,0 +1,208 @@
+"""Hardening, fourth round (trust): no interpreter the project starts imports from a directory
+it did not choose, and the daemon does not keep its caller's; an upgrade whose helpers
+cannot start is refused; and three small ones: task ids with Unicode digits, the HTTP
+endpoint's header bound, the chmod of a unix listening socket.
+
+The tests about another user need root and ``nobody`` (they skip, saying why, without);
+every process a test starts is ended by the pid it got, and waited for, bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from conftest import TAG_VAR
+from helpers import ROOT, TESTS, DaemonUnderTest, cli, cli_env, no_leftovers, one_line_error, wait_for
+from orchestrator import Client, Executor, OrchestratorError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _nobody() -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+
+
+NOBODY = _nobody()
+needs_nobody = pytest.mark.skipif(
+    os.geteuid() != 0 or NOBODY is None,
+    reason="needs root and a 'nobody' user: a directory another user controls",
+)
+
+
+# -- 1. code from the caller's directory never runs as the daemon ----------------------
+
+# What a hostile directory would hold: our packages and the ones our programs import.
+PLANTED = ("orchestrator", "watchdog", "multiprocess", "setproctitle", "dill", "psutil", "h11")
+
+
+def _hostile_dir(tmp_path: Path) -> Path:
+    """A directory of nobody's (0755, as theirs would be) whose every package writes a
+    marker naming itself and the pid that imported it."""
+    assert NOBODY is not None
+    where = tmp_path / "theirs"
+    where.mkdir()
+    for name in PLANTED:
+        (where / name).mkdir()
+        (where / name / "__init__.py").write_text(
+            f"import os\nopen(os.path.join({str(where)!r}, 'MARK-{name}-%d' % os.getpid()), 'w').close()\n")
+    for path in (where, *where.rglob("*")):
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid, follow_symlinks=False)
+    os.chmod(where, 0o755)
+    return where
+
+
+def _markers(where: Path) -> list[str]:
+    return sorted(p.name for p in where.glob("MARK-*"))
+
+
+def _cli_in(where: Path, state_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """The CLI as its console script runs it (``-P``: the script's own directory, not the
+    cwd, leads its path), typed in ``where``."""
+    return subprocess.run([sys.executable, "-P", "-m", "orchestrator", "--state-dir", str(state_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=where,
+                          stdin=subprocess.DEVNULL)
+
+
+def _host(tmp_path: Path, where: Path, code: str, tag: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """A Python program of root's (``tmp_path/host.py``: its own directory leads its path)
+    run in ``where``."""
+    script = tmp_path / "host.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env({TAG_VAR: tag}), cwd=where, stdin=subprocess.DEVNULL)
+
+
+def _cwd(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/cwd")
+
+
+@needs_nobody
+def test_start_in_another_users_directory_imports_nothing_from_it(tmp_path: Path, orch_test_tag: str) -> None:
+    """Root types ``orchestrator start`` in nobody's directory holding an ``orchestrator/``,
+    ``watchdog/``, ``multiprocess/``...: the daemon, its manager, watchdog and spawners, an
+    executor pool's workers (their pool's cwd is that directory, recorded by the client)
+    and an upgrade's check and exec import none of them, and none of those processes keeps
+    that directory as its cwd."""
+    theirs = _hostile_dir(tmp_path)
+    d = tmp_path / "state"
+    with no_leftovers(DaemonUnderTest(d)) as daemon:
+        got = _cli_in(theirs, d, "start")
+        assert got.returncode == 0, got.stderr + (d / "logs" / "daemon.log").read_text()
+        daemon.pid = pid = int(got.stdout)
+        assert _markers(theirs) == []
+        # An executor pool whose cwd is that directory (Executor's default: the client's),
+        # and a task in it.
+        got = _host(tmp_path, theirs, f"""
+            import os
+            from orchestrator import Executor
+            with Executor(1, state_dir={str(d)!r}, pool="jobs") as ex:
+                print(ex.submit(os.getpid).result(timeout=60))
+        """, orch_test_tag)
+        assert got.returncode == 0, got.stderr
+        got = _cli_in(theirs, d, "upgrade")
+        assert got.returncode == 0 and "upgraded" in got.stdout, got.stderr
+        data = daemon.status()
+        assert data["daemon"]["pid"] == pid
+        helpers = [c.pid for c in psutil.Process(pid).children()]
+        assert data["daemon"]["manager_pid"] in helpers and data["daemon"]["watchdog_pid"] in helpers
+        daemon.snapshot()
+        # The daemon and every helper it started run in /, never in the caller's directory.
+        assert _cwd(pid) == "/"
+        for child in psutil.Process(pid).children():
+            if "replica" not in child.name() and "replica" not in " ".join(child.cmdline()):
+                assert _cwd(child.pid) == "/", (child.pid, child.cmdline())
+        # A killed manager is started again the same way.
+        old = data["daemon"]["manager_pid"]
+        os.kill(old, signal.SIGKILL)
+
+        def manager() -> int | None:
+            got = cli(d, "status", "--json")  # refused while the manager is down
+            return json.loads(got.stdout)["daemon"]["manager_pid"] if got.returncode == 0 else None
+
+        wait_for(lambda: manager() not in (None, old), 30, "the manager to be restarted")
+        assert _cwd(manager() or 0) == "/"
+        assert _markers(theirs) == []
+        log = (d / "logs" / "daemon.log").read_text()
+        assert "Traceback" not in log, log
+    assert _markers(theirs) == []
+
+
+@needs_nobody
+def test_an_embedded_executor_in_another_users_directory_imports_nothing_from_it(
+        tmp_path: Path, orch_test_tag: str, procs: Any) -> None:
+    """Root's program, run in nobody's directory, uses an embedded Executor: its watchdog
+    and spawners start there (the program's cwd) but import nothing from it."""
+    theirs = _hostile_dir(tmp_path)
+    got = _host(tmp_path, theirs, """
+        import os
+        from orchestrator import Executor
+        with Executor(2) as ex:
+            print(sorted(ex.map(abs, [-1, -2, -3])), ex.submit(os.getpid).result(timeout=60) != os.getpid())
+    """, orch_test_tag)
+    assert (got.returncode, got.stdout) == (0, "[1, 2, 3] True\n"), got.stderr
+    assert _markers(theirs) == []
+
+
+def test_a_relative_pythonpath_is_made_absolute_and_an_empty_entry_dropped(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the daemon's helpers get: PYTHONPATH as it meant where ``start`` was typed; an
+    empty entry (the current directory, wherever that is) gone."""
+    from orchestrator.interpreter import absolute_pythonpath, program_env
+
+    assert absolute_pythonpath(f"src{os.pathsep}{os.pathsep}/abs/x{os.pathsep}../y{os.pathsep}", "/here/a") == \
+        os.pathsep.join(["/here/a/src", "/abs/x", "/here/y"])
+    monkeypatch.chdir(tmp_path)
+    assert program_env({"PYTHONPATH": f"{os.pathsep}lib", "A": "b"}) == {"PYTHONPATH": str(tmp_path / "lib"), "A": "b"}
+    assert program_env({"PYTHONPATH": os.pathsep, "A": "b"}) == {"A": "b"}
+    assert program_env({"A": "b"}) == {"A": "b"}
+
+
+def test_a_daemon_started_with_a_relative_state_dir_config_and_pythonpath(tmp_path: Path) -> None:
+    """The daemon leaves its caller's directory, and what it was given relative to it still
+    means what it meant there: the state dir, the config file, PYTHONPATH (through which a
+    pool's --target is found), also for a bare ``start --foreground``."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "relmod.py").write_text("import time\n\ndef main():\n    time.sleep(1000)\n")
+    (tmp_path / "pools.toml").write_text('[pools.rel]\ntarget = "relmod:main"\nsize = 1\n')
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join(["lib", env["PYTHONPATH"]])
+    out = tmp_path / "foreground.log"
+    with no_leftovers(DaemonUnderTest(tmp_path / "state")) as daemon, open(out, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--state-dir", "state", "start", "--foreground",
+                                 "--config", "pools.toml"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+        try:
+            wait_for(lambda: cli(daemon.state_dir, "health").returncode == 0 or proc.poll() is not None, 30,
+                     "the daemon to answer")
+            assert proc.poll() is None, out.read_text()
+            daemon.pid = proc.pid
+            assert _cwd(proc.pid) == "/"
+            wait_for(lambda: [r["state"] for r in daemon.status()["replicas"]] == ["RUNNING"], 30,
+                     "the config's pool to run its target")
+            daemon.snapshot()
+            assert cli(daemon.state_dir, "reload").returncode == 0  # the config is found again from /
+        finally:
+            cli(daemon.state_dir, "stop")
+            try:
+                proc.wait(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
