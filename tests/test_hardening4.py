@@ -213,3 +213,46 @@ def test_a_daemon_started_with_a_relative_state_dir_config_and_pythonpath(tmp_pa
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=10)
+
+
+# -- 5. an upgrade checks every program the daemon starts ------------------------------
+
+
+@pytest.mark.parametrize("broken", ["orchestrator/manager/server.py", "watchdog/__main__.py",
+                                    "orchestrator/taskworker.py", "orchestrator/spawn/spawner.py"])
+def test_an_install_whose_helper_does_not_import_is_refused(daemon: DaemonUnderTest, tmp_path: Path,
+                                                            broken: str) -> None:
+    """The install the daemon would exec now has a manager server, watchdog, task worker or
+    spawner that does not import: ``upgrade`` says so in one line, exit 1, and the daemon
+    goes on as it was (same pid, not upgraded, its replicas and helpers untouched)."""
+    sd = daemon.state_dir
+    shadow = tmp_path / "shadow"
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
+    got = subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(sd), "start"], env=env,
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert got.returncode == 0, got.stderr
+    daemon.pid = pid = int(got.stdout)
+    cli(sd, "launch", "--pool", "a", "--count", "2", "--wait", "--", "sleep", "1000", check=True)
+    before = daemon.status()
+    kept = {r["id"]: r["pid"] for r in before["replicas"]}
+    for package in ("orchestrator", "watchdog"):
+        shutil.copytree(ROOT / package, shadow / package, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(shadow / broken, "a") as f:
+        f.write("\nraise ImportError('simulated broken helper')\n")
+
+    line = one_line_error(cli(sd, "upgrade"))
+    # which one: by module (the check's own word) or, for one the daemon imports itself, by file
+    module = broken.removesuffix(".py").replace("/", ".")
+    assert "refused" in line and (module in line or str(shadow / broken) in line), line
+    assert "simulated broken helper" in line, line
+    data = daemon.status()
+    assert data["daemon"]["pid"] == pid and data["daemon"]["upgraded_at"] is None
+    assert {r["id"]: r["pid"] for r in data["replicas"]} == kept
+    for helper in ("manager_pid", "watchdog_pid"):
+        assert data["daemon"][helper] == before["daemon"][helper]
+    assert cli(sd, "health").returncode == 0
+    shutil.rmtree(shadow)  # the install mended: now it goes through
+    got = cli(sd, "upgrade")
+    assert got.returncode == 0 and "upgraded" in got.stdout, got.stderr
+    assert {r["id"]: r["pid"] for r in daemon.status()["replicas"]} == kept
