@@ -256,3 +256,47 @@ def test_an_install_whose_helper_does_not_import_is_refused(daemon: DaemonUnderT
     got = cli(sd, "upgrade")
     assert got.returncode == 0 and "upgraded" in got.stdout, got.stderr
     assert {r["id"]: r["pid"] for r in daemon.status()["replicas"]} == kept
+
+
+# -- 9. small ones -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def jobs(daemon: DaemonUnderTest, orch_test_tag: str) -> Iterator[Executor]:
+    daemon.start()
+    with Client(daemon.state_dir) as client:
+        ex = client.executor("jobs", max_workers=1, cwd=str(TESTS), env={TAG_VAR: orch_test_tag})
+    try:
+        wait_for(lambda: any(r["pool"] == "jobs" and r["state"] == "RUNNING" for r in daemon.status()["replicas"]),
+                 30, "the pool's worker to run")
+        yield ex
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+UNICODE_IDS = ("jobs/\u00b2", "jobs/\uff11", "jobs/\u0661", "jobs/01", "jobs/+1", "jobs/ 1", "jobs/1\n")
+
+
+def test_task_ids_with_unicode_digits_are_unknown_in_one_line(daemon: DaemonUnderTest, jobs: Executor) -> None:
+    """``jobs/²`` passes str.isdigit() and broke int(); ``jobs/１`` was read as ``jobs/1``
+    (a wrong "had ended already"). Each is an unknown task, in one line, for result,
+    cancel and tasks, from the CLI and from a client, with no traceback in the log."""
+    assert jobs.submit(abs, -1).result(timeout=30) == 1  # jobs/1 exists and has ended
+    sd = daemon.state_dir
+    for bad in UNICODE_IDS:
+        for command in (["result", bad], ["result", bad, "--wait", "--timeout", "1"], ["cancel", bad],
+                        ["cancel", "jobs/1", bad]):
+            line = one_line_error(cli(sd, *command))
+            assert "unknown task" in line, (command, line)
+        assert "unknown" in one_line_error(cli(sd, "tasks", "--pool", bad))
+    with Client(sd) as client:
+        for bad in UNICODE_IDS:
+            for op, args in (("task_result", {"id": bad}), ("task_result", {"id": bad, "wait": True, "timeout": 1}),
+                             ("task_cancel", {"ids": [bad]}), ("task_cancel", {"ids": ["jobs/1", bad]})):
+                with pytest.raises(OrchestratorError, match="unknown task") as err:
+                    client.call(op, args)
+                assert "\n" not in str(err.value).strip()
+        assert client.call("task_cancel", {"ids": ["jobs/1"]}) == [False]  # the real one: ended
+    assert cli(sd, "health").returncode == 0
+    log = (sd / "logs" / "daemon.log").read_text()
+    assert "Traceback" not in log and "internal error" not in log, log
