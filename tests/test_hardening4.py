@@ -300,3 +300,61 @@ def test_task_ids_with_unicode_digits_are_unknown_in_one_line(daemon: DaemonUnde
     assert cli(sd, "health").returncode == 0
     log = (sd / "logs" / "daemon.log").read_text()
     assert "Traceback" not in log and "internal error" not in log, log
+
+
+def _metrics_server() -> tuple[Any, Any]:
+    from orchestrator.daemon.httpserver import MetricsServer
+    from orchestrator.daemon.reactor import Reactor
+
+    reactor = Reactor()
+    return reactor, MetricsServer(reactor, 0, lambda: "up 1\n", lambda: (True, {}))
+
+
+def _exchange(reactor: Any, port: int, pieces: list[bytes]) -> bytes:
+    """Send ``pieces`` (each its own write, the loop turning in between) and read the reply."""
+    import threading
+
+    out: list[bytes] = []
+
+    def client() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            try:
+                for piece in pieces:
+                    c.sendall(piece)
+                    if len(pieces) > 1:
+                        threading.Event().wait(0.05)  # a piece apart: separate reads on the server
+                data = b""
+                while chunk := c.recv(65536):
+                    data += chunk
+            except (ConnectionResetError, BrokenPipeError):
+                data = b""
+            out.append(data)
+
+    t = threading.Thread(target=client)
+    t.start()
+    assert reactor.run_until(lambda: not t.is_alive(), 20), "the client did not finish"
+    t.join(5)
+    return out[0]
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one-piece", "in-pieces"])
+def test_the_http_header_bound_holds_however_the_request_arrives(whole: bool) -> None:
+    """8 KiB of request line and headers at most: a 9 KiB head is refused (431, or closed)
+    whether it comes in one write or in pieces; one of 8000 bytes is served either way."""
+    reactor, server = _metrics_server()
+    try:
+        def request(pad: int) -> bytes:
+            return b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * pad + b"\r\n\r\n"
+
+        for size, served in ((9 * 1024, False), (8000, True)):
+            data = request(size)
+            pieces = [data] if whole else [data[i:i + 1000] for i in range(0, len(data), 1000)]
+            reply = _exchange(reactor, server.port, pieces)
+            if served:
+                assert reply.startswith(b"HTTP/1.1 200"), (size, reply[:80])
+            else:
+                assert reply == b"" or reply.startswith(b"HTTP/1.1 431"), (size, reply[:80])
+        assert server.counts["too_large"] == 1 and server.counts["served"] == 1, server.counts
+    finally:
+        server.close()
+        reactor.close()
