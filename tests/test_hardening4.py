@@ -358,3 +358,47 @@ def test_the_http_header_bound_holds_however_the_request_arrives(whole: bool) ->
     finally:
         server.close()
         reactor.close()
+
+
+def test_a_unix_socket_swapped_for_a_link_after_bind_changes_no_other_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever may write a socket's directory could put a symlink in its place between
+    bind() and the chmod that opens it to 0666: the chmod must not follow it. Simulated by
+    doing that swap right after bind: the victim keeps its mode, and the address is
+    refused in one line."""
+    from orchestrator.daemon.reactor import Reactor
+    from orchestrator.daemon.sockets import Listeners
+    from orchestrator.errors import InvalidSpec
+
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    path = tmp_path / "app.sock"
+    real_bind = socket.socket.bind
+
+    def bind_then_swap(self: socket.socket, address: Any) -> None:
+        real_bind(self, address)
+        if address == str(path):
+            os.rename(path, tmp_path / "moved.sock")
+            os.symlink(victim, path)
+
+    reactor = Reactor()
+    listeners = Listeners(reactor, lambda: set())
+    try:
+        monkeypatch.setattr(socket.socket, "bind", bind_then_swap)
+        with pytest.raises(InvalidSpec) as err:
+            listeners.open([f"unix:{path}"])
+        monkeypatch.undo()
+        assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert "\n" not in str(err.value) and "replaced" in str(err.value), err.value
+        assert path.is_symlink()  # not ours: left alone
+        # Unswapped, the socket is made 0666 as before, and removed when closed.
+        path.unlink()
+        listeners.open([f"unix:{path}"])
+        assert stat.S_ISSOCK(path.lstat().st_mode) and stat.S_IMODE(path.lstat().st_mode) == 0o666
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(path))
+    finally:
+        listeners.close()
+        reactor.close()
+    assert not path.exists()
