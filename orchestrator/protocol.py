@@ -38,6 +38,7 @@ UNJOURNALED = READ_ONLY | {"task_events", "tasks", "task_result"}
 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _REPLICA_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})-([0-9]{1,18})")
+_TASK_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([1-9][0-9]{0,17})")
 _FRAME = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # a command or reply this large is refused with an error, never sent
 
@@ -87,6 +88,14 @@ def parse_replica_id(rid: str) -> tuple[str, int] | None:
     """(pool, n) of a well-formed id ``<pool>-<n>``, else None. ASCII digits only: a
     Unicode digit passes str.isdigit() and then breaks int()."""
     m = _REPLICA_ID.fullmatch(rid)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def parse_task_id(task_id: Any) -> tuple[str, int] | None:
+    """(pool, n) of a task id as the daemon hands them out (``<pool>/<n>``, n from 1, no
+    leading zero), else None. ASCII digits only: ``jobs/²`` passes str.isdigit() and breaks
+    int(), and ``jobs/１`` or ``jobs/01`` would be read as ``jobs/1``, which they are not."""
+    m = _TASK_ID.fullmatch(task_id) if isinstance(task_id, str) else None
     return (m.group(1), int(m.group(2))) if m else None
 
 

@@ -21,14 +21,16 @@ import time
 
 from .. import signals
 from ..errors import OrchestratorError
+from ..interpreter import program_env, python_argv
 from ..paths import TOKEN_ENV, Paths, check_state_dir, is_watchdog, open_log, running_pid
 from ..states import exit_reason
 
 
 def daemon_env() -> dict[str, str]:
     """The environment a daemon is exec'd with: a fresh token, so every descendant carries
-    it, and SPT_NOENV, so setproctitle does not clobber that environment in /proc."""
-    env = dict(os.environ)
+    it, and SPT_NOENV, so setproctitle does not clobber that environment in /proc; its
+    PYTHONPATH absolute, as it meant here (the daemon leaves this directory: interpreter.py)."""
+    env = program_env(os.environ)
     env[TOKEN_ENV] = secrets.token_hex(8)
     env["SPT_NOENV"] = "1"
     return env
@@ -44,7 +46,9 @@ def reexec_with_token() -> None:
     env = daemon_env()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "orchestrator", *sys.argv[1:]], env)
+    # -P: not from this directory (interpreter.py); the daemon leaves it once it has made
+    # the paths it was given absolute (main.run_foreground).
+    os.execve(sys.executable, python_argv("-m", "orchestrator", *sys.argv[1:]), env)
 
 
 def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: float = 60.0) -> int:
@@ -62,12 +66,15 @@ def start_detached(paths: Paths, extra_args: list[str] | None = None, timeout: f
         os.close(logfd)
         raise
     env = daemon_env()
-    argv = [sys.executable, "-m", "orchestrator", "--state-dir", str(paths.state_dir),
-            "start", "--foreground", "--ready-fd", str(w), *(extra_args or [])]
+    # Started in /, on the standard path only (-P): nothing of the caller's directory, which
+    # may be another user's, is imported or kept (interpreter.py); every path it is given is
+    # absolute by now (Paths, cmd_start's --config).
+    argv = python_argv("-m", "orchestrator", "--state-dir", str(paths.state_dir),
+                       "start", "--foreground", "--ready-fd", str(w), *(extra_args or []))
     try:
         with open(os.devnull, "rb") as devnull:
             proc = subprocess.Popen(argv, stdin=devnull, stdout=logfd, stderr=logfd, env=env,
-                                    pass_fds=(w,), start_new_session=True)
+                                    pass_fds=(w,), start_new_session=True, cwd="/")
     except BaseException:
         os.close(r)
         raise

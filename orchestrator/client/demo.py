@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from ..errors import OrchestratorError
+from ..interpreter import python_argv
 from ..paths import Paths
 from .channel import Client
 from .control import daemon_env, read_until_eof
@@ -46,8 +47,8 @@ class _Daemon:
         paths.logs.mkdir(parents=True, exist_ok=True)
         with open(paths.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator", "--state-dir", str(paths.state_dir), "start",
-                 "--foreground", "--grace", "2", "--ready-fd", str(w)],
+                python_argv("-m", "orchestrator", "--state-dir", str(paths.state_dir), "start",
+                            "--foreground", "--grace", "2", "--ready-fd", str(w)),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(w,), env=env,
                 start_new_session=True,
             )

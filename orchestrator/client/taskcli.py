@@ -20,8 +20,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ..errors import ChannelError, DaemonNotRunning
+from ..errors import ChannelError, DaemonNotRunning, OrchestratorError
 from ..paths import Paths, running_pid
+from ..protocol import parse_task_id
 from .argtypes import natural, positive_seconds, seconds
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
@@ -115,7 +116,16 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
 # -- result -------------------------------------------------------------------------------
 
 
+def _well_formed(task_ids: Sequence[str]) -> None:
+    """What cannot be an id the daemon handed out (``jobs/²``, ``jobs/１``) is refused here,
+    in one line, whether the daemon runs or not."""
+    for task_id in task_ids:
+        if parse_task_id(task_id) is None:
+            raise OrchestratorError(f"unknown task {task_id!r}: a task id is POOL/N")
+
+
 def cmd_result(args: argparse.Namespace, paths: Paths) -> int:
+    _well_formed([args.id])
     timeout = args.timeout if args.wait else None
     if running_pid(paths) is None:
         return _report(args, _stored_outcome(paths, args.id), timeout)
@@ -272,6 +282,7 @@ def _table(rows: Sequence[dict], *, running: bool) -> str:
 
 
 def cmd_cancel(args: argparse.Namespace, paths: Paths) -> int:
+    _well_formed(args.ids)
     with _client(paths) as client:
         done = client.call("task_cancel", {"ids": list(args.ids)})
     if args.json:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from watchdog.identity import start_time
 
+from ..interpreter import python_argv
 from ..protocol import FrameReader, encode_frame, error
 from ..states import exit_reason
 from .osapi import OSApi
@@ -276,8 +277,9 @@ class ManagerBridge:
             opened += (reply_r, reply_w)
             os.set_inheritable(cmd_w, True)
             os.set_inheritable(reply_r, True)
-            argv = [sys.executable, "-m", "orchestrator.manager.server", "--state-dir", str(self.state_dir),
-                    "--parent-pid", str(os.getpid()), "--cmd-fd", str(cmd_w), "--reply-fd", str(reply_r)]
+            # -P: on the standard path only, never from a directory the daemon did not choose
+            argv = python_argv("-m", "orchestrator.manager.server", "--state-dir", str(self.state_dir),
+                               "--parent-pid", str(os.getpid()), "--cmd-fd", str(cmd_w), "--reply-fd", str(reply_r))
             pid = os.posix_spawn(sys.executable, argv, os.environ)
         except OSError:
             for fd in opened:

@@ -1,9 +1,11 @@
 """`orchestrator upgrade`: the daemon re-executes itself in place, as `systemctl daemon-reexec`.
 
-    upgrade (a command) ──► the new code tried in a separate process: ``python -m
+    upgrade (a command) ──► the new code tried in a separate process: ``python -P -m
         │                   orchestrator.daemon.main --check 2`` imports the daemon's
-        │                   modules and says whether it reads hand-over version 2
-        │                   (no: the command's one-line error, nothing touched)
+        │                   modules and every program it starts (manager server,
+        │                   watchdog, spawner, task worker) and says whether it reads
+        │                   hand-over version 2 (no: the command's one-line error,
+        │                   nothing touched)
         ├─► quiesce: new spawns held, wait (bounded) until no ended replica's tree is
         │   still draining (no: refused, the spawns go on)
         ├─► between two turns: probes, timers and notify sockets released, the spawners
@@ -59,6 +61,7 @@ import base64
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -66,6 +69,7 @@ from typing import Any, Callable
 
 from .. import protocol
 from ..errors import OrchestratorError
+from ..interpreter import python_argv
 from ..states import ReplicaState as S
 from ..store import StoreError
 from ..version import __version__
@@ -78,6 +82,7 @@ CHECK_TIMEOUT = 30.0  # the --check process: imports only, normally well under a
 QUIESCE_TIMEOUT = 10.0  # draining trees, before an upgrade is refused
 BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)  # kept pending across the exec
 INTERRUPTED = "interrupted by an upgrade"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')  # a traceback's frame line
 
 
 def b64(data: bytes) -> str:
@@ -117,13 +122,45 @@ def read_document(fd: int) -> dict:
 def check_command(version: int) -> list[str]:
     """The --check process's argv: the interpreter on the code installed now, importing
     every daemon module as the new image would (``-P``: never from the daemon's cwd)."""
-    return [sys.executable, "-P", "-m", "orchestrator.daemon.main", "--check", str(version)]
+    return python_argv("-m", "orchestrator.daemon.main", "--check", str(version))
+
+
+# Every program the daemon starts, by the module its process runs (or, for the task worker,
+# imports once forked), and the third-party modules they load later than at import. The
+# daemon's own modules come first: main.py imports them before --check is even read.
+PROGRAMS = (("the manager server", "orchestrator.manager.server"), ("the watchdog", "watchdog.__main__"),
+            ("the spawner", "orchestrator.spawn.spawner"), ("the task worker", "orchestrator.taskworker"),
+            ("the spawner", "dill"))
+
+
+def _unimportable() -> str | None:
+    """One line naming the first program (or daemon module imported only when needed) that
+    the installed code cannot import, and why; None if each of them imports."""
+    import importlib
+    import pkgutil
+
+    from . import __path__ as daemon_path
+
+    lazy = [("the daemon", f"orchestrator.daemon.{m.name}") for m in pkgutil.iter_modules(daemon_path)]
+    for program, module in (*lazy, *PROGRAMS):
+        try:
+            importlib.import_module(module)
+        except (Exception, SystemExit) as err:  # whatever a broken module raises: its one line
+            why = f"{type(err).__name__}: {err}".replace("\n", " ")
+            return f"{program} cannot start: {module} does not import: {why}"
+    return None
 
 
 def check(version: str) -> int:
     """The --check process's answer, once it has imported what the new image runs (main.py
-    calls this from its ``--check``, so that a module that does not import is found first)."""
-    if not version.isdigit() or int(version) not in SUPPORTED:
+    calls this from its ``--check``, so that a daemon module that does not import is found
+    first; then every other program the daemon starts, ``PROGRAMS``: an install whose
+    manager, watchdog, spawner or task worker cannot start is refused before the exec)."""
+    broken = _unimportable()
+    if broken is not None:
+        print(broken, flush=True)
+        return 1
+    if not (version.isascii() and version.isdigit()) or int(version) not in SUPPORTED:
         print(f"the installed code {__version__} cannot read hand-over version {version} "
               f"(it reads {', '.join(map(str, sorted(SUPPORTED)))})", flush=True)
         return 1
@@ -175,8 +212,12 @@ class Checker:
         last = lines[-1] if lines else "the check exited without a word"
         if last.startswith("ok "):
             self._finish(None, last[3:])
-        else:  # its own reason, or the last line of a traceback: the exception that ended the import
-            self._finish(f"the installed code cannot take over: {last}", "")
+            return
+        # Its own reason, or the last line of a traceback: the exception that ended the
+        # import, and where (the innermost frame: the module that does not import).
+        frame = next((m for ln in reversed(lines) if (m := _FRAME.match(ln))), None)
+        where = f" (at {frame.group(1)}:{frame.group(2)})" if frame is not None and frame.group(1) not in last else ""
+        self._finish(f"the installed code cannot take over: {last}{where}", "")
 
     def _timed_out(self) -> None:
         from .. import signals
@@ -318,8 +359,8 @@ class Upgrade:
         signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
         try:
             fd = write_document(doc)
-            argv = [sys.executable, "-P", "-m", "orchestrator.daemon.main", "--state-dir", str(daemon.paths.state_dir),
-                    "--handover", str(fd)]
+            argv = python_argv("-m", "orchestrator.daemon.main", "--state-dir", str(daemon.paths.state_dir),
+                               "--handover", str(fd))
             log.info("upgrade: exec of %s after %.0f ms of hand-over", self.to_version,
                      (time.monotonic() - started) * 1e3)
             if daemon.log_sink is not None:

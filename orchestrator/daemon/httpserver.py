@@ -35,12 +35,15 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; char
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "h11", "out", "sent", "timer", "outcome")
+    __slots__ = ("sock", "fd", "h11", "fed", "out", "sent", "timer", "outcome")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        # h11's bound holds only while the head is incomplete (a request in pieces); a whole
+        # one in a single read is measured in _read, from what h11 was fed and kept.
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
+        self.fed = 0  # bytes given to h11
         self.out: bytes | None = None  # the response, once there is one
         self.sent = 0
         self.timer: Timer | None = None
@@ -220,6 +223,7 @@ class MetricsServer:
                 self._close(conn, "error")
                 return
             conn.h11.receive_data(data)  # b"" tells it the client closed
+            conn.fed += len(data)
             try:
                 event = conn.h11.next_event()
             except h11.RemoteProtocolError as err:
@@ -232,6 +236,10 @@ class MetricsServer:
                               _TEXT, b"request too large\n" if too_large else b"bad request\n")
                 return
             if isinstance(event, h11.Request):
+                if conn.fed - len(conn.h11.trailing_data[0]) > MAX_REQUEST:  # its head, whole in one read
+                    conn.outcome = "too_large"
+                    self._respond(conn, 431, _TEXT, b"request too large\n")
+                    return
                 self._respond(conn, *self._handle(event), head=event.method == b"HEAD")
                 return
             if not data or isinstance(event, h11.ConnectionClosed):

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .. import signals
 from ..errors import SpawnerLost
+from ..interpreter import bootstrap_argv
 from ..spawn.spawner import SYS_CLONE, recv_frame, send_frame
 from ..spec import LaunchPlan, SpawnerKey
 
@@ -73,7 +74,9 @@ class Spawner:
 
     def _start(self) -> int:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [sys.executable, "-c", "from orchestrator.spawn.spawner import main; main()"]
+        # -P: not from the directory it starts in (an embedding program's, perhaps another
+        # user's): this install's spawner, whatever that directory holds (interpreter.py).
+        argv = bootstrap_argv("orchestrator.spawn.spawner")
         try:
             # posix_spawn: vfork-like, so the launcher's size costs nothing and no thread of
             # an embedding program runs in between; the socket lands on fd 3 (dup2 clears

@@ -39,6 +39,7 @@ from watchdog.identity import scan
 from watchdog.ledger import Entry
 
 from ..errors import InvalidSpec, OrchestratorError, ShutdownRequested
+from ..interpreter import program_env
 from ..logfiles import remove as remove_logs
 from ..paths import TOKEN_ENV, Paths, is_watchdog, running_pid, take_lock
 from ..policy import LIMIT_KEYS, RESULT_MAX_BYTES
@@ -634,6 +635,17 @@ class Daemon:
 
 def run_foreground(paths: Paths, *, ready_fd: int | None = None, **settings: Any) -> int:
     """Run a daemon in this process until it is stopped; ``settings`` are Daemon's."""
+    # The daemon does not keep its caller's directory (another user's, perhaps, and one
+    # nobody could unmount): what it was given relative to it is made absolute first, and
+    # so are PYTHONPATH's entries, which its helpers (started with -P) get (interpreter.py).
+    if settings.get("config_path") is not None:
+        settings["config_path"] = os.path.abspath(settings["config_path"])
+    pythonpath = program_env(os.environ).get("PYTHONPATH")
+    if pythonpath is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = pythonpath
+    os.chdir("/")
     sys.stderr.flush()
     daemon = Daemon(paths, ready_fd=ready_fd, **settings)
     daemon.log_sink = logsink.install(fd=sys.stderr.fileno())

@@ -203,9 +203,7 @@ class Listeners:
         try:
             sock.bind(path)
             if not path.startswith("\0"):
-                os.chmod(path, UNIX_MODE)
-                st = os.stat(path)
-                self._made[addr.text] = (st.st_dev, st.st_ino)
+                self._made[addr.text] = _chmod_bound(path, UNIX_MODE)
             sock.listen(socket.SOMAXCONN)
         except OSError as err:
             sock.close()
@@ -265,6 +263,25 @@ class Listeners:
                 os.unlink(path)
         except OSError:
             pass
+
+
+def _chmod_bound(path: str, mode: int) -> tuple[int, int]:
+    """chmod the socket file bind() just made at ``path``, never what a path swapped in since
+    points to: chmod by path follows a symlink that whoever may write the directory put there
+    (making another file 0666), and Linux has no lchmod, nor an fchmod that reaches the file
+    of a socket. So the name is opened without following it (O_PATH|O_NOFOLLOW), the inode
+    checked to be the one bind() made (a socket, ours, with no other name: a file of another
+    user, a link or one linked in from elsewhere is not it), and that very inode changed
+    through its descriptor. Returns its (dev, ino); OSError (EEXIST) if it is not ours."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise OSError(errno.EEXIST, f"{path} was replaced after it was bound: not changed")
+        os.chmod(f"/proc/self/fd/{fd}", mode)  # the inode the fd holds: no name is looked up again
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
 
 
 def _unprivileged_port_start() -> int:

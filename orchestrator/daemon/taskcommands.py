@@ -170,9 +170,8 @@ class TaskCommands(TaskTable):
         task = self._live.get(task_id) or self._ended.get(task_id)
         if task is not None:
             return task
-        pool, _, n = task_id.rpartition("/")
-        xp = self._pools.get(pool)
-        if xp is not None and n.isdigit() and 0 < int(n) < xp.next_n:
+        parsed = protocol.parse_task_id(task_id)  # never a Unicode digit read as a number
+        if parsed is not None and (xp := self._pools.get(parsed[0])) is not None and parsed[1] < xp.next_n:
             return None
         if self._stored(task_id) is not None:
             return None

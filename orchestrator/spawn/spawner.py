@@ -1,8 +1,8 @@
 """The spawner process: a small process, started by exec, that forks the replicas (a zygote).
 
-Started by the launcher (launcher.py, the daemon's side of it) as ``python -c "from
-orchestrator.spawn.spawner import main; main()"`` (``python -m orchestrator.spawn.spawner`` runs the
-same), with its socket on fd 3; titled ``orchestrator: spawner``. Of
+Started by the launcher (launcher.py, the daemon's side of it) as ``python -P -c "from
+orchestrator.spawn.spawner import main; main()"`` (``-P``: never from the directory it starts
+in; interpreter.py), with its socket on fd 3; titled ``orchestrator: spawner``. Of
 ``orchestrator`` it loads only the frames below, the forked child's set-up (childsetup.py,
 with what that needs: spec, targets, worker; and watchdog.cgroup for its join) and what a
 preload asks for; no part of the daemon's loop.
@@ -205,8 +205,16 @@ def main() -> None:
         import dill  # noqa: F401  (every worker of a pickled callable needs it: loaded once here)
 
         if preload:
+            import importlib
+
             from ..targets import load_preload
 
+            # A program of ours (an executor pool's orchestrator.taskworker) is imported
+            # before the pool's PYTHONPATH and cwd go first on the path: what it imports is
+            # the standard library's and ours, not a same-named module in the pool's cwd.
+            for name in preload:
+                if name.partition(".")[0] == "orchestrator":
+                    importlib.import_module(name)
             load_preload(preload, tuple(hello["pythonpath"]), hello["cwd"])
             collapse_to_huge_pages()
     except BaseException as err:  # a user's import: whatever it raises is its error
