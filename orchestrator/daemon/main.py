@@ -423,7 +423,13 @@ class Daemon:
             **(self.containment.describe() if self.containment is not None else {}),
             "logs": self.log_capture.totals() if self.log_capture is not None else None,
             "config": self.config_path,
+            "journal": self._journal_state(),
         }}
+
+    def _journal_state(self) -> dict:
+        """{"ok": true}, or the journal's fault: why, since when, how many changes wait."""
+        fault = self.engine.journal.fault_info() if self.engine is not None else None
+        return {"ok": True} if fault is None else {"ok": False, **fault}
 
     # -- signals and orphans ----------------------------------------------------------
 
@@ -562,6 +568,7 @@ class Daemon:
         return {"started_at": self.started_at, "daemon_alive": True,
                 "watchdog_alive": self.watchdog is not None and self.watchdog.pid is not None,
                 "manager_alive": self.manager is not None and self.manager.pid is not None,
+                "journal": self._journal_state(),
                 "version": __version__}
 
     def _healthz(self) -> tuple[bool, dict]:
