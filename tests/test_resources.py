@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
+import psutil
 import pytest
 
 import resourcefns
 from fakes import Harness
-from helpers import ROOT, TESTS, DaemonUnderTest, cli, no_leftovers, wait_for
+from helpers import ROOT, TESTS, DaemonUnderTest, cli, cli_env, no_leftovers, one_line_error, wait_for
 from orchestrator import Executor
 from orchestrator.store import Store
+from test_channel_limits import PidsCgroup, pids_cgroup  # noqa: F401  # the fixture
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -137,3 +142,138 @@ def test_a_full_disk_fails_no_work_that_ran_and_the_journal_catches_up(
         finally:
             store.close()
     assert sorted(int(line) for line in runs.read_text().split()) == list(range(-1, 40))  # and none ran again
+
+
+# -- the fd limit -----------------------------------------------------------------------------
+
+
+def _start(daemon: DaemonUnderTest, preexec: Callable[[], None]) -> int:
+    """``orchestrator start`` as DaemonUnderTest.start does, with ``preexec`` run in the CLI's
+    process first (its limits and cgroup are the daemon's)."""
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "start",
+                           "--grace", "1"], capture_output=True, text=True, timeout=60, env=cli_env(),
+                          stdin=subprocess.DEVNULL, preexec_fn=preexec)
+    assert done.returncode == 0, done.stderr
+    daemon.pid = int(done.stdout.strip())
+    daemon.snapshot()
+    return daemon.pid
+
+
+def _launch(daemon: DaemonUnderTest, *args: str, command: tuple[str, ...] = ("sleep", "1000")
+            ) -> subprocess.CompletedProcess:
+    return cli(daemon.state_dir, "launch", "--pool", "web", *args, "--", *command)
+
+
+def _fill_with_replicas(daemon: DaemonUnderTest, what: str, **kw: Any) -> int:
+    """Launch one replica at a time until the launch is refused (one line, naming ``what``)."""
+    for launched in range(64):
+        done = _launch(daemon, **kw)
+        if done.returncode != 0:
+            line = one_line_error(done)
+            assert what in line and "room for 0 more" in line, line
+            return launched
+    raise AssertionError("never refused")
+
+
+def _manager_comes_back(daemon: DaemonUnderTest) -> int:
+    old = daemon.status()["daemon"]["manager_pid"]
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: cli(daemon.state_dir, "health").returncode == 0
+             and daemon.status()["daemon"]["manager_pid"] != old, 60, "a new manager")
+    return int(daemon.status()["daemon"]["manager_pid"])
+
+
+def test_at_a_low_fd_limit_launches_leave_the_reserve_and_a_killed_manager_comes_back(tmp_path: Path) -> None:
+    with no_leftovers(DaemonUnderTest(tmp_path / "state")) as daemon:
+        pid = _start(daemon, lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, 64)))
+        proc = psutil.Process(pid)
+        assert proc.rlimit(psutil.RLIMIT_NOFILE) == (64, 64)  # the soft limit raised to the hard one
+        line = one_line_error(_launch(daemon, "--count", "1000"))
+        assert line.startswith("orchestrator: refused: 1000 more replica(s) need") and "file descriptors" in line, line
+        assert daemon.status()["pools"] == []  # refused before anything changed
+        launched = _fill_with_replicas(daemon, "file descriptors")
+        assert launched >= 1
+        wait_for(lambda: [r["state"] for r in daemon.status()["replicas"]] == ["RUNNING"] * launched, 30,
+                 "every replica running")
+        _manager_comes_back(daemon)
+        # Whatever fills the table (here: a limit lowered to the first free fd), the control
+        # plane restarts its manager on the fds it keeps.
+        taken = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        proc.rlimit(psutil.RLIMIT_NOFILE, (min(set(range(len(taken) + 1)) - taken), 64))
+        try:
+            manager = _manager_comes_back(daemon)
+            assert cli(daemon.state_dir, "status").returncode == 0
+        finally:
+            proc.rlimit(psutil.RLIMIT_NOFILE, (64, 64))
+        limits = daemon.status()["daemon"]["limits"]
+        assert limits["nofile"] == 64 and limits["fd_reserve"] == 8, limits
+        wait_for(lambda: daemon.status()["daemon"]["limits"]["fd_reserve_held"] == 8, 30, f"the reserve taken back: {daemon.status()['daemon']['limits']} {sorted(os.readlink(f'/proc/{pid}/fd/{x}') for x in os.listdir(f'/proc/{pid}/fd'))}")
+        status = daemon.status()
+        assert status["daemon"]["pid"] == pid and status["daemon"]["manager_pid"] == manager
+        assert [r["state"] for r in status["replicas"]] == ["RUNNING"] * launched  # none lost for want of an fd
+        assert status["pools"][0]["restarts"] == 0
+
+
+# -- a pids limit -----------------------------------------------------------------------------
+
+
+_FORKER = """
+import os, time
+for _ in range(100):
+    try:
+        if os.fork() == 0:
+            time.sleep(1000)
+            os._exit(0)
+    except OSError:
+        break
+time.sleep(1000)
+"""
+
+
+def test_under_a_pids_limit_filled_by_replicas_the_channel_answers_and_the_manager_comes_back(
+        tmp_path: Path, pids_cgroup: PidsCgroup) -> None:
+    with no_leftovers(DaemonUnderTest(tmp_path / "state")) as daemon:
+        procs_file = str(pids_cgroup.path / "cgroup.procs")
+
+        def into_the_cgroup() -> None:
+            with open(procs_file, "w") as f:
+                f.write(str(os.getpid()))
+
+        pid = _start(daemon, into_the_cgroup)
+        pids_cgroup.limit(pids_cgroup.current() + 40)  # the daemon's TasksMax=, 40 more than it needs
+        line = one_line_error(_launch(daemon, "--count", "100"))
+        assert "processes" in line and "pids.max" in line and str(pids_cgroup.path) in line, line
+        assert daemon.status()["pools"] == []
+        # Each replica forks until it cannot (at most 100): what a launch cannot know fills
+        # the limit to the last pid.
+        forks = (sys.executable, "-c", _FORKER)
+        assert _launch(daemon, "--count", "3", command=forks).returncode == 0  # 3 fit; their forks do not
+        wait_for(lambda: pids_cgroup.current() >= pids_cgroup.read_limit(), 30, "the pids limit filled")
+        for _ in range(3):  # the command channel answers on the threads it started ahead
+            assert cli(daemon.state_dir, "status").returncode == 0
+            line = one_line_error(_launch(daemon, command=forks))
+            assert "processes" in line and "room for 0 more" in line, line
+        assert cli(daemon.state_dir, "health").returncode == 0
+        _manager_comes_back(daemon)  # it had its pids: the next one gets them
+        assert cli(daemon.state_dir, "status").returncode == 0
+        status = daemon.status()
+        assert status["daemon"]["pid"] == pid
+        assert [r["state"] for r in status["replicas"]] == ["RUNNING"] * 3
+
+
+def test_replicas_keep_the_fd_limit_the_daemon_was_started_with_across_an_upgrade(tmp_path: Path) -> None:
+    with no_leftovers(DaemonUnderTest(tmp_path / "state")) as daemon:
+        pid = _start(daemon, lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, 4096)))
+
+        def limits_of_new_replica() -> tuple[int, int]:
+            assert _launch(daemon, "--wait").returncode == 0
+            newest = max(daemon.status()["replicas"], key=lambda r: r["created_at"])
+            return psutil.Process(newest["pid"]).rlimit(psutil.RLIMIT_NOFILE)
+
+        assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE) == (4096, 4096)
+        assert limits_of_new_replica() == (512, 4096)
+        upgraded = cli(daemon.state_dir, "upgrade")
+        assert upgraded.returncode == 0, upgraded.stderr
+        assert daemon.status()["daemon"]["pid"] == pid
+        assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE) == (4096, 4096)
+        assert limits_of_new_replica() == (512, 4096)  # not the daemon's raised one

@@ -138,6 +138,9 @@ class Engine:
         # command was applied all the same. Read-only commands never depend on the disk.
         self._outbox: list[tuple[Reply, dict, bool]] = []
         self.extra_status: Callable[[], dict] | None = None
+        # limits.Limits, set by the daemon: launches that would take the fds and pids its
+        # control plane keeps are refused (room_for). None: no such check (embedded, tests).
+        self.limits: Any = None
         # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
         self.extra_commands: dict[str, Callable[[dict], Any]] = {}
         self._commands: dict[str, Handler] = {
@@ -339,6 +342,17 @@ class Engine:
     def changed(self) -> None:
         """Something changed this turn: waiters and rollouts are looked at when it ends."""
         self._dirty = True
+
+    def room_for(self, more: int) -> None:
+        """Refuse (one line, before anything changes) ``more`` new replicas that would take
+        what the daemon keeps for its control plane at its fd or pids limit (limits.py).
+        Those not started yet (PENDING, or a place a restart fills later) count too."""
+        if self.limits is None or more <= 0:
+            return
+        desired = sum(p.desired for p in self._pools.values() if not p.deleted)
+        why = self.limits.refusal(more, replicas=len(self._procs), waiting=max(0, desired - len(self._procs)))
+        if why is not None:
+            raise OrchestratorError(why)
 
     # -- commands -------------------------------------------------------------------
 
