@@ -95,6 +95,18 @@ def _fill(where: Path) -> Path:
     return ballast
 
 
+def _journal_consistent(state_dir: Path) -> None:
+    """state.db passes the full integrity check and holds every replica the daemon shows."""
+    shown = {r["id"] for r in DaemonUnderTest(state_dir).status(all=True)["replicas"]}
+    store = Store(state_dir / "state.db", readonly=True)
+    try:
+        assert store.integrity_ok()
+        wait_for(lambda: shown <= {r["id"] for r in store.replicas(include_terminal=True)}, 10,
+                 "every replica in the journal")
+    finally:
+        store.close()
+
+
 def _health(state_dir: Path) -> tuple[int, dict]:
     done = cli(state_dir, "health", "--json")
     return done.returncode, json.loads(done.stdout)
@@ -141,6 +153,7 @@ def test_a_full_disk_fails_no_work_that_ran_and_the_journal_catches_up(
             assert frames[0]["fault"].startswith("disk full") and frames[-1]["saved_again"] is True, frames
         finally:
             store.close()
+        _journal_consistent(small_disk)
     assert sorted(int(line) for line in runs.read_text().split()) == list(range(-1, 40))  # and none ran again
 
 
@@ -212,6 +225,7 @@ def test_at_a_low_fd_limit_launches_leave_the_reserve_and_a_killed_manager_comes
         assert status["daemon"]["pid"] == pid and status["daemon"]["manager_pid"] == manager
         assert [r["state"] for r in status["replicas"]] == ["RUNNING"] * launched  # none lost for want of an fd
         assert status["pools"][0]["restarts"] == 0
+        _journal_consistent(daemon.state_dir)
 
 
 # -- a pids limit -----------------------------------------------------------------------------
@@ -259,6 +273,7 @@ def test_under_a_pids_limit_filled_by_replicas_the_channel_answers_and_the_manag
         status = daemon.status()
         assert status["daemon"]["pid"] == pid
         assert [r["state"] for r in status["replicas"]] == ["RUNNING"] * 3
+        _journal_consistent(daemon.state_dir)
 
 
 def test_replicas_keep_the_fd_limit_the_daemon_was_started_with_across_an_upgrade(tmp_path: Path) -> None:
@@ -277,3 +292,4 @@ def test_replicas_keep_the_fd_limit_the_daemon_was_started_with_across_an_upgrad
         assert daemon.status()["daemon"]["pid"] == pid
         assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE) == (4096, 4096)
         assert limits_of_new_replica() == (512, 4096)  # not the daemon's raised one
+        _journal_consistent(daemon.state_dir)
