@@ -703,7 +703,9 @@ class Engine:
         return False
 
     def _commit_retry_due(self) -> None:
+        """The retry's wake-up: the settle of this turn commits (``_retry_commit_at`` is past)."""
         self._retry_timer = None
+
 
 def _exit_kind(rep: Replica) -> str:
     """How a replica ended, for the metrics (a small closed set, never free text)."""
