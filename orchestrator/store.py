@@ -14,8 +14,12 @@ Who writes, who reads
   ``save_pool`` / ``save_replica`` / ``append_event``; these only buffer in memory (cheap, no
   I/O). At the end of the turn it calls ``commit()`` once: one SQLite transaction for the whole
   turn. Replies to commands are sent only after ``commit()`` returned, so an acknowledged
-  command is durable. A failed ``commit()`` raises ``StoreError`` and keeps the buffer, so the
-  next ``commit()`` retries it (the loop must not acknowledge in between).
+  command is durable while the disk works. A failed ``commit()`` raises ``StoreError`` and
+  keeps the buffer, so the next ``commit()`` retries it: everything buffered goes in with the
+  first one that succeeds, in one transaction. (The daemon's loop answers meanwhile, its
+  replies marked ``unsaved``: a command that was applied is not reported failed, see
+  daemon/journal.py. Of the events buffered through a failure only the newest
+  ``keep_events`` are kept, with one ``journal`` event counting the others.)
 * Any number of readers (the CLI with the daemon down, ``events --follow``) open
   ``Store(path, readonly=True)``: a separate ``mode=ro`` connection that never writes, never
   prunes, never moves a file aside. WAL lets them read while the daemon writes.
@@ -156,6 +160,12 @@ class Store:
         self._bump: dict[str, int] = {}          # pool -> next_n implied by replicas saved
         self._events: list[tuple] = []
         self._tasks: dict[str, tuple] = {}
+        # While commits fail (a full disk), the buffer is what the journal will catch up
+        # with. Rows are one per id (bounded by what exists); events are not, so the oldest
+        # of them beyond keep_events (which retention would delete at once anyway) are let
+        # go, and counted here for the "journal" event that says so.
+        self._failing = False
+        self._dropped_events = 0
         self._since_prune = 0
         self._retired_since_prune = 0
         self._last_prune = time.monotonic()
@@ -382,6 +392,10 @@ class Store:
             self._writer()
         self._events.append((time.time() if ts is None else ts, kind, replica,
                              None if data is None else dumps(data)))
+        if self._failing and len(self._events) > 2 * self.keep_events + 1000:
+            drop = len(self._events) - self.keep_events
+            del self._events[:drop]  # in bulk: amortised O(1) an event
+            self._dropped_events += drop
 
     def save_task(self, rec: dict) -> None:
         """Upsert a task record (buffered; the last save of an id in a turn wins): the keys
@@ -437,6 +451,10 @@ class Store:
                     conn.executemany(SQL_BUMP, self._bump.items())
                 if self._replicas:
                     conn.executemany(SQL_REPLICA, self._replicas.values())
+                if self._dropped_events:  # first: it stands for events older than those kept
+                    conn.execute(SQL_EVENT, (self._events[0][0] if self._events else time.time(), "journal", None,
+                                             dumps({"dropped_events": self._dropped_events, "reason":
+                                                    "beyond keep_events while the state could not be saved"})))
                 if self._events:
                     conn.executemany(SQL_EVENT, self._events)
                 if self._tasks:
@@ -446,7 +464,10 @@ class Store:
                 self._rollback(conn)
                 raise
         except sqlite3.Error as e:
+            self._failing = True
             raise self._sql_error(e, "writing") from e
+        self._failing = False
+        self._dropped_events = 0
         written = len(self._pools) + len(self._replicas) + len(self._events) + len(self._tasks)
         self._retired_since_prune += sum(1 for row in self._replicas.values() if row[10] is not None)
         self._retired_since_prune += sum(1 for row in self._tasks.values() if row[-1] is not None)

@@ -172,6 +172,9 @@ class Journal:
         self.pending = 0  # rows buffered since the last commit
         self.committed_ids: set[str] = set()  # replica ids made durable
         self._buffered_ids: set[str] = set()
+        self.failing: str | None = None  # set: every commit fails with this (a full disk)
+        self.events: list[tuple[str, dict]] = []  # committed events other than transitions
+        self._buffered_events: list[tuple[str, dict]] = []
 
     def save_replica(self, record: dict) -> None:
         self.pending += 1
@@ -185,11 +188,19 @@ class Journal:
             self.transitions.append((replica, data["from"], data["to"]))
         else:
             self.commands.append(data)
+            self.pending += 1
+            self._buffered_events.append((kind, data))
 
     def replicas(self, include_terminal: bool = False) -> list[dict]:
         return []
 
     def commit(self) -> None:
+        if self.failing is not None:
+            from orchestrator.store import StoreError
+
+            raise StoreError(self.failing)
+        self.events += self._buffered_events
+        self._buffered_events.clear()
         self.pending = 0
         self.committed_ids |= self._buffered_ids
         self._buffered_ids.clear()

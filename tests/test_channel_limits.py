@@ -1,7 +1,8 @@
 """The command channel under real resource limits and hostile traffic, through the CLI:
 
-* a process limit (a pids cgroup's ``pids.max``, what systemd's ``TasksMax=`` sets) that
-  leaves the manager server no thread for a connection;
+* a process limit (a pids cgroup's ``pids.max``, what systemd's ``TasksMax=`` sets): the
+  manager server serves on the threads it started ahead, and refuses with the reason a
+  connection for which none is free;
 * an fd limit (RLIMIT_NOFILE, set on the running process as ``prlimit`` does) on the manager
   server, and on the daemon when the manager has to be restarted;
 * a command over the frame limit;
@@ -96,6 +97,10 @@ class PidsCgroup:
     def limit(self, value: int | str) -> None:
         (self.path / "pids.max").write_text(str(value))
 
+    def read_limit(self) -> int:
+        text = (self.path / "pids.max").read_text().strip()
+        return 1 << 62 if text == "max" else int(text)
+
     def destroy(self) -> None:
         self.limit("max")
         for line in (self.path / "cgroup.procs").read_text().split():
@@ -134,21 +139,44 @@ def pids_cgroup() -> Iterator[PidsCgroup]:
 # -- 6. resource exhaustion of the command channel -------------------------------------------
 
 
-def test_a_manager_at_its_thread_limit_refuses_with_a_reason_and_serves_again(
+def test_a_manager_at_its_thread_limit_serves_on_the_threads_it_has_and_refuses_beyond_them(
         daemon: DaemonUnderTest, pids_cgroup: PidsCgroup) -> None:
+    from orchestrator.client.channel import open_connection, read_authkey, socket_address
+    from orchestrator.paths import Paths
+
     pid = daemon.start()
     manager = daemon.status()["daemon"]["manager_pid"]
     pids_cgroup.move(manager)
     pids_cgroup.limit(pids_cgroup.current())  # not one thread more: TasksMax reached
-    for _ in range(3):  # one refused connection does not cost the next one its answer
-        line = one_line_error(_launch(daemon))
-        assert "thread" in line, line
-    assert "cannot start a thread" in _daemon_log(daemon)
+    for _ in range(3):  # its connection threads were started ahead, and are reused
+        assert _launch(daemon).returncode == 0
+    address, _ = socket_address(daemon.state_dir)
+    key = read_authkey(Paths(daemon.state_dir))
+    held, refusal = [], ""
+    try:
+        for _ in range(64):  # connections that keep their thread, until none is left
+            conn = open_connection(address, key, 10.0)
+            try:
+                conn.dispatch(None, "accept_connection", ("held",))
+            except OSError as err:
+                conn.close()
+                refusal = str(err)
+                break
+            held.append(conn)
+        assert held and "thread" in refusal, (len(held), refusal)
+        for _ in range(2):  # one refused connection does not cost the next one its answer
+            line = one_line_error(_launch(daemon))
+            assert "thread" in line, line
+        assert "cannot start a thread" in _daemon_log(daemon)
+    finally:
+        for conn in held:
+            conn.close()
+    wait_for(lambda: _launch(daemon).returncode == 0, 30, "a thread to be free again")  # still at the limit
     pids_cgroup.limit("max")
     assert _launch(daemon).returncode == 0  # the same manager, serving again
     status = daemon.status()
     assert status["daemon"]["pid"] == pid and status["daemon"]["manager_pid"] == manager
-    assert [r["id"] for r in status["replicas"]] == ["web-1"]
+    assert [r["id"] for r in status["replicas"]] == [f"web-{n}" for n in range(1, 6)]
 
 
 def test_a_manager_at_its_fd_limit_refuses_with_a_reason_and_serves_again(daemon: DaemonUnderTest) -> None:
@@ -182,8 +210,9 @@ def test_a_manager_that_cannot_be_restarted_at_the_fd_limit_comes_back_and_leaks
     before = proc.num_fds()
     soft, hard = proc.rlimit(psutil.RLIMIT_NOFILE)
     try:
-        # Its death frees fewer fds than a restart needs at once.
-        proc.rlimit(psutil.RLIMIT_NOFILE, (before, hard))
+        # Not one fd, not even those the daemon keeps for its control plane (the lowest
+        # numbers after stdio: a limit at its count would leave them, tests/test_resources.py).
+        proc.rlimit(psutil.RLIMIT_NOFILE, (3, hard))
         os.kill(manager, signal.SIGKILL)
         wait_for(lambda: _daemon_log(daemon).count("cannot start the manager server (Too many open files)") >= 2,
                  60, "two failed restarts")

@@ -107,7 +107,7 @@ def test_render_gauges_from_status():
         (("pool", "web"),): 3, (("pool", "jobs"),): 2, (("pool", "batch"),): 0}
 
     assert samples(fams["orchestrator_up"]) == {
-        (("part", "daemon"),): 1, (("part", "watchdog"),): 1, (("part", "manager"),): 0}
+        (("part", "daemon"),): 1, (("part", "watchdog"),): 1, (("part", "manager"),): 0, (("part", "journal"),): 1}
     assert samples(fams["orchestrator_daemon_start_time_seconds"]) == {(): 5000.0}
     assert samples(fams["orchestrator_daemon_uptime_seconds"]) == {(): 42.5}
     assert samples(fams["orchestrator_build_info"]) == {(("version", "0.1.0"),): 1}
@@ -149,7 +149,7 @@ def test_render_counters():
     assert fams["orchestrator_log_bytes"].type == "gauge"
     # daemon dict empty: the daemon answered (up), watchdog and manager unknown (down)
     assert samples(fams["orchestrator_up"]) == {
-        (("part", "daemon"),): 1, (("part", "watchdog"),): 0, (("part", "manager"),): 0}
+        (("part", "daemon"),): 1, (("part", "watchdog"),): 0, (("part", "manager"),): 0, (("part", "journal"),): 1}
     assert "orchestrator_daemon_uptime_seconds" not in fams
 
     m.forget_pool("web")
@@ -337,7 +337,8 @@ ALIVE = {"daemon_alive": True, "watchdog_alive": True, "manager_alive": True}
 def test_health_when_all_is_well():
     ok, info = health(ALIVE, 0.003)
     assert ok is True
-    assert info == {"healthy": True, "parts": {"daemon": True, "watchdog": True, "manager": True, "loop": True},
+    assert info == {"healthy": True, "parts": {"daemon": True, "watchdog": True, "manager": True, "journal": True,
+                                               "loop": True},
                     "failed": [], "lag": 0.003, "lag_limit": 1.0}
     json.dumps(info)  # what `health --json` prints
     line = format_health(ok, info)
@@ -352,6 +353,20 @@ def test_health_a_part_down(part):
     assert info["parts"][part] is False
     line = format_health(ok, info)
     assert line.startswith("unhealthy") and f"{part} down" in line and "\n" not in line
+
+
+def test_health_a_journal_fault_is_unhealthy_and_says_why():
+    fault = {"ok": False, "fault": "disk full writing /s/state.db", "since": 1_700_000_000.0, "unsaved": 40}
+    ok, info = health({**ALIVE, "journal": fault}, 0.01)
+    assert ok is False and info["failed"] == ["journal"] and info["parts"]["journal"] is False
+    assert info["journal"] == fault
+    json.dumps(info)
+    line = format_health(ok, info)
+    assert line.startswith("unhealthy: state not saved since ") and "(disk full writing /s/state.db)" in line, line
+    assert "40 changes wait" in line and "\n" not in line
+    assert health({**ALIVE, "journal": {"ok": True}}, 0.01)[0] is True
+    fams = families(Metrics(clock=FakeClock()).render(STATUS, {**ALIVE, "journal": fault}))
+    assert samples(fams["orchestrator_up"])[(("part", "journal"),)] == 0
 
 
 def test_health_lag():

@@ -517,6 +517,31 @@ def test_full_database_is_a_clear_error_and_the_batch_is_retried(tmp_path: Path)
         assert len(s.replicas()) == 2000 and [e["kind"] for e in s.events()] == ["before"]
 
 
+def test_events_buffered_through_a_long_failure_are_bounded_and_counted(tmp_path: Path) -> None:
+    """Rows are one per id; events are not: while commits fail, only the newest keep_events
+    are kept for the catch-up, and one ``journal`` event counts the others."""
+    with Store(tmp_path / "state.db", keep_events=100) as s:
+        conn = s._conn
+        assert conn is not None
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")
+        s.save_replica(rec("web", 1, reason="x" * 5000))
+        for n in range(3000):
+            s.append_event("tick", data={"n": n, "pad": "x" * 100})
+            if n % 500 == 0:
+                with pytest.raises(StoreError, match="disk full"):
+                    s.commit()
+        assert s.pending <= 1 + 2 * 100 + 1000 + 1       # bounded, not 3000 events
+        conn.execute("PRAGMA max_page_count = 1073741823")
+        s.commit()
+        events = s.events()
+        assert events[0]["kind"] == "journal" and events[0]["data"]["dropped_events"] > 0, events[0]
+        ticks = [e["data"]["n"] for e in events if e["kind"] == "tick"]
+        assert ticks == list(range(3000 - len(ticks), 3000))  # the newest, in order, none twice
+        assert events[0]["data"]["dropped_events"] + len(ticks) == 3000
+        assert [r["id"] for r in s.replicas()] == ["web-1"]    # rows are never let go
+
+
 _FULL_SCRIPT = """
 import os, sys
 from orchestrator.store import Store, StoreError

@@ -22,7 +22,9 @@ def format_health(ok: bool, info: Mapping[str, Any]) -> str:
     failed = list(info.get("failed") or ())
     words = []
     for part in failed:
-        if part == "loop":
+        if part == "journal":
+            words.append(journal_line(info.get("journal") or {}))
+        elif part == "loop":
             limit = info.get("lag_limit")
             words.append(f"control loop slow ({lag_text}, limit {limit:g} s)" if isinstance(limit, (int, float))
                          else f"control loop slow ({lag_text})")
@@ -31,6 +33,18 @@ def format_health(ok: bool, info: Mapping[str, Any]) -> str:
     if "loop" not in failed:
         words.append(lag_text)
     return "unhealthy: " + "; ".join(words or ["unknown"])
+
+
+def journal_line(journal: Mapping[str, Any]) -> str:
+    """``state not saved since 12:00:01 (disk full writing ...); 40 changes wait``: the
+    journal's fault, as health and status say it."""
+    since = journal.get("since")
+    when = f" since {clock(since)}" if isinstance(since, (int, float)) else ""
+    text = f"state not saved{when} ({journal.get('fault') or 'unknown fault'})"
+    unsaved = journal.get("unsaved")
+    if isinstance(unsaved, int) and unsaved:
+        text += f"; {unsaved} changes wait to be written, the daemon retries every second"
+    return text
 
 
 def open_store_readonly(paths: Paths) -> Any:
@@ -77,6 +91,9 @@ def format_status(data: dict, *, samples: dict | None = None, health: str | None
     else:
         head = "daemon: not running; replicas below are as last known, not live"
     out = [f"{head}  state dir: {data['state_dir']}"]
+    journal = d.get("journal")
+    if isinstance(journal, Mapping) and journal.get("ok") is False:
+        out.append("journal: " + journal_line(journal))
     if (d.get("logs") or {}).get("dropped"):
         out.append(f"logs: {d['logs']['dropped']} bytes of replica output dropped (disk full or too fast)")
     if health:

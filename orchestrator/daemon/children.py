@@ -4,7 +4,7 @@ Each is a ``SystemChild``: started by a function that returns its pid, watched t
 pidfd in the reactor, reaped by us, restarted after a ``Backoff`` when it dies on its own
 (one that crash-loops or cannot be started at all, EAGAIN under a process limit, is retried
 ever more slowly and said so in the log, never in a tight loop and never by ending the
-loop), and stopped with one ladder: ask it to exit, wait, SIGKILL, wait, every wait bounded.
+loop; a start runs on the fds the daemon keeps for its control plane, limits.py), and stopped with one ladder: ask it to exit, wait, SIGKILL, wait, every wait bounded.
 
 The manager's bridge lives here too: the two pipes between the daemon and the manager
 server (see channel.py for the picture), as a reader of command frames and a buffered
@@ -13,6 +13,7 @@ writer of replies in the reactor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -66,6 +67,7 @@ class SystemChild:
         on_exit: Callable[[int, int | None], None] | None = None,
         backoff: Backoff | None = None,
         on_down: Callable[[str], None] | None = None,
+        reserve: Any = None,
     ) -> None:
         self.name = name
         self.reactor = reactor
@@ -74,6 +76,9 @@ class SystemChild:
         self._on_exit = on_exit
         self._on_down = on_down  # told why it is not running, each time it stops or cannot start
         self.backoff = backoff or Backoff()
+        # limits.FdReserve: a start runs on the fds kept for the control plane, so that it
+        # works when replicas (or anything else) have filled the fd table.
+        self._reserve = reserve
         self.pid: int | None = None
         self._pidfd: int | None = None
         self._started = 0.0
@@ -84,23 +89,24 @@ class SystemChild:
         if self.stopping or self.pid is not None:
             return self.pid is not None
         self._started = self.reactor.monotonic()
-        try:
-            pid = self._spawn()
-        except OSError as err:  # EAGAIN at a process limit, EMFILE at the fd limit: retried
-            delay = self.backoff.failed_to_start()
-            log.error("cannot start the %s (%s); retrying in %.1f s", self.name, err.strerror or err, delay)
-            self._down(f"cannot start the {self.name}: {err.strerror or err}")
-            self.reactor.call_later(delay, self.start)
-            return False
-        self.pid = pid
-        try:
-            self._pidfd = self.os.pidfd(pid)
-        except OSError as err:  # EMFILE: it cannot be watched, so it must not run unwatched
-            log.error("cannot watch the %s (%s): ending it", self.name, err.strerror or err)
-            self._down(f"cannot watch the {self.name}: {err.strerror or err}")
-            self.os.kill_child(pid, signal.SIGKILL)
-            self._reaped(quiet=True)
-            return False
+        with self._reserve.spent() if self._reserve is not None else contextlib.nullcontext():
+            try:
+                pid = self._spawn()
+            except OSError as err:  # EAGAIN at a process limit, EMFILE at the fd limit: retried
+                delay = self.backoff.failed_to_start()
+                log.error("cannot start the %s (%s); retrying in %.1f s", self.name, err.strerror or err, delay)
+                self._down(f"cannot start the {self.name}: {err.strerror or err}")
+                self.reactor.call_later(delay, self.start)
+                return False
+            self.pid = pid
+            try:
+                self._pidfd = self.os.pidfd(pid)
+            except OSError as err:  # EMFILE: it cannot be watched, so it must not run unwatched
+                log.error("cannot watch the %s (%s): ending it", self.name, err.strerror or err)
+                self._down(f"cannot watch the {self.name}: {err.strerror or err}")
+                self.os.kill_child(pid, signal.SIGKILL)
+                self._reaped(quiet=True)
+                return False
         self.reactor.add_reader(self._pidfd, self.exited)
         return True
 
@@ -159,9 +165,9 @@ class WatchdogChild(SystemChild):
     """The watchdog: a restarted one gets the whole ledger replayed (WatchdogLink keeps
     it) into its new pipe, which the reactor then flushes."""
 
-    def __init__(self, link: Any, reactor: Reactor, os_api: OSApi) -> None:
+    def __init__(self, link: Any, reactor: Reactor, os_api: OSApi, reserve: Any = None) -> None:
         self.link = link
-        super().__init__("watchdog", reactor, os_api, self._spawn_link)
+        super().__init__("watchdog", reactor, os_api, self._spawn_link, reserve=reserve)
 
     def _spawn_link(self) -> int:
         self.reactor.remove_writer(self.link)  # a new watchdog comes with a new pipe
@@ -204,7 +210,7 @@ class ManagerBridge:
 
     def __init__(self, state_dir: Path, reactor: Reactor, os_api: OSApi,
                  handle: Callable[[dict, Callable[[dict], None]], None], watchdog: Any = None,
-                 journal: Any = None) -> None:
+                 journal: Any = None, reserve: Any = None) -> None:
         self.state_dir = state_dir
         self.reactor = reactor
         self._handle = handle
@@ -216,7 +222,7 @@ class ManagerBridge:
         self._reply: BufferedWriter | None = None
         self._frames = FrameReader()
         self.child = SystemChild("manager server", reactor, os_api, self._spawn, self._exited,
-                                 backoff=Backoff(cap=self.BACKOFF_CAP), on_down=self._down)
+                                 backoff=Backoff(cap=self.BACKOFF_CAP), on_down=self._down, reserve=reserve)
 
     @property
     def pid(self) -> int | None:

@@ -54,6 +54,7 @@ log = logging.getLogger("orchestrator")
 Reply = Callable[[dict], None]
 Handler = Callable[[dict, Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
+COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
 SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
 
 
@@ -133,9 +134,13 @@ class Engine:
         self._draining: dict[str, Proc] = {}  # replica id -> reaped, its cgroup not empty yet
         self._waiters = Waiters(self._replicas)
         # (reply, message, durable): a durable reply says "applied"; if this turn's commit
-        # fails it says "not saved" instead. Read-only commands never depend on the disk.
+        # fails it says so still, with the journal's fault beside it ("unsaved"): the
+        # command was applied all the same. Read-only commands never depend on the disk.
         self._outbox: list[tuple[Reply, dict, bool]] = []
         self.extra_status: Callable[[], dict] | None = None
+        # limits.Limits, set by the daemon: launches that would take the fds and pids its
+        # control plane keeps are refused (room_for). None: no such check (embedded, tests).
+        self.limits: Any = None
         # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
         self.extra_commands: dict[str, Callable[[dict], Any]] = {}
         self._commands: dict[str, Handler] = {
@@ -144,6 +149,8 @@ class Engine:
         self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
         self._store_warned = -1e9
+        self._retry_commit_at = 0.0  # while the journal has a fault: no commit before this (monotonic)
+        self._retry_timer: Timer | None = None
         self.closing = False
         self.closed = False
         self.reactor.at_turn_end(self.settle)
@@ -333,12 +340,24 @@ class Engine:
         return proc if proc is not None and proc.replica is rep else None
 
     def reply(self, reply: Reply, msg: dict, durable: bool) -> None:
-        """Send ``msg`` after this turn's commit (``durable``: "not saved" if it fails)."""
+        """Send ``msg`` after this turn's commit (``durable``: an ok reply carries the
+        journal's fault, ``unsaved``, if that commit fails)."""
         self._outbox.append((reply, msg, durable))
 
     def changed(self) -> None:
         """Something changed this turn: waiters and rollouts are looked at when it ends."""
         self._dirty = True
+
+    def room_for(self, more: int) -> None:
+        """Refuse (one line, before anything changes) ``more`` new replicas that would take
+        what the daemon keeps for its control plane at its fd or pids limit (limits.py).
+        Those not started yet (PENDING, or a place a restart fills later) count too."""
+        if self.limits is None or more <= 0:
+            return
+        desired = sum(p.desired for p in self._pools.values() if not p.deleted)
+        why = self.limits.refusal(more, replicas=len(self._procs), waiting=max(0, desired - len(self._procs)))
+        if why is not None:
+            raise OrchestratorError(why)
 
     # -- commands -------------------------------------------------------------------
 
@@ -659,30 +678,45 @@ class Engine:
                 self._outbox.extend(self._waiters.check())
             self._forget_ended()
         if self.store is not None:
-            self.commit()  # before any reply: an acknowledged command is durable
+            self.commit()  # before any reply: an acknowledged command is durable (unless the disk fails)
         if self._outbox:
             out, self._outbox = self._outbox, []
-            for reply, msg, _ in out:
+            unsaved = self.journal.fault
+            for reply, msg, durable in out:
+                if unsaved is not None and durable and msg.get("ok"):
+                    msg = {**msg, "unsaved": unsaved}  # applied; its durability is the journal's fault
                 reply(msg)
 
     def commit(self) -> bool:
-        """Commit this turn's changes. A failing disk must not kill the loop (the replicas
-        still need supervising): the batch stays buffered for the next commit, and every
-        success this turn would have reported is reported as not saved instead."""
+        """Commit this turn's changes; False if the disk fails. A failing disk must not
+        kill the loop (the replicas still need supervising), nor fail the commands of the
+        turn: they were applied, the tasks they queued run, and a client told otherwise
+        would run them again. Their rows stay buffered (journal.py) and go in with the
+        first commit that succeeds; meanwhile the fault is the journal's, shown by
+        ``health`` and ``status``, and retried once a second (an idle daemon catches up by
+        itself when space returns), not on every turn."""
+        now = self.os.monotonic()
+        if self.journal.fault is not None and now < self._retry_commit_at:
+            return False
         err = self.journal.commit()
         if err is None:
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+                self._retry_timer = None
             return True
         self.metrics.store_failure()
-        now = self.os.monotonic()
         if now - self._store_warned > 10.0:  # one line per 10 s, not one per turn
             self._store_warned = now
-            log.error("state not saved (will retry): %s", err)
-        self._outbox = [
-            (reply, protocol.error(msg.get("id"), f"applied, but the state could not be saved: {err}", "store"), False)
-            if durable and msg.get("ok") else (reply, msg, durable)
-            for reply, msg, durable in self._outbox
-        ]
+            log.error("state not saved (will retry; %d changes wait): %s", self.journal.unsaved, err)
+        self._retry_commit_at = now + COMMIT_RETRY
+        if self._retry_timer is None:
+            # Nothing may happen in an idle daemon: this turn's settle is the retry.
+            self._retry_timer = self.reactor.call_later(COMMIT_RETRY, self._commit_retry_due)
         return False
+
+    def _commit_retry_due(self) -> None:
+        """The retry's wake-up: the settle of this turn commits (``_retry_commit_at`` is past)."""
+        self._retry_timer = None
 
 
 def _exit_kind(rep: Replica) -> str:

@@ -420,7 +420,8 @@ class Upgrade:
             "handover": HANDOVER, "from": __version__, "pid": os.getpid(),
             "daemon": {"settings": daemon.settings, "started_at": daemon.started_at, "token": engine.config.token,
                        "lock_fd": daemon._lock_fd, "notify": daemon._systemd_notify,
-                       "containment": containment_doc, "upgraded_at": daemon.upgraded_at},
+                       "containment": containment_doc, "upgraded_at": daemon.upgraded_at,
+                       "nofile": daemon.nofile_before},  # the fd limits replicas get (limits.py)
             "upgrade": {"cmd_id": self.cmd_id},
             "watchdog": daemon.watchdog.carried(),
             "manager": daemon.manager.carried(),

@@ -4,6 +4,14 @@ The engine says what happened (a replica changed state, a pool changed, a comman
 applied) and this module says how that is recorded: the replica's row, the ``transition``
 event, the pool's row, the ``command`` event. ``commit()`` makes one turn durable and turns
 a failing disk into a message instead of an exception: the replicas still need supervising.
+
+A commit that fails (a full disk, an I/O error) is a *journal fault*, not a failed command:
+what the turn buffered stays buffered (the store keeps it) and goes in with the first commit
+that succeeds, in one transaction, so the journal catches up whole and in order. ``fault``
+says why while it lasts (``health`` and ``status`` show it), and two ``journal`` events
+frame it in the journal itself: ``{"fault": why}`` where it began (buffered like the rest,
+it lands with what it held back) and ``{"saved_again": true, "fault", "since", "for"}``
+once it is over.
 Recovery writes its LOST records through the same functions, so a recovered transition
 has the same shape as any other. What the store's retention forgets (ended replicas' ids) is
 passed on to ``forgotten``: the daemon removes their log files.
@@ -36,6 +44,10 @@ class Journal:
         self.forgotten: Callable[[list[str]], None] | None = None
         self._file_id = self._current_file_id()
         self._watch(store)
+        # The journal fault in force: why the last commit failed, since when (wall clock);
+        # None while commits succeed.
+        self.fault: str | None = None
+        self.fault_since: float | None = None
 
     def _watch(self, store: Any) -> None:
         if store is not None and hasattr(store, "on_pruned"):  # a Store; a test's stand-in may not prune
@@ -84,9 +96,20 @@ class Journal:
     def pending(self) -> bool:
         return self.store is not None and bool(self.store.pending)
 
+    @property
+    def unsaved(self) -> int:
+        """Rows buffered and not committed yet (what a fault holds back)."""
+        return int(self.store.pending) if self.store is not None else 0
+
+    def fault_info(self) -> dict | None:
+        """The fault in force, for ``health`` and ``status``; None if there is none."""
+        if self.fault is None:
+            return None
+        return {"fault": self.fault, "since": self.fault_since, "unsaved": self.unsaved}
+
     def commit(self) -> str | None:
         """Commit what this turn buffered; None on success, else why it failed (the batch
-        stays buffered and the next commit retries it)."""
+        stays buffered and the next commit retries it: see the module docstring)."""
         if self.store is None:
             return None
         if self.reopen is not None and self.store.pending and self._current_file_id() != self._file_id:
@@ -94,7 +117,21 @@ class Journal:
         try:
             self.store.commit()
         except StoreError as err:
-            return str(err)
+            if self.fault is None:
+                self.fault_since = self.clock()
+                self.event("journal", {"fault": str(err)})
+            self.fault = str(err)
+            return self.fault
+        if self.fault is not None:
+            since = self.fault_since if self.fault_since is not None else self.clock()
+            log.warning("the state is saved again after %.1f s (%s)", self.clock() - since, self.fault)
+            self.event("journal", {"saved_again": True, "fault": self.fault, "since": since,
+                                   "for": round(self.clock() - since, 3)})
+            self.fault = self.fault_since = None
+            try:
+                self.store.commit()
+            except StoreError:
+                pass  # that event waits for the next commit, with whatever comes next
         return None
 
     def _recreate(self, reopen: Callable[[], Any]) -> None:

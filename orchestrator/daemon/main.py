@@ -25,6 +25,7 @@ during shutdown is logged and ignored: the cleanup always runs to its end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,7 +55,8 @@ from .engine import Engine, EngineConfig
 from .httpserver import MetricsServer
 from .logcapture import LogCapture
 from .metrics import LagMonitor, health
-from .osapi import OSApi, raise_fd_limit, set_child_subreaper
+from .limits import FdReserve, Limits, fd_limit, raise_fd_limit, reserve_size
+from .osapi import OSApi, set_child_subreaper
 from .reactor import drain
 from .sockets import adopt_inherited
 from .recovery import recover_leftovers
@@ -116,6 +118,9 @@ class Daemon:
         self.manager: ManagerBridge | None = None
         self.log_sink: logsink.LogSink | None = None
         self.inherited_sockets: list[tuple[str, int]] = []  # (name, fd) from systemd's LISTEN_FDS
+        self.nofile_before: tuple[int, int] | None = None  # the fd limits we were started with, if raised
+        self.fd_reserve: FdReserve | None = None
+        self.limits: Limits | None = None
 
     @property
     def _engine(self) -> Engine:
@@ -232,7 +237,17 @@ class Daemon:
         # systemd's notify socket is ours (Type=notify), not the replicas'.
         self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None) if doc is None else carried.get("notify")
         set_child_subreaper()  # kept across an exec already; said again, it costs nothing
-        self.os = OSApi(nofile=raise_fd_limit())
+        # As servers do: the soft fd limit up to the hard one (the daemon holds fds per
+        # replica); replicas get the limits we were started with, which an upgrade carries
+        # (the new image finds the soft limit raised already).
+        raised = raise_fd_limit()
+        before = carried.get("nofile") if doc is not None else None
+        self.nofile_before = (int(before[0]), int(before[1])) if before else raised
+        self.os = OSApi(nofile=self.nofile_before)
+        # Opened now, so with low numbers: what a lowered or filled fd table leaves the
+        # control plane (limits.py).
+        self.fd_reserve = FdReserve(reserve_size(fd_limit()))
+        self.limits = Limits(self.fd_reserve)
         token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8) if doc is None else carried["token"]
         if doc is None:  # after an upgrade the manager serves the socket with the key it has
             paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
@@ -262,7 +277,9 @@ class Daemon:
         link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
         engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link,
                                       containment=self.containment)
-        engine.journal.reopen = lambda: self._new_store()
+        engine.journal.reopen = self._reopen_store
+        engine.limits = self.limits
+        engine.reactor.at_turn_end(self.fd_reserve.turn_end)
         engine.extra_status = self._daemon_status
         engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
         engine.add_command("upgrade", self._cmd_upgrade)
@@ -277,9 +294,9 @@ class Daemon:
         self.log_capture = engine.log_capture = LogCapture(
             paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
         engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
-        self.watchdog = WatchdogChild(link, reactor, self.os)
+        self.watchdog = WatchdogChild(link, reactor, self.os, reserve=self.fd_reserve)
         self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
-                                     journal=engine.journal)
+                                     journal=engine.journal, reserve=self.fd_reserve)
         taking_over = doc is not None
         try:
             if doc is not None:
@@ -319,6 +336,7 @@ class Daemon:
                 if time.monotonic() > deadline:
                     raise OrchestratorError("the manager server did not start within 30 s")
                 self._turn(1.0)
+            self.limits.measure_base(len(engine.procs()))
             log.info("daemon %d %s on %s", os.getpid(), "upgraded" if doc is not None else "ready", paths.state_dir)
             self._notify(f"READY {os.getpid()}")
             if self._systemd_notify:
@@ -377,6 +395,11 @@ class Daemon:
 
         write_private(self.paths, AUTHKEY_NAME, secrets.token_bytes(32))  # a new 0600 file, in the checked dir
 
+    def _reopen_store(self) -> Any:
+        """state.db vanished: a new one, on the fds the control plane keeps for itself."""
+        with self.fd_reserve.spent() if self.fd_reserve is not None else contextlib.nullcontext():
+            return self._new_store()
+
     def _new_store(self) -> Any:
         store = Store(self.paths.db, **self.retention)
         for note in store.notes:
@@ -424,7 +447,14 @@ class Daemon:
             **(self.containment.describe() if self.containment is not None else {}),
             "logs": self.log_capture.totals() if self.log_capture is not None else None,
             "config": self.config_path,
+            "journal": self._journal_state(),
+            "limits": self.limits.describe() if self.limits is not None else None,
         }}
+
+    def _journal_state(self) -> dict:
+        """{"ok": true}, or the journal's fault: why, since when, how many changes wait."""
+        fault = self.engine.journal.fault_info() if self.engine is not None else None
+        return {"ok": True} if fault is None else {"ok": False, **fault}
 
     # -- signals and orphans ----------------------------------------------------------
 
@@ -563,6 +593,7 @@ class Daemon:
         return {"started_at": self.started_at, "daemon_alive": True,
                 "watchdog_alive": self.watchdog is not None and self.watchdog.pid is not None,
                 "manager_alive": self.manager is not None and self.manager.pid is not None,
+                "journal": self._journal_state(),
                 "version": __version__}
 
     def _healthz(self) -> tuple[bool, dict]:
@@ -607,6 +638,8 @@ class Daemon:
             except StoreError as err:
                 log.error("closing the journal: %s", err)
         engine.close()
+        if self.fd_reserve is not None:
+            self.fd_reserve.close()
         if self.containment is not None and self.containment.close():
             containment.forget(self.paths)  # the subtree is gone: nothing for a next start to kill
         log.info("daemon %d stopped", os.getpid())

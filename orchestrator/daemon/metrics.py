@@ -11,13 +11,16 @@ The ``daemon`` dict (what the daemon knows about itself; every key optional)::
      "daemon_alive": bool,      # default True: whoever holds this dict got it from a daemon
      "watchdog_alive": bool,    # default False: unknown counts as down
      "manager_alive": bool,     # default False
+     "journal": {"ok": bool, "fault": str, "since": float, "unsaved": int},
+                                # default ok; a fault: commits fail (a full disk), why and since when
      "version": str}            # optional: orchestrator_build_info{version=...} 1
 
 The health dict (``health()``, what ``orchestrator health --json`` prints)::
 
     {"healthy": bool,
-     "parts": {"daemon": bool, "watchdog": bool, "manager": bool, "loop": bool},
+     "parts": {"daemon": bool, "watchdog": bool, "manager": bool, "journal": bool, "loop": bool},
      "failed": [str, ...],      # the parts that are False, in the order above
+     "journal": {...},          # only when the journal has a fault: as in the daemon dict
      "lag": float,              # seconds the loop was late (rounded to 0.1 ms)
      "lag_limit": 1.0}          # the loop is healthy while lag < lag_limit
 
@@ -46,7 +49,7 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     http_requests_total{outcome}            counter    what MetricsServer did with a client
     daemon_start_time_seconds               gauge      wall clock
     daemon_uptime_seconds                   gauge
-    up{part}                                gauge      part: daemon | watchdog | manager
+    up{part}                                gauge      part: daemon | watchdog | manager | journal
     build_info{version}                     gauge      1, when the daemon dict has a version
 
 Free text (a pool's ``reason``) is never a label; label values are escaped anyway.
@@ -316,8 +319,9 @@ class Metrics:
             yield GaugeMetricFamily(PREFIX + "daemon_uptime_seconds", "Seconds since the daemon started.",
                                     value=max(0.0, self.wall() - float(started)))
         alive = _alive(daemon)
-        yield _family(GaugeMetricFamily, "up", "1 when the part is alive (daemon, watchdog, manager).", ("part",),
-                      ((part, 1 if alive[part] else 0) for part in ("daemon", "watchdog", "manager")))
+        yield _family(GaugeMetricFamily, "up", "1 when the part is alive (daemon, watchdog, manager) "
+                      "or saves (journal).", ("part",),
+                      ((part, 1 if alive[part] else 0) for part in ("daemon", "watchdog", "manager", "journal")))
         if daemon.get("version") is not None:
             yield _family(GaugeMetricFamily, "build_info", "The daemon's version.", ("version",),
                           [(daemon["version"], 1)])
@@ -384,7 +388,14 @@ def _number(value: Any) -> float:
 def _alive(daemon: Mapping[str, Any]) -> dict[str, bool]:
     return {"daemon": bool(daemon.get("daemon_alive", True)),
             "watchdog": bool(daemon.get("watchdog_alive", False)),
-            "manager": bool(daemon.get("manager_alive", False))}
+            "manager": bool(daemon.get("manager_alive", False)),
+            "journal": _journal_ok(daemon)}
+
+
+def _journal_ok(daemon: Mapping[str, Any]) -> bool:
+    """False only on a fault the daemon reported: no journal info is no known fault."""
+    journal = daemon.get("journal")
+    return not isinstance(journal, Mapping) or journal.get("ok", True) is not False
 
 
 # -- loop lag ---------------------------------------------------------------------------
@@ -446,8 +457,8 @@ class LagMonitor:
 # -- health -----------------------------------------------------------------------------
 
 def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, dict]:
-    """(healthy, info): healthy only when the daemon, its watchdog and its manager are alive
-    and the loop's lag is below 1 s. ``info``'s shape is in the module docstring."""
+    """(healthy, info): healthy only when the daemon, its watchdog and its manager are alive,
+    the journal saves (no fault) and the loop's lag is below 1 s. ``info``'s shape is in the module docstring."""
     parts: dict[str, bool] = dict(_alive(daemon))
     try:
         lag = float(lag)
@@ -455,6 +466,8 @@ def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, dict]:
         lag = math.nan
     parts["loop"] = math.isfinite(lag) and lag < LAG_LIMIT
     failed = [name for name, good in parts.items() if not good]
-    info = {"healthy": not failed, "parts": parts, "failed": failed,
-            "lag": round(lag, 4) if math.isfinite(lag) else None, "lag_limit": LAG_LIMIT}
+    info: dict[str, Any] = {"healthy": not failed, "parts": parts, "failed": failed,
+                            "lag": round(lag, 4) if math.isfinite(lag) else None, "lag_limit": LAG_LIMIT}
+    if not parts["journal"]:
+        info["journal"] = dict(daemon["journal"])
     return not failed, info

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # pthread_sigmask without the enum conversion: ~3 µs against ~60 µs a call
 import os
-import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -64,17 +63,6 @@ _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 def set_child_subreaper() -> None:
     """Orphaned descendants are re-parented to us, and we reap them (PID 1 may not)."""
     prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def raise_fd_limit() -> tuple[int, int] | None:
-    """A daemon holds one pidfd per live replica: lift the soft fd limit to the hard one.
-    Returns the original limits, which workers get back (spawn(..., nofile=...))."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft >= want:
-        return None
-    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return soft, hard
 
 
 @dataclass(slots=True)

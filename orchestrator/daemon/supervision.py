@@ -72,6 +72,7 @@ class Table(Protocol):
     def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
     def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
     def changed(self) -> None: ...
+    def room_for(self, more: int) -> None: ...  # OrchestratorError: that would take the control plane's reserve
     def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
                  *, durable: bool = True) -> Any: ...
 
@@ -168,6 +169,7 @@ class Supervisor:
             if pool.desired != size:
                 raise InvalidSpec(f"pool {name!r} has {pool.desired} workers, not {size}: use another pool name")
             return pool, [r.id for r in pool.live.values()]
+        self.table.room_for(size)
         if pool is None:
             pool = Pool(name, runtime, pol)
             self.table.add_pool(pool)
@@ -262,6 +264,9 @@ class Supervisor:
             size = pool.desired + (1 if count is None else count)
         check_templates(runtime, policy, size)
         self.order.check(name, policy.after_pools)
+        rolls = pool is not None and not pool.deleted and (
+            runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy)
+        self.table.room_for(1 if rolls or count is None else count)  # a rollout adds one at a time
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
             pool.deleted, pool.runtime, pool.policy = False, runtime, policy
             pool.clear()
@@ -289,6 +294,7 @@ class Supervisor:
         name = args.get("pool")
         n = protocol.count(args.get("n"), low=0, what="size")
         pool = self._known_pool(name)
+        self.table.room_for(n - (len(self._live(pool)) if pool is not None else 0))
         if args.get("spec") is not None:
             runtime = self.prepare(args["spec"])
             check_templates(runtime, pool.policy if pool is not None else Policy(), n)
@@ -305,7 +311,7 @@ class Supervisor:
         if pool is None:
             raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
         pool.clear()  # an operator acted: a crash loop is forgiven
-        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
+        live = self._live(pool)
         if len(live) < n and pool.runtime is None:
             raise InvalidSpec(f"pool {name!r} has no usable spec to launch from")
         before = set(pool.live)
@@ -313,6 +319,9 @@ class Supervisor:
         launched = [rid for rid in pool.live if rid not in before]
         stopped = sorted((r for r in live if r.state not in _LIVE), key=lambda r: -r.n)
         return {"pool": pool.name, "desired": n, "launched": launched, "terminated": [r.id for r in stopped]}
+
+    def _live(self, pool: Pool) -> list[Replica]:
+        return [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
 
     def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """Replace replicas with new ones (new ids, same slots): a rolling restart."""

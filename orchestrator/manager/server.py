@@ -4,6 +4,8 @@ It serves the command queue and the reply board on the daemon's Unix socket (060
 key, and only to peers of its own uid or root: channelserver.py checks SO_PEERCRED on accept)
 and bridges them to the daemon over two pipes (see channel.py for the picture):
 
+* accepter thread: each connection to a connection thread, started ahead and reused
+  (``_Handlers``: at a process limit the channel still answers);
 * forwarder thread: ``commands.get()`` → plain-data check → frame → command pipe;
 * main thread: reads reply frames from the reply pipe → ``ReplyBoard``; EOF on that pipe
   means the daemon is gone (or closed it on shutdown), and the server exits at once.
@@ -15,6 +17,7 @@ EOF above, and the watchdog, which has it in its ledger.
 from __future__ import annotations
 
 import argparse
+import collections
 import errno
 import os
 import queue
@@ -101,13 +104,81 @@ def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
             os._exit(0)  # the daemon is gone
 
 
+class _Handlers:
+    """The threads that serve connections, started ahead and reused. A thread started per
+    connection (multiprocess's way) leaves the channel refusing every command once a
+    process limit is reached (``pids.max``, systemd's ``TasksMax=``: a pool of replicas
+    can fill it): so ``SPARE`` threads wait for connections from the start, one more is
+    started whenever fewer than that are idle, and a thread that has served a connection
+    waits for the next one instead of ending (at most ``KEEP`` wait). At the limit the
+    threads there are keep serving, one connection each at a time; a connection that finds
+    none idle and none can be started is refused with the reason."""
+
+    SPARE = 4
+    KEEP = 16
+
+    def __init__(self, serve: Callable[[Any], None]) -> None:
+        self._serve = serve
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Any] = collections.deque()
+        self._waiting = 0  # threads that hold no connection (waiting, or about to)
+        for _ in range(self.SPARE):
+            self._start()
+
+    def _start(self) -> bool:
+        with self._cond:
+            self._waiting += 1  # counted before it runs: hand() must not start a second one for it
+        try:
+            threading.Thread(target=self._run, name="connection", daemon=True).start()
+        except RuntimeError:  # "can't start new thread": the process limit
+            with self._cond:
+                self._waiting -= 1
+            return False
+        return True
+
+    def hand(self, conn: Any) -> bool:
+        """Give ``conn`` to a thread; False if none is idle and none can be started."""
+        with self._cond:
+            idle = self._waiting - len(self._queue)
+            if idle > 0:
+                self._queue.append(conn)
+                self._cond.notify()
+        if idle <= 0:
+            if not self._start():
+                return False
+            with self._cond:
+                self._queue.append(conn)
+                self._cond.notify()
+        if idle - 1 < self.SPARE:
+            self._start()  # ahead of the next connection; at the limit, there is none to start
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._waiting > self.KEEP:
+                        self._waiting -= 1
+                        return
+                    self._cond.wait()
+                conn = self._queue.popleft()
+                self._waiting -= 1
+            try:
+                self._serve(conn)  # multiprocess's handle_request: answers, serves, closes
+            except Exception as err:  # one connection's failure is not the thread's
+                print(f"orchestrator.manager.server: a connection failed ({err!r})", file=sys.stderr, flush=True)
+            with self._cond:
+                self._waiting += 1
+
+
 class _Accepter:
     """The Manager server's accepter (``Server.accepter``), without its two ways of failing
     for good. multiprocess starts a thread per connection and lets a failed start end the
     accepter, so that at a process limit (``pids.max``, systemd's ``TasksMax=``) one
     connection left a manager that was alive and answered nothing ever again; and it retries
     a failed ``accept()`` at once, so that at the fd limit it spun while every client waited
-    for its time-out. Here the one connection that cannot be served is answered with the
+    for its time-out. Here connections go to threads started ahead and reused (``_Handlers``),
+    the one connection that cannot be served is answered with the
     reason (the auth handshake and an error reply, bounded by socket time-outs), it is said
     in the log, and the accepter goes on; a spare fd, given up for a moment, lets it take
     that connection off the queue at the fd limit."""
@@ -120,6 +191,7 @@ class _Accepter:
         self.refused = 0
         self._logged_at = -self.LOG_EVERY
         self._spare = self._open_spare()
+        self._handlers = _Handlers(server.handle_request)
 
     @staticmethod
     def _open_spare() -> int | None:
@@ -140,11 +212,9 @@ class _Accepter:
                 conn = self._at_fd_limit(err)
                 if conn is None:
                     continue
-            try:
-                threading.Thread(target=self.server.handle_request, args=(conn,), daemon=True).start()
-            except RuntimeError as err:  # "can't start new thread": the process limit
-                self._refuse(conn, f"the daemon's manager server cannot start a thread for this connection "
-                                   f"({err}: is a process limit reached?); try again later")
+            if not self._handlers.hand(conn):  # every thread busy, and no new one at the process limit
+                self._refuse(conn, "the daemon's manager server cannot start a thread for this connection "
+                                   "(can't start new thread: is a process limit reached?); try again later")
 
     def _at_fd_limit(self, err: OSError) -> Any:
         """accept() failed for want of an fd: the next connection to serve (the limit was
