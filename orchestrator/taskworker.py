@@ -77,6 +77,11 @@ def main() -> None:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
     _, max_tasks, init = got
     _signal.signal(w.CANCEL_SIGNAL, _interrupt)
+    authkey, init = w.split_authkey(init)
+    if authkey is not None:  # before the initializer, whose initargs may hold a manager's proxy
+        import multiprocessing.process
+
+        multiprocessing.process.current_process().authkey = authkey
     if init:
         initializer, initargs = w.loads(init)
         try:
@@ -130,9 +135,11 @@ def _run(number: int, slot: int, payload: bytes) -> bytes:
         return _raised(number, exc)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
-        return w.frame(w.RESULT, number, data if data is not None else w.dumps(value))
-    except Exception as err:
-        return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
+        return w.frame(w.RESULT, number, data if data is not None else w.dumps(value, result=True))
+    except Terminated:
+        raise  # SIGTERM while it pickles: the worker ends, as anywhere else
+    except BaseException as err:  # a __reduce__ raising SystemExit too: this task fails, not the worker
+        return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {_text(err)}")
 
 
 def _target(payload: bytes) -> tuple[Any, list, dict]:
@@ -150,10 +157,28 @@ def _target(payload: bytes) -> tuple[Any, list, dict]:
 def _raised(number: int, exc: BaseException) -> bytes:
     text = traceback.format_exc()
     try:
-        return w.frame(w.RAISED, number, w.raised(f"{type(exc).__name__}: {exc}", w.dumps((exc, text))))
-    except Exception as err:
-        return _unpicklable(number, f"it raised {type(exc).__name__}: {exc}, which cannot be pickled ({err})")
+        return w.frame(w.RAISED, number, w.raised(_text(exc), w.dumps((exc, text), result=True)))
+    except Terminated:
+        raise
+    except BaseException as err:
+        return _unpicklable(number, f"it raised {_text(exc)}, which cannot be pickled ({_text(err)})")
+
+
+def _text(exc: BaseException) -> str:
+    """``Type: message``, also for an exception whose ``__str__`` raises."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Terminated:
+        raise
+    except BaseException:
+        return f"{type(exc).__name__} (its message cannot be shown)"
 
 
 def _unpicklable(number: int, line: str) -> bytes:
     return w.frame(w.UNPICKLABLE, number, " ".join(line.split())[:2000].encode("utf-8", "replace"))
+
+
+def run_chunk(fn: Any, chunk: tuple) -> list:
+    """One task of ``Executor.map(..., chunksize=N)``: its items' results, in order (here,
+    not in the executor's module: a worker need not import that to run it)."""
+    return [fn(*args) for args in chunk]
