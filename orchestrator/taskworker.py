@@ -136,9 +136,8 @@ def _run(number: int, slot: int, payload: bytes) -> bytes:
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
         return w.frame(w.RESULT, number, data if data is not None else w.dumps(value, result=True))
-    except Terminated:
-        raise  # SIGTERM while it pickles: the worker ends, as anywhere else
     except BaseException as err:  # a __reduce__ raising SystemExit too: this task fails, not the worker
+        _end_on_sigterm(err)
         return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {_text(err)}")
 
 
@@ -158,9 +157,8 @@ def _raised(number: int, exc: BaseException) -> bytes:
     text = traceback.format_exc()
     try:
         return w.frame(w.RAISED, number, w.raised(_text(exc), w.dumps((exc, text), result=True)))
-    except Terminated:
-        raise
     except BaseException as err:
+        _end_on_sigterm(err)
         return _unpicklable(number, f"it raised {_text(exc)}, which cannot be pickled ({_text(err)})")
 
 
@@ -168,10 +166,16 @@ def _text(exc: BaseException) -> str:
     """``Type: message``, also for an exception whose ``__str__`` raises."""
     try:
         return f"{type(exc).__name__}: {exc}"
-    except Terminated:
-        raise
-    except BaseException:
+    except BaseException as err:
+        _end_on_sigterm(err)
         return f"{type(exc).__name__} (its message cannot be shown)"
+
+
+def _end_on_sigterm(exc: BaseException) -> None:
+    """Re-raise the worker's own SIGTERM (``Terminated``, not a Cancelled or TaskTimeout a
+    __reduce__ raised: no cancel lands between tasks), which ends the worker wherever it comes."""
+    if isinstance(exc, Terminated) and not isinstance(exc, (Cancelled, TaskTimeout)):
+        raise exc
 
 
 def _unpicklable(number: int, line: str) -> bytes:

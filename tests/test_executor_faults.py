@@ -53,6 +53,10 @@ def test_a_result_or_exception_whose_unpickling_raises_fails_that_future_alone(m
         bad_exc.result(timeout=30)
     assert slow.result(timeout=30) == "slow"
     assert [f.result(timeout=30) for f in [ex.submit(taskfns.square, i) for i in range(4)]] == [0, 1, 4, 9]
+    worker = ex.submit(faultfns.pid).result(timeout=30)
+    in_worker = ex.submit(faultfns.returns, faultfns.ExplodesOnLoad(kind)).exception(timeout=30)
+    assert type(in_worker) is faultfns._EXCEPTIONS[kind]  # the task's exception there, as one it raised
+    assert ex.submit(faultfns.pid).result(timeout=30) == worker
 
 
 @pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "ValueError"])
@@ -205,6 +209,10 @@ def test_a_managers_proxy_works_in_a_daemons_pool_for_each_client(daemon: Daemon
         with client.executor("logged", max_workers=1, initializer=faultfns.log_to, initargs=(logs,)) as logged:
             logged.submit(faultfns.log, "in the daemon").result(timeout=30)
             assert logs.get(timeout=30).getMessage() == "in the daemon"
+            # What a daemon client's poller unpickles: a fault there fails that future alone.
+            with pytest.raises(pickle.UnpicklingError, match="its result cannot be unpickled here: SystemExit"):
+                logged.submit(faultfns.returns_unloadable, "SystemExit").result(timeout=30)
+            assert logged.submit(taskfns.square, 5).result(timeout=30) == 25
     for pool in ("jobs", "logged"):
         assert cli(daemon.state_dir, "delete", pool).returncode == 0
 
