@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import functools
 import itertools
 import os
 import pickle
@@ -32,7 +33,7 @@ import threading
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from . import taskwire as w
 from .errors import (
@@ -86,8 +87,19 @@ class _TaskFuture(Future):
             self._state = futures_base.CANCELLED
             self._condition.notify_all()
             self.set_running_or_notify_cancel()  # -> CANCELLED_AND_NOTIFIED: wait() sees it done
-        self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own, as its cancel() calls it
+        self._invoke_callbacks()
         return True
+
+    def _invoke_callbacks(self) -> None:
+        """Future's own, but a callback that raises SystemExit (any BaseException) is
+        reported as one that raises an Exception (``exception calling callback for``, on
+        the concurrent.futures logger): Future's catches Exception only, and it runs in the
+        thread that resolves every future of the executor."""
+        for callback in self._done_callbacks:  # type: ignore[attr-defined]
+            try:
+                callback(self)
+            except BaseException:
+                futures_base.LOGGER.exception("exception calling callback for %r", self)
 
 
 class Executor(futures_base.Executor):
@@ -101,8 +113,10 @@ class Executor(futures_base.Executor):
     the pool's spawner, so that a fresh worker starts warm. ``initializer(*initargs)``: run
     once in each worker before its first task; one that raises fails that worker (the pool
     replaces it under its backoff; one that always fails ends in a crash loop, which fails
-    the queued tasks with WorkerLost). ``timeout``: seconds a task may run from its start
-    (``TaskTimeout`` raised in it; its future raises ``TaskTimeoutError``). ``grace``:
+    the queued tasks with WorkerLost; a ``multiprocessing.Queue``, Lock or Value in
+    ``initargs`` is refused, PicklingError: the workers are not this process's children and
+    inherit nothing from it, a ``Manager()``'s proxy works). ``timeout``: seconds a task may
+    run from its start (``TaskTimeout`` raised in it; its future raises ``TaskTimeoutError``). ``grace``:
     seconds from the exception raised inside a task (cancel, timeout) to SIGKILL of its
     worker's whole process tree. ``retries``: times a task whose worker died runs again on
     another worker (not after a kill for ``memory_max``: it would pass it again).
@@ -155,7 +169,7 @@ class Executor(futures_base.Executor):
         self._pool = pool or f"tasks-{secrets.token_hex(4)}"
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
                                    "grace": grace, "retries": retries, "memory_max": memory_max}
-        init = w.dumps((initializer, tuple(initargs)), by_value=_by_value(initializer)) if initializer else b""
+        init = _init_payload(initializer, tuple(initargs), embedded=state_dir is None)
         # The worker's own module is preloaded too: each fresh worker starts with it imported
         # (a process per task would otherwise import it every time).
         spec = make_spec(target=_WORKER_TARGET, env=env, cwd=os.getcwd() if cwd is None else cwd,
@@ -205,9 +219,11 @@ class Executor(futures_base.Executor):
             self._futures[ref] = fut
         try:
             payload = w.dumps((fn, args, kwargs), by_value=_by_value(fn))
-        except Exception as err:
-            self._futures.pop(ref, None)
-            fut.set_exception(pickle.PicklingError(f"the task cannot be pickled: {type(err).__name__}: {err}"))
+        except BaseException as err:
+            self._futures.pop(ref, None)  # nothing waits on it at shutdown
+            fut.set_exception(_pickling_error("the task", err))
+            if not isinstance(err, Exception):
+                raise  # a Ctrl-C (or SystemExit) while it pickled is the caller's, not the task's
             return fut
         args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload}
         try:
@@ -216,6 +232,20 @@ class Executor(futures_base.Executor):
             self._futures.pop(ref, None)
             fut.set_exception(err)
         return fut
+
+    def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[Any]:
+        """As ProcessPoolExecutor's: the results in order; ``chunksize`` items per task
+        (one round trip and one pickling for each chunk, which fails whole if one item
+        raises); ``timeout`` seconds from this call."""
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if chunksize == 1:
+            return super().map(fn, *iterables, timeout=timeout)
+        from .taskworker import run_chunk
+
+        chunks = super().map(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
+        return (result for chunk in chunks for result in chunk)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
@@ -325,12 +355,21 @@ class Executor(futures_base.Executor):
             return True  # another thread ended it (a refusal and a report cannot both come)
         if task_id is not None:
             fut.task_id = task_id
+        try:
+            self._end(fut, kind, data, task_id)
+        except BaseException as err:  # this thread resolves every future: it must outlive any one report
+            futures_base.LOGGER.exception("the report of task %s could not be handled", task_id)
+            _fail(fut, RuntimeError(f"task {task_id}: its report could not be handled: {type(err).__name__}: {err}"))
+        return True
+
+    def _end(self, fut: _TaskFuture, kind: str, data: Any, task_id: str | None) -> None:
+        """The end the loop reported for a task, into its future."""
         if isinstance(data, str) and kind in ("result", "raised"):
             data = base64.b64decode(data)  # from a daemon: base64 over its JSON channel
         if kind == "result":
             try:
                 value = w.loads(data)
-            except Exception as err:
+            except BaseException as err:  # a __reduce__ raising SystemExit too: this future's error alone
                 _fail(fut, pickle.UnpicklingError(f"task {task_id}: its result cannot be unpickled here: "
                                                   f"{type(err).__name__}: {err}"))
             else:
@@ -355,7 +394,6 @@ class Executor(futures_base.Executor):
                 raise_reply(data)
             except Exception as err:
                 _fail(fut, err)
-        return True
 
 
 class _Backend:
@@ -487,6 +525,37 @@ def _by_value(fn: Any) -> bool:
     return getattr(fn, "__module__", None) == "__main__"
 
 
+def _init_payload(initializer: Callable[..., Any] | None, initargs: tuple, *, embedded: bool) -> bytes:
+    """The pool's WELCOME payload: the pickled (initializer, initargs); embedded, the
+    caller's multiprocessing authkey with it (the workers are this caller's alone: they
+    get its key as a forked child would; a daemon's pool serves clients with other keys,
+    where each proxy carries its own, see taskwire.dumps)."""
+    try:
+        init = w.dumps((initializer, initargs), by_value=_by_value(initializer)) if initializer else b""
+    except RuntimeError as err:
+        raise _pickling_error("initargs", err) from None
+    if not embedded:
+        return init
+    import multiprocessing.process
+
+    return w.with_authkey(init, bytes(multiprocessing.process.current_process().authkey))
+
+
+def _pickling_error(what: str, err: BaseException) -> pickle.PicklingError:
+    line = f"{what} cannot be pickled: {type(err).__name__}: {err}"
+    if "through inheritance" in str(err):  # multiprocessing's Queue, Lock, Value...: context.assert_spawning
+        line += (" (the workers are not forked from this process, so they inherit nothing from it:"
+                 " pass a multiprocessing.Manager()'s proxy instead, e.g. Manager().Queue())")
+    return pickle.PicklingError(line)
+
+
+def _chunks(iterables: tuple, chunksize: int) -> Iterator[tuple]:
+    """ProcessPoolExecutor's: the argument tuples of ``map``, ``chunksize`` at a time."""
+    items = zip(*iterables)
+    while chunk := tuple(itertools.islice(items, chunksize)):
+        yield chunk
+
+
 def _resolve(fut: Future, value: Any) -> None:
     try:
         fut.set_result(value)
@@ -504,7 +573,7 @@ def _fail(fut: Future, err: BaseException) -> None:
 def _remote_exception(task_id: str | None, data: bytes) -> BaseException:
     try:
         exc, tb = w.loads(data)
-    except Exception as err:
+    except BaseException as err:  # SystemExit from a __reduce__ too: this future's error, not the collector's end
         return pickle.UnpicklingError(f"task {task_id}: its exception cannot be unpickled here: "
                                       f"{type(err).__name__}: {err}")
     if isinstance(exc, BaseException):

@@ -13,7 +13,9 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
                                  payload: its wire version (a byte; none: version 1)
     loop -> worker   CONFIG      payload: JSON {"grace": s} (version 2, before WELCOME)
     loop -> worker   WELCOME     number: max_tasks; payload: the pickled (initializer,
-                                 initargs), or empty
+                                 initargs), or empty; from an embedded executor, ``k``, the
+                                 caller's multiprocessing authkey (u16 length) and then that
+                                 (``with_authkey``)
     worker -> loop   READY       its initializer ran: it takes tasks from now on
     loop -> worker   TASK        number: the task's; payload: the pickled (fn, args, kwargs)
     worker -> loop   RESULT      payload: the pickled return value
@@ -52,10 +54,13 @@ answer came first) the loop clears the word before the slot carries another task
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import signal
 import struct
+import sys
+import types
 from typing import Any, Callable
 
 HEADER = struct.Struct("!IBQ")
@@ -180,20 +185,87 @@ def too_large(what: str, size: int) -> str | None:
     return f"{what} of {size:,} bytes is over the task wire's limit of {MAX_FRAME >> 30} GiB"
 
 
-def dumps(obj: Any, *, by_value: bool = False) -> bytes:
+def dumps(obj: Any, *, by_value: bool = False, result: bool = False) -> bytes:
     """A task, a result or an exception as payload bytes: pickle, or dill where pickle
     cannot (closures, lambdas) or where the object must travel by value (functions of
-    ``__main__``). One byte in front says which, for ``loads``."""
+    ``__main__``, and whatever names ``__main__``: an instance of a class of the caller's
+    script, which a worker's ``__main__`` does not have). One byte in front says which, for
+    ``loads``.
+
+    ``result``: a worker's result or exception, for the client that submitted the task:
+    there a class or function of ``__main__`` (one that came by value) is the client's own,
+    and goes by name (so that the client gets its own class back, as from a forked worker).
+
+    A manager's proxy (``multiprocessing`` or ``multiprocess``) carries its manager's
+    authkey, as it does to a spawned child: the worker that loads it is not the caller's
+    child, and a daemon's pool serves clients with other keys."""
     if not by_value:
         try:
-            return b"p" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError):
             pass
+        else:
+            # One scan of the bytes is what the common case costs: a global of __main__
+            # names its module in them (a result's are the client's: no scan).
+            if result or data.find(_MAIN) < 0:  # find(): less overhead than `in` for short bytes
+                return b"p" + (_pickled(obj, pickle.Pickler, result) if _has_proxy(data) else data)
+        if result:  # what failed may be a class of __main__ that came by value: by name, it goes
+            try:
+                return b"p" + _pickled(obj, pickle.Pickler, result)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                pass
     import dill  # only for what pickle cannot do: ~30 ms to import
 
     # recurse: the globals a function of __main__ names (its modules, constants) travel
     # with it; without it they were looked up in the worker's own __main__, and missed.
-    return b"d" + dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+    if result:
+        return b"d" + _pickled(obj, dill.Pickler, result, recurse=True)
+    data = dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+    return b"d" + (_pickled(obj, dill.Pickler, result, recurse=True) if _has_proxy(data) else data)
+
+
+_MAIN = b"__main__"
+_MANAGERS = ("multiprocessing.managers", "multiprocess.managers")
+
+
+def _has_proxy(data: bytes) -> bool:
+    """Whether ``data`` may hold a manager's proxy (its rebuild names itself): scanned
+    only in a process that imported a managers module, where a proxy can exist."""
+    modules = sys.modules
+    if "multiprocessing.managers" not in modules and "multiprocess.managers" not in modules:
+        return False
+    return data.find(b"RebuildProxy") >= 0
+
+
+def _pickled(obj: Any, base: type, result: bool, **options: Any) -> bytes:
+    """``obj`` pickled by ``base`` (pickle's or dill's Pickler) with each manager proxy's
+    authkey in its rebuild's keywords (``RebuildProxy`` hands them to the proxy, which
+    connects with it), and, for a ``result``, what is of ``__main__`` by name."""
+    proxies = tuple(sys.modules[name].BaseProxy for name in _MANAGERS if name in sys.modules)
+
+    class Pickler(base):
+        def reducer_override(self, value: Any) -> Any:
+            if isinstance(value, proxies):
+                rebuild, (func, token, serializer, kwds) = value.__reduce__()
+                return rebuild, (func, token, serializer, {**kwds, "authkey": bytes(value._authkey)})
+            if result and isinstance(value, (type, types.FunctionType)) and value.__module__ == "__main__":
+                name = getattr(value, "__qualname__", "<")
+                if "<" not in name:  # a lambda or a local one has no name to be found by
+                    return _of_main, (name,)
+            return NotImplemented
+
+    out = io.BytesIO()
+    Pickler(out, pickle.HIGHEST_PROTOCOL, **options).dump(obj)
+    return out.getvalue()
+
+
+def _of_main(qualname: str) -> Any:
+    """A class or function of this process's ``__main__``, by name: what a worker's result
+    names of its client's script."""
+    found: Any = sys.modules["__main__"]
+    for name in qualname.split("."):
+        found = getattr(found, name)
+    return found
 
 
 def loads(data: bytes | memoryview) -> Any:
@@ -223,6 +295,22 @@ def split_raised(payload: bytes) -> tuple[str, bytes]:
     (size,) = _LINE.unpack_from(payload)
     end = _LINE.size + size
     return payload[_LINE.size:end].decode("utf-8", "replace"), payload[end:]
+
+
+def with_authkey(init: bytes, authkey: bytes) -> bytes:
+    """A WELCOME payload that also gives the worker its caller's multiprocessing authkey
+    (``current_process().authkey``, as a forked child of the caller would have it)."""
+    return b"k" + _LINE.pack(len(authkey)) + authkey + init
+
+
+def split_authkey(payload: bytes) -> tuple[bytes | None, bytes]:
+    """(authkey or None, the pickled initializer or empty) of a WELCOME payload; one
+    without a key (a daemon's pool, one restored from state.db) is read as it is."""
+    if payload[:1] != b"k":
+        return None, payload
+    (size,) = _LINE.unpack_from(payload, 1)
+    end = 1 + _LINE.size + size
+    return payload[1 + _LINE.size:end], payload[end:]
 
 
 def target_payload(call: dict) -> bytes:

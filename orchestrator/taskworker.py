@@ -150,6 +150,11 @@ def main() -> None:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
     _, max_tasks, init = got[0], got[1], bytes(got[2])
     _signal.signal(w.CANCEL_SIGNAL, _interrupt)
+    authkey, init = w.split_authkey(init)
+    if authkey is not None:  # before the initializer, whose initargs may hold a manager's proxy
+        import multiprocessing.process
+
+        multiprocessing.process.current_process().authkey = authkey
     if init:
         initializer, initargs = w.loads(init)
         try:
@@ -226,13 +231,14 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
         return _raised(number, exc)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
-        data = data if data is not None else w.dumps(value)
+        data = data if data is not None else w.dumps(value, result=True)
         too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
         if too_large:
             return _unpicklable(number, too_large)
         return w.frame(w.RESULT, number, data)
-    except Exception as err:
-        return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {err}")
+    except BaseException as err:  # a __reduce__ raising SystemExit too: this task fails, not the worker
+        _end_on_sigterm(err)
+        return _unpicklable(number, f"its result ({type(value).__name__}) cannot be pickled: {_text(err)}")
 
 
 # -- a task's leftover processes --------------------------------------------------------
@@ -358,10 +364,33 @@ def _target(payload: bytes | memoryview) -> tuple[Any, list, dict]:
 def _raised(number: int, exc: BaseException) -> bytes:
     text = traceback.format_exc()
     try:
-        return w.frame(w.RAISED, number, w.raised(f"{type(exc).__name__}: {exc}", w.dumps((exc, text))))
-    except Exception as err:
-        return _unpicklable(number, f"it raised {type(exc).__name__}: {exc}, which cannot be pickled ({err})")
+        return w.frame(w.RAISED, number, w.raised(_text(exc), w.dumps((exc, text), result=True)))
+    except BaseException as err:
+        _end_on_sigterm(err)
+        return _unpicklable(number, f"it raised {_text(exc)}, which cannot be pickled ({_text(err)})")
+
+
+def _text(exc: BaseException) -> str:
+    """``Type: message``, also for an exception whose ``__str__`` raises."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except BaseException as err:
+        _end_on_sigterm(err)
+        return f"{type(exc).__name__} (its message cannot be shown)"
+
+
+def _end_on_sigterm(exc: BaseException) -> None:
+    """Re-raise the worker's own SIGTERM (``Terminated``, not a Cancelled or TaskTimeout a
+    __reduce__ raised: no cancel lands between tasks), which ends the worker wherever it comes."""
+    if isinstance(exc, Terminated) and not isinstance(exc, (Cancelled, TaskTimeout)):
+        raise exc
 
 
 def _unpicklable(number: int, line: str) -> bytes:
     return w.frame(w.UNPICKLABLE, number, " ".join(line.split())[:2000].encode("utf-8", "replace"))
+
+
+def run_chunk(fn: Any, chunk: tuple) -> list:
+    """One task of ``Executor.map(..., chunksize=N)``: its items' results, in order (here,
+    not in the executor's module: a worker need not import that to run it)."""
+    return [fn(*args) for args in chunk]
