@@ -40,6 +40,7 @@ _HOMES = {
     "Cancelled": "worker",
     "TaskTimeout": "worker",
     "WorkerLost": "errors",
+    "TaskInterrupted": "errors",
     "TaskTimeoutError": "errors",
     "TaskState": "states",
 }
@@ -65,8 +66,8 @@ if TYPE_CHECKING:
     from .daemon.embedded import Orchestrator
     from .errors import (
         ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
-        ShuttingDown, SpawnerLost, StoreError, TaskTimeoutError, UnknownReplica, UnsafeFile, UnsafeStateDir,
-        WorkerLost,
+        ShuttingDown, SpawnerLost, StoreError, TaskInterrupted, TaskTimeoutError, UnknownReplica, UnsafeFile,
+        UnsafeStateDir, WorkerLost,
     )
     from .executor import Executor
     from .spec import WorkerSpec

@@ -88,24 +88,53 @@ class StoreError(OrchestratorError):
     code = "store"
 
 
-class WorkerLost(OrchestratorError):
-    """An ``Executor`` task's worker died while it ran the task (a signal, an exit, the OOM
-    killer, ``memory_max``), or the pool stopped replacing its workers before the task ran.
-    ``reason`` says how (``killed by SIGKILL``, ``OOM-killed``, ``exited with 3``,
-    ``memory limit 200 MiB exceeded``); ``task`` is the task's id."""
-
-    code = "worker_lost"
+class _TaskEnd(OrchestratorError):
+    """A task of an ``Executor`` that ended without a result of its own: ``reason`` says
+    why, ``task`` is its id."""
 
     def __init__(self, message: str, *, reason: str = "", task: str | None = None) -> None:
         super().__init__(message)
         self.reason, self.task = reason, task
 
     def __reduce__(self) -> Any:
-        return (_worker_lost, (str(self), self.reason, self.task))
+        return (_task_end, (type(self), str(self), self.reason, self.task))
+
+
+def _task_end(cls: type[_TaskEnd], message: str, reason: str, task: str | None) -> _TaskEnd:
+    return cls(message, reason=reason, task=task)
+
+
+class WorkerLost(_TaskEnd):
+    """An ``Executor`` task's worker died while it ran the task (a signal, an exit, the OOM
+    killer, ``memory_max``, the daemon killed with kill -9), or the pool stopped replacing
+    its workers before the task ran. ``reason`` says how (``killed by SIGKILL``,
+    ``OOM-killed``, ``exited with 3``, ``memory limit 200 MiB exceeded``); ``task`` is the
+    task's id."""
+
+    code = "worker_lost"
 
 
 def _worker_lost(message: str, reason: str, task: str | None) -> WorkerLost:
+    """What pickles of an earlier version name (``WorkerLost.__reduce__`` then)."""
     return WorkerLost(message, reason=reason, task=task)
+
+
+class TaskInterrupted(_TaskEnd):
+    """An ``Executor`` task cut short because what runs its pool was stopped (``orchestrator
+    stop``, or the embedded executor's control loop closing), with no ``retries`` left: it
+    was not lost (its worker did not die on its own) and it did not fail (``Terminated``
+    was raised in it, then the stop's grace). ``reason``: ``interrupted: the daemon
+    stopped``; ``task``: its id."""
+
+    code = "task_interrupted"
+
+
+class UnknownSession(UnknownReplica):
+    """A command names an executor session the daemon does not have (it restarted, or the
+    session was idle too long): the client registers it again (``Executor`` does that by
+    itself) and its tasks are attached to it by their ids."""
+
+    code = "unknown_session"
 
 
 class TaskTimeoutError(TimeoutError):
@@ -139,5 +168,6 @@ class ShutdownRequested(BaseException):
 
 ERROR_TYPES: dict[str, type[OrchestratorError]] = {
     cls.code: cls
-    for cls in (OrchestratorError, InvalidSpec, UnknownReplica, ShuttingDown, DaemonNotRunning, ChannelError)
+    for cls in (OrchestratorError, InvalidSpec, UnknownReplica, ShuttingDown, DaemonNotRunning, ChannelError,
+                UnknownSession)
 }

@@ -17,6 +17,12 @@ Differences from ``ProcessPoolExecutor``, each deliberate (README, "Executor"):
 a worker that dies fails only its task (``WorkerLost``, or runs it again with
 ``retries``) and is replaced: the executor never breaks; ``timeout`` per task; nothing
 outlives ``shutdown()``, nor the host's SIGKILL (the watchdog).
+
+In daemon mode the client outlives its daemon's restarts: a call that finds the daemon
+gone (or restarted: a new auth key, no such session) reconnects, registers the session
+again and attaches its tasks to it by their ids, within ``reconnect_timeout``; each task's
+number is this side's own (blocks granted by the loop), so that a batch sent again can never
+run a task twice.
 """
 
 from __future__ import annotations
@@ -30,15 +36,17 @@ import pickle
 import queue
 import secrets
 import threading
+import time
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from . import taskwire as w
+from .client.channel import AWAY
 from .errors import (
-    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskTimeoutError, UnknownReplica,
-    WorkerLost,
+    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
+    UnknownReplica, WorkerLost,
 )
 
 __all__ = ["Executor"]
@@ -58,14 +66,21 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+class _Canceller(Protocol):
+    def _cancel(self, ref: int) -> bool: ...
+
+
 class _TaskFuture(Future):
     """A standard Future whose ``cancel()`` also reaches a task that runs."""
 
-    def __init__(self, executor: "Executor", ref: int) -> None:
+    def __init__(self, executor: _Canceller | None, ref: int, task_id: str | None = None) -> None:
         super().__init__()
-        self._executor: Executor | None = executor
+        self._executor: _Canceller | None = executor
         self._ref = ref
-        self.task_id: str | None = None  # the loop's id (``<pool>/<n>``), once it has one
+        # The task's id (``<pool>/<n>``), set by ``submit`` before it returns: any process
+        # finds the task again with it (``Client(DIR).task(ID)``). None for a future that
+        # failed before its task was made (it could not be pickled).
+        self.task_id: str | None = task_id
 
     def cancel(self) -> bool:
         with self._condition:
@@ -133,8 +148,25 @@ class Executor(futures_base.Executor):
 
     ``state_dir``: None, the control loop runs in this process (an ``Orchestrator`` with its
     watchdog) and the pool goes with ``shutdown()``; a state dir, the pool lives in that
-    running daemon, outlives this executor (until ``delete``), and is joined if it exists
-    with the same keywords.
+    running daemon and outlives this executor (until ``delete``). A pool that runs already
+    is joined as it is (its size, which an operator may have scaled, and its preload);
+    where a keyword would change how tasks run there (``initializer``/``initargs``,
+    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``, ``env``,
+    ``cwd``, the import path) and differs, InvalidSpec names it with both values.
+
+    ``reconnect_timeout`` (daemon mode; 30 s): how long the executor waits for its daemon
+    when it is gone (``stop`` then ``start``, a kill -9 then ``start``, an upgrade): it
+    reconnects by itself, registers its session again and goes on waiting on the tasks the
+    daemon kept (a future fails only with its task's real end: ``WorkerLost`` after a kill
+    -9, ``TaskInterrupted`` after a ``stop``, unless ``retries`` queue it again). Submits and
+    cancels made meanwhile wait for it. Once the window passes, every pending future fails
+    with ``ChannelError``, and so does every later call: the executor is done.
+
+    Each future's ``task_id`` (``<pool>/<n>``) is set when ``submit`` returns; in daemon mode
+    ``Client(DIR).task(ID)`` finds the task again from any process. Leaving: in daemon mode
+    ``shutdown(wait=False)`` returns at once and the interpreter's exit does not wait for the
+    tasks (they are the daemon's; any client fetches their results); ``shutdown(wait=True)``
+    waits for them, as the standard library's does. Embedded, the exit waits for them.
     """
 
     def __init__(
@@ -153,6 +185,7 @@ class Executor(futures_base.Executor):
         memory_max: int | None = None,
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike | None = None,
+        reconnect_timeout: float = 30.0,
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
@@ -182,16 +215,26 @@ class Executor(futures_base.Executor):
         self._events: queue.SimpleQueue[tuple | list] = queue.SimpleQueue()
         self._session = secrets.token_hex(8)
         self._stopping = False
-        self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir)
+        self._after = 0  # the session's events read so far (daemon mode)
+        self._finished = False  # the session ended (shutdown, or left at exit)
+        self._numbering = threading.Lock()  # this session's block of task numbers: [_next_n, _end_n)
+        self._next_n = self._end_n = self._block = 0
+        self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir, reconnect_timeout)
         args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
-                "session": self._session}
+                "init_about": _about(initializer, initargs), "session": self._session, "numbers": _FIRST_BLOCK}
         if isinstance(self._backend, _Embedded):
             args["sink"] = self._events.put  # in this process: the loop hands each event over at once
+        else:
+            self._backend.rejoin = functools.partial(self._rejoin, args)
         try:
-            self._backend.call("executor", args)
+            got = self._backend.call("executor", args, retry=False)  # a daemon away now: this error
         except BaseException:
             self._backend.close()
             raise
+        block = got.get("numbers") if isinstance(got, dict) else None
+        if block:  # a daemon of an earlier version grants none: the ids come as the tasks start
+            self._next_n, self._block = block[0], block[1]
+            self._end_n = self._next_n + self._block
         target = self._collect if isinstance(self._backend, _Embedded) else self._poll
         self._collector = threading.Thread(target=target, name=f"executor-{self._pool}", daemon=True)
         self._collector.start()
@@ -225,8 +268,11 @@ class Executor(futures_base.Executor):
             if not isinstance(err, Exception):
                 raise  # a Ctrl-C (or SystemExit) while it pickled is the caller's, not the task's
             return fut
-        args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload}
         try:
+            n = self._number()
+            if n is not None:
+                fut.task_id = f"{self._pool}/{n}"
+            args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload, "n": n}
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
@@ -248,6 +294,11 @@ class Executor(futures_base.Executor):
         return (result for chunk in chunks for result in chunk)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """As the standard library's: ``wait`` waits for the pending futures (after
+        cancelling the queued ones, with ``cancel_futures``), then ends the session. Without
+        ``wait`` it returns at once; the futures still end while this process runs. In
+        daemon mode the tasks are the daemon's: an interpreter that exits leaves them there
+        (``Client(DIR).task(ID)`` fetches a result later) instead of waiting for them."""
         with self._lock:
             first = not self._shutdown
             self._shutdown = True
@@ -255,22 +306,56 @@ class Executor(futures_base.Executor):
             if wait:
                 self._close(cancel_futures)
             else:
-                threading.Thread(target=self._close, args=(cancel_futures,), name=f"executor-{self._pool}-close").start()
+                # Daemon mode: a daemon thread, so that the interpreter's exit never waits
+                # for it (the exit leaves the tasks to the daemon: _leave).
+                threading.Thread(target=self._close, args=(cancel_futures,), name=f"executor-{self._pool}-close",
+                                 daemon=isinstance(self._backend, _Remote)).start()
         if wait:
             self._closed.wait()
 
     # -- the loop's side ----------------------------------------------------------------
 
     def _close(self, cancel: bool) -> None:
+        if not cancel:
+            futures_base.wait(list(self._futures.values()))  # as the standard library: pending work runs
+        self._end_session(cancel, "the executor shut down")
+
+    def _leave(self) -> None:
+        """The interpreter exits (daemon mode): what was submitted is delivered (bounded by
+        ``reconnect_timeout`` if the daemon is away), the session ends and the tasks stay
+        the daemon's; nothing waits for them to end."""
+        with self._lock:
+            self._shutdown = True
+        self._end_session(False, "the interpreter exited: the task was left to the daemon")
+        if isinstance(self._backend, _Remote):  # a close of shutdown(wait=False) ends first
+            self._closed.wait(self._backend.reconnect_timeout + POLL_TIMEOUT)
+
+    def _end_session(self, cancel: bool, why: str) -> None:
+        """Once (a close after a leave, or the other way round, does nothing more): the
+        session ends (embedded, the pool with it), then the threads, and what is still
+        pending fails with ShuttingDown(``why``)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
         try:
-            if not cancel:
-                futures_base.wait(list(self._futures.values()))  # as the standard library: pending work runs
+            remote = self._backend if isinstance(self._backend, _Remote) else None
             try:
+                if remote is not None:
+                    if cancel:  # never sent: cancelled here, as the standard library's queued ones
+                        for ref in remote.take_back():
+                            fut = self._futures.pop(ref, None)
+                            if fut is not None:
+                                fut._cancelled_now()
+                    remote.drain()  # what was submitted reaches the daemon before the session ends
+                    self._give_back()
+                    self._stopping = True  # before the close: its answer to the poll ends the poller
+                    remote.gone.set()
                 # Embedded, the pool is this executor's and goes with it; a daemon's pool
                 # outlives its clients (until `delete`): only this session ends.
                 self._backend.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": cancel,
-                                                      "delete": isinstance(self._backend, _Embedded)}, timeout=None)
-            except (ShuttingDown, ChannelError, DaemonNotRunning):
+                                                      "delete": remote is None}, timeout=None, retry=False)
+            except (ShuttingDown, ChannelError, DaemonNotRunning, UnknownReplica):
                 pass
             finally:
                 self._stopping = True
@@ -280,10 +365,59 @@ class Executor(futures_base.Executor):
             if self._collector is not threading.current_thread():
                 self._collector.join()
             for fut in list(self._futures.values()):  # the loop ended first (it failed): nothing waits forever
-                _fail(fut, ShuttingDown("the executor shut down"))
+                _fail(fut, ShuttingDown(why))
             self._futures.clear()
             self._closed.set()
             _LIVE.discard(self)
+
+    def _number(self) -> int | None:
+        """The next number of this session's block, which the task's id is made of; the
+        next block (twice as large, up to _BLOCK_MAX) asked for when it is used up: one
+        round trip per block, none per task. None from a daemon that grants none."""
+        with self._numbering:
+            if self._next_n >= self._end_n:
+                if not self._block:
+                    return None
+                self._block = min(self._block * 2, _BLOCK_MAX)
+                first, count = self._backend.call("task_numbers", {"pool": self._pool, "session": self._session,
+                                                                   "count": self._block})
+                self._next_n, self._end_n = first, first + count
+            self._next_n += 1
+            return self._next_n - 1
+
+    def _give_back(self) -> None:
+        """The unused end of the last block goes back, so that the next ids continue
+        without a gap (when no other session took numbers after it); best effort."""
+        with self._numbering:
+            if self._next_n >= self._end_n:
+                return
+            back, self._end_n = [self._next_n, self._end_n], self._next_n
+        try:
+            self._backend.call("task_numbers", {"pool": self._pool, "session": self._session, "give_back": back},
+                               retry=False)
+        except OrchestratorError:
+            pass
+
+    def _rejoin(self, join: dict, timeout: float) -> None:
+        """After a reconnect: the session registered again (``join``: this executor's
+        ``executor`` command), counting its events on from where this side read them; made
+        anew (the daemon restarted, or dropped it), it takes this side's tasks back by their
+        ids. A task the daemon has no record of fails (its submit had been acknowledged)."""
+        assert isinstance(self._backend, _Remote)
+        remote = self._backend
+        got = remote.raw_call("executor", {**join, "numbers": None, "rejoin": True, "after": self._after}, timeout)
+        if not got.get("fresh"):
+            return
+        pending = [(ref, fut.task_id) for ref, fut in remote.acknowledged(list(self._futures.items()))
+                   if fut.task_id is not None]
+        if not pending:
+            return
+        known = remote.raw_call("task_attach", {"pool": self._pool, "session": self._session,
+                                                "tasks": [[ref, task_id] for ref, task_id in pending]}, timeout)
+        for (ref, task_id), ok in zip(pending, known):
+            fut = None if ok else self._futures.pop(ref, None)
+            if fut is not None:
+                _fail(fut, ChannelError(f"task {task_id}: the daemon has no record of it (after it restarted)"))
 
     def _cancel(self, ref: int) -> bool:
         if isinstance(self._backend, _Remote) and self._backend.unsend(ref):
@@ -297,22 +431,22 @@ class Executor(futures_base.Executor):
 
     def _poll(self) -> None:
         """A daemon's pool: what its loop reports, fetched (long polls on the channel) and
-        handed to the collector. A daemon that went away fails every pending future."""
-        after = 0
+        handed to the collector. A daemon that goes away is waited for (``_Remote.call``:
+        reconnected, the session joined again); one that does not come back within
+        ``reconnect_timeout`` fails every pending future with ChannelError."""
         try:
             while not self._stopping:
                 try:
-                    got = self._backend.call("task_events", {"session": self._session, "after": after,
+                    got = self._backend.call("task_events", {"session": self._session, "after": self._after,
                                                              "timeout": 1.0}, timeout=POLL_TIMEOUT)
                 except OrchestratorError as err:
                     if self._stopping:
                         break
                     for fut in list(self._futures.values()):
-                        _fail(fut, err if isinstance(err, (ChannelError, DaemonNotRunning)) else
-                              ChannelError(f"the daemon went away: {err}"))
+                        _fail(fut, err if isinstance(err, ChannelError) else ChannelError(f"the daemon went away: {err}"))
                     self._futures.clear()
                     break
-                after = got["next"]
+                self._after = got["next"]
                 for event in got["events"]:
                     self._on_event(event)
         finally:
@@ -385,6 +519,8 @@ class Executor(futures_base.Executor):
             _fail(fut, WorkerLost(f"task {task_id}: its worker was lost: {data}", reason=data, task=task_id))
         elif kind == "unrun":
             _fail(fut, WorkerLost(f"task {task_id} did not run: {data}", reason=data, task=task_id))
+        elif kind == "interrupted":
+            _fail(fut, TaskInterrupted(f"task {task_id} was {data}", reason=data, task=task_id))
         elif kind == "cancelled":
             fut._cancelled_now()
         elif kind == "refused":
@@ -401,7 +537,7 @@ class _Backend:
 
     handle: Any
 
-    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
         raise NotImplementedError
 
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
@@ -422,7 +558,7 @@ class _Embedded(_Backend):
         self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=True, cgroup="auto")
         self.handle.start()
 
-    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
         return self.handle.call(op, args, timeout)
 
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
@@ -435,23 +571,100 @@ class _Embedded(_Backend):
 class _Remote(_Backend):
     """A running daemon, over its command channel (``Client``). Submits are sent in batches
     by a thread of their own: each waits for nothing, and a burst costs one round trip per
-    batch, not per task."""
+    batch, not per task.
 
-    def __init__(self, state_dir: str | os.PathLike) -> None:
+    A daemon that goes away does not end this client: the call that finds it away waits
+    (``recover``) while one thread reconnects (the daemon's new key, a new connection) and
+    registers the session again (``rejoin``, the executor's), for up to
+    ``reconnect_timeout`` seconds; then every waiting call tries again. A batch whose reply
+    did not come is sent again (``resend``): the daemon knows each task by the number this
+    side gave it, so a task that arrived the first time is not queued twice."""
+
+    def __init__(self, state_dir: str | os.PathLike, reconnect_timeout: float) -> None:
         from .client.channel import Client
 
+        if isinstance(reconnect_timeout, bool) or not isinstance(reconnect_timeout, (int, float)) or \
+                not 0 <= reconnect_timeout < float("inf"):
+            raise ValueError(f"reconnect_timeout must be a finite number of seconds, got {reconnect_timeout!r}")
         self.handle = Client(state_dir)
+        self.reconnect_timeout = float(reconnect_timeout)
+        self.rejoin: Callable[[float], None] = lambda timeout: None  # the executor's
+        self.gone = threading.Event()  # the executor is closing: a reconnect gives up
+        self._link = threading.Condition()
+        self._generation = 0  # reconnects so far
+        self._recovering = False
+        self._broken: OrchestratorError | None = None  # the window passed: every call fails with it
         self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
+        self._inflight: set[int] = set()  # the refs of the batch on its way
         self._wake = threading.Condition()
         self._sending = threading.Lock()  # held while a batch is on its way
         self._closed = False
         self._sender = threading.Thread(target=self._send, name="executor-submit", daemon=True)
         self._sender.start()
 
-    def call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+    def raw_call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+        """One call, as it goes: no waiting for a daemon that is away."""
         if op == "executor" and isinstance(args.get("init"), bytes):
             args = {**args, "init": base64.b64encode(args["init"]).decode("ascii")}  # JSON carries no bytes
         return self.handle.call(op, args, timeout)
+
+    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
+        """A call; one that finds the daemon away is made again once this client is back
+        with it (``recover``), unless ``retry`` is False."""
+        while True:
+            seen = self._generation
+            try:
+                return self.raw_call(op, args, timeout)
+            except AWAY as err:
+                if not retry:
+                    raise
+                self.recover(seen, err)
+
+    def recover(self, seen: int, err: OrchestratorError) -> None:
+        """A call made at reconnect ``seen`` failed with ``err``, as a call to a daemon that
+        is away does. Returns once this client is back with its daemon (the caller tries
+        again); raises the error that ends this executor once ``reconnect_timeout`` has
+        passed (or at once, if it has passed already, or the executor is closing)."""
+        with self._link:
+            while True:
+                if self._broken is not None:
+                    raise self._broken
+                if self._generation != seen:
+                    return  # another thread reconnected meanwhile
+                if self.gone.is_set():
+                    raise ShuttingDown("the executor is shutting down")
+                if not self._recovering:
+                    self._recovering = True
+                    break
+                self._link.wait()
+        broken: OrchestratorError | None = ChannelError("the executor shut down while it reconnected")
+        try:
+            broken = self._reconnect(err)
+        finally:
+            with self._link:
+                self._recovering = False
+                if broken is None:
+                    self._generation += 1
+                else:
+                    self._broken = broken
+                self._link.notify_all()
+        if broken is not None:
+            raise broken
+
+    def _reconnect(self, err: OrchestratorError) -> OrchestratorError | None:
+        """Until the daemon takes this session again (None), or the error that ends this
+        executor: the window passed (ChannelError), or the daemon refuses the session (its
+        pool was deleted meanwhile)."""
+        deadline = time.monotonic() + self.reconnect_timeout
+
+        def rejoin() -> None:
+            self.rejoin(max(1.0, min(deadline - time.monotonic(), 30.0)))
+
+        try:
+            self.handle.through_restart(rejoin, err, self.reconnect_timeout, self.gone)
+        except OrchestratorError as end:
+            return end
+        return None
 
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
         with self._wake:
@@ -470,6 +683,19 @@ class _Remote(_Backend):
                     return True
         return False
 
+    def take_back(self) -> list[int]:
+        """Every task not sent yet, taken back (a shutdown that cancels): their refs."""
+        with self._sending, self._wake:
+            taken, self._unsent = self._unsent, []
+        return [args["ref"] for args, _ in taken]
+
+    def acknowledged(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """Of (ref, future) ``items``, those whose submit the daemon acknowledged (not
+        waiting to be sent, nor on their way: those are sent again, to the daemon as it is)."""
+        with self._wake:
+            waiting = self._inflight | {args["ref"] for args, _ in self._unsent}
+        return [(ref, fut) for ref, fut in items if ref not in waiting]
+
     def _send(self) -> None:
         try:
             while True:
@@ -480,33 +706,55 @@ class _Remote(_Backend):
                         return
                     self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
                     batch, self._unsent = self._unsent, []
+                    self._inflight = {args["ref"] for args, _ in batch}
                 try:
                     self._send_batch(batch)
                 finally:
+                    with self._wake:
+                        self._inflight = set()
                     self._sending.release()
         finally:
             self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's
 
     def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
         first = batch[0][0]
-        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"]}
+        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
                  for args, _ in batch]
+        request = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
         try:
-            self.handle.call("task_submit", {"pool": first["pool"], "session": first["session"], "tasks": tasks})
-        except OrchestratorError as err:  # refused, or the daemon is gone: each future's error
+            while True:
+                seen = self._generation
+                try:
+                    self.raw_call("task_submit", request)
+                    return
+                except AWAY as err:
+                    # Perhaps it arrived, perhaps not: sent again once back, each task
+                    # named by its number (the daemon takes a task it has as that one).
+                    self.recover(seen, err)
+                    request["resend"] = True
+        except OrchestratorError as err:  # refused, or the daemon did not come back: each future's error
             msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
             for _, on_reply in batch:
                 on_reply(msg)
 
-    def close(self) -> None:
+    def drain(self) -> None:
+        """No more submits; returns once the sender delivered what it holds (or gave up)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._sender.join()
+
+    def close(self) -> None:
+        self.drain()
+        self.gone.set()
+        with self._link:
+            self._link.notify_all()
         self.handle.close()
 
 
-POLL_TIMEOUT = 4.0  # a poll waits 1 s in the daemon: a dead daemon is an error within this
+POLL_TIMEOUT = 4.0  # a poll waits 1 s in the daemon: a daemon that went away is noticed within this
+_FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
+_BLOCK_MAX = 1024  # ...up to this
 
 
 _LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
@@ -514,10 +762,23 @@ _LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_at_exit() -> None:
-    """As the standard library's executors: an interpreter that exits first lets the
-    submitted tasks finish, then stops the workers (none is left behind)."""
+    """An embedded executor, as the standard library's: an interpreter that exits first
+    lets the submitted tasks finish, then stops the workers (none is left behind). A
+    daemon's: its tasks are left to the daemon (delivered first), nothing waits for them."""
     for executor in list(_LIVE):
-        executor.shutdown(wait=True)
+        if isinstance(executor._backend, _Remote):
+            executor._leave()
+        else:
+            executor.shutdown(wait=True)
+
+
+def _about(initializer: Callable[..., Any] | None, initargs: tuple) -> str | None:
+    """An initializer as a joiner's conflict names it: ``module.name(args)``, short."""
+    if initializer is None:
+        return None
+    name = f"{getattr(initializer, '__module__', '?')}.{getattr(initializer, '__qualname__', repr(initializer))}"
+    args = repr(tuple(initargs))
+    return name + (args if len(args) <= 80 else args[:77] + "...")
 
 
 def _by_value(fn: Any) -> bool:

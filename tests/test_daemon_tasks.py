@@ -1,7 +1,8 @@
 """Tasks in the daemon: they outlive the client that submitted them, a clean stop keeps
 the queued ones for the next start, a kill -9 of the daemon makes the running ones LOST
 (or runs them again with retries), ids never repeat, and a client waiting on a task whose
-daemon died gets an error, not a hang."""
+daemon died (and does not come back) gets an error within its reconnect window, not a hang.
+A client that outlives its daemon's restart: tests/test_executor_daemon.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
-from orchestrator import ChannelError, Client, DaemonNotRunning, InvalidSpec, UnknownReplica
+from orchestrator import ChannelError, Client, InvalidSpec, UnknownReplica
 from orchestrator.taskwire import loads
 
 JOBS = textwrap.dedent("""
@@ -147,7 +148,7 @@ def test_a_client_waiting_on_a_task_whose_daemon_died_gets_an_error(daemon: Daem
     import jobsmod  # type: ignore[import-not-found]  # tmp_path/code, on sys.path (the fixture below)
 
     with Client(daemon.state_dir) as client:
-        ex = client.executor("jobs", max_workers=1)
+        ex = client.executor("jobs", max_workers=1, reconnect_timeout=1)
         try:
             fut = ex.submit(jobsmod.slow, 60, "never", str(started))
             wait_for(started.exists, 30, "the task to run")
@@ -155,9 +156,9 @@ def test_a_client_waiting_on_a_task_whose_daemon_died_gets_an_error(daemon: Daem
             assert daemon.pid is not None
             os.kill(daemon.pid, signal.SIGKILL)
             began = time.monotonic()
-            with pytest.raises((ChannelError, DaemonNotRunning)):
+            with pytest.raises(ChannelError):
                 fut.result(timeout=50)  # an error, not this time-out
-            assert time.monotonic() - began < 50
+            assert time.monotonic() - began < 5  # the window (1 s), and a poll's bound
         finally:
             ex.shutdown(wait=True)
 
@@ -225,9 +226,10 @@ def test_a_second_client_joins_the_pool_or_is_refused(daemon: DaemonUnderTest, j
         try:
             with client.executor("jobs", max_workers=2, retries=1) as second:  # the same keywords: joined
                 assert second.submit(jobsmod.add, 2, 3).result(timeout=30) == 5
-            for other in ({"max_workers": 3, "retries": 1}, {"max_workers": 2, "retries": 2}):
-                with pytest.raises(InvalidSpec, match="jobs"):
-                    client.executor("jobs", **other)
+            with client.executor("jobs", max_workers=3, retries=1) as third:  # another size: the pool's taken
+                assert third.submit(jobsmod.add, 3, 3).result(timeout=30) == 6
+            with pytest.raises(InvalidSpec, match="'jobs' runs with retries=1, not 2"):
+                client.executor("jobs", max_workers=2, retries=2)
             assert first.submit(jobsmod.add, 1, 1).result(timeout=30) == 2  # the first one goes on
         finally:
             first.shutdown()

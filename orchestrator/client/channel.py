@@ -53,11 +53,14 @@ import socket
 import stat
 import struct
 import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from ..errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, UnsafeStateDir
+from ..errors import (
+    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
+)
 from ..paths import (
     AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
 )
@@ -67,6 +70,10 @@ from ..verbs import Verbs
 SERIALIZER = "orchestrator"
 _SUN_PATH_MAX = 107
 DEFAULT_TIMEOUT = 30.0
+# What a call to a daemon that went away (stopped, killed, restarting) fails with;
+# UnknownSession: it is back and does not know the caller's executor session.
+AWAY = (ChannelError, DaemonNotRunning, ShuttingDown, UnknownSession)
+R = TypeVar("R")
 
 
 # -- addresses and keys ------------------------------------------------------------
@@ -289,11 +296,13 @@ class Client(Verbs):
         # A dir, pid file, key or socket someone else controls is refused here (UnsafeStateDir).
         if not check_state_dir(self.paths) or running_pid(self.paths) is None:
             raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}")
+        self._own_key = authkey is None  # read from the state dir: read again by renew()
         self._authkey = authkey if authkey is not None else read_authkey(self.paths)
         self._address, self._dirfd = socket_address(self.paths.state_dir)
         self._board: str | None = None  # the ident of the manager's reply board, once created
         self._tls = threading.local()  # each thread's connection
         self._lock = threading.Lock()
+        self._generation = 0  # renew() counts; a thread's connection of an earlier one is made again
 
     def close(self) -> None:
         with self._lock:
@@ -304,6 +313,56 @@ class Client(Verbs):
         if self._dirfd is not None:
             os.close(self._dirfd)
             self._dirfd = None
+
+    def renew(self) -> None:
+        """Start over with the daemon of this state dir as it is now: after a restart it has
+        a new auth key and a new manager server, so the key is read again, a new reply board
+        is asked for on the next call, and each thread's connection is made again on its next
+        use. DaemonNotRunning while none runs; the caller decides how long to keep trying."""
+        if not check_state_dir(self.paths) or running_pid(self.paths) is None:
+            raise DaemonNotRunning(f"no daemon is running for {self.paths.state_dir}")
+        key = read_authkey(self.paths) if self._own_key else self._authkey
+        with self._lock:
+            self._authkey, self._generation = key, self._generation + 1
+            board, self._board = self._board, None
+        self._drop_connection()
+        if board is not None:
+            self._release(board)  # gone with an old manager, or one reference less in this one
+
+    def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
+                        stop: threading.Event | None = None) -> R:
+        """What ``attempt`` returns once the daemon is back: it failed with ``err`` (one of
+        AWAY); the daemon's key and the connections are renewed (not for UnknownSession:
+        the daemon is there) and it is tried again, with a backoff from 0.05 s doubling to
+        0.5 s (nothing tells another process when a daemon has started), until it succeeds
+        or ``window`` seconds have passed: then ChannelError, with the last error. Another
+        error of ``attempt`` is raised as it is; ``stop`` set: ShuttingDown."""
+        deadline = time.monotonic() + window
+        delay = 0.05
+        pause = stop if stop is not None else threading.Event()
+        while not pause.is_set():
+            try:
+                if not isinstance(err, UnknownSession):
+                    self.renew()
+                return attempt()
+            except AWAY as again:
+                err = again
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelError(f"the daemon of {self.paths.state_dir} went away and did not come back within "
+                                   f"{window:g} s (reconnect_timeout): {err}")
+            pause.wait(min(delay, left))
+            delay = min(delay * 2, 0.5)
+        raise ShuttingDown("stopped while waiting for the daemon to come back")
+
+    def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> Any:
+        """A handle on task ``task_id`` (``<pool>/<n>``, as ``fut.task_id`` and ``submit``
+        give it) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
+        ``future()``, ``info()``. UnknownReplica if the daemon has no such task. Its calls
+        wait through a restart of the daemon for up to ``reconnect_timeout`` seconds."""
+        from .taskhandle import TaskHandle
+
+        return TaskHandle(self, task_id, reconnect_timeout=reconnect_timeout)
 
     def close_thread(self) -> None:
         """Close the calling thread's connection (a thread that ends calls it: ``close``
@@ -366,6 +425,9 @@ class Client(Verbs):
     def _thread_connection(self, limit: float) -> _ClientConnection:
         """This thread's connection to the board (made on first use), bounded for one reply."""
         conn: _ClientConnection | None = getattr(self._tls, "connection", None)
+        if conn is not None and self._tls.generation != self._generation:  # made before a renew()
+            self._drop_connection()
+            conn = None
         if conn is None:
             conn = open_connection(self._address, self._authkey, self.timeout + 5.0)
             try:  # the server gives this connection a thread of its own, named as a proxy names it
@@ -373,7 +435,7 @@ class Client(Verbs):
             except BaseException:
                 conn.close()
                 raise
-            self._tls.connection = conn
+            self._tls.connection, self._tls.generation = conn, self._generation
         # The reply may take up to `limit` to come: bound this thread's socket just past it.
         set_timeouts(conn.fileno(), limit + 5.0)
         return conn
@@ -386,7 +448,8 @@ class Client(Verbs):
 
     def executor(self, pool: str | None = None, **keywords: Any) -> Any:
         """An ``orchestrator.Executor`` whose pool ``pool`` lives in this daemon (made, or
-        joined if it runs with the same keywords): it outlives this client until ``delete``."""
+        joined as it runs where the keywords do not conflict: see ``Executor``): it outlives
+        this client until ``delete``."""
         from ..executor import Executor
 
         return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
@@ -422,4 +485,4 @@ class Client(Verbs):
         return raise_reply(msg)
 
 
-__all__ = ["Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]
+__all__ = ["AWAY", "Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]

@@ -1,8 +1,24 @@
 """The commands of the task table (tasktable.py): ``executor`` (open or join an executor
-pool, with a session), ``task_submit``, ``task_cancel``, ``executor_close``, ``task_events``
-(a client's long poll), ``tasks``, ``task_result``; a config file's executor pools
-(``declare``); each pool's counts for ``status``; and the sessions' lifecycle (opened by
-``executor``, kept alive by a client's polls, dropped when closed or idle). Loop thread only.
+pool, with a session), ``task_numbers`` (a block of task numbers a session hands out
+itself), ``task_submit``, ``task_attach`` (a session registered again takes its tasks back),
+``task_cancel``, ``executor_close``, ``task_events`` (a client's long poll), ``tasks``,
+``task_result``; a config file's executor pools (``declare``); each pool's counts for
+``status``; and the sessions' lifecycle (opened by ``executor``, kept alive by a client's
+polls, dropped when closed or idle). Loop thread only.
+
+Task numbers: a session is granted blocks of numbers (``executor``, then ``task_numbers``)
+and names each task's number itself when it submits it, so that the submitter knows the
+task's id at once, without a round trip per task; every grant is recorded in the pool's
+row (``_reserve``) before its reply. A task sent again with a number the pool has already
+(a client that reconnected resends what it is not sure arrived) is that task, attached
+to the sender's session, never a second run.
+
+Joining a pool (``executor`` naming a pool that runs): the joiner takes the pool as it is,
+its size (an operator may have scaled it) and its preload (it only warms a worker's
+start); what would change how the joiner's tasks run is a conflict, named in the error
+with both values: the options (``max_tasks_per_child``, ``timeout``, ``grace``,
+``retries``, ``memory_max``), the initializer and its arguments, and the workers' ``env``,
+``cwd`` and import path.
 """
 
 from __future__ import annotations
@@ -11,49 +27,144 @@ from typing import Any, Callable
 
 from .. import protocol
 from .. import taskwire as w
-from ..errors import InvalidSpec, UnknownReplica
+from ..errors import InvalidSpec, UnknownReplica, UnknownSession
 from ..states import TaskState as T
+from .pools import Pool
 from .taskrecords import (
     ExecPool, Reply, Session, Sink, Task, as_bytes, listing, outcome, parse_options, target_payload,
 )
+
+
+def ended_kind(task: Task) -> str:
+    """How an ended task ended, as its end event says it (a row of an earlier version may
+    not say: its state does)."""
+    if task.kind:
+        return task.kind
+    return {T.DONE: "result", T.CANCELLED: "cancelled", T.TIMED_OUT: "timeout"}.get(
+        task.state, "raised" if task.result else "lost")
+
+
+def ended_data(task: Task) -> Any:
+    """What an ended task's end event carries (tasktable's ``_end``): the result's or the
+    exception's bytes, [line, limit] for a timeout, else the reason."""
+    if task.kind in ("result", "raised"):
+        return task.result
+    if task.kind == "timeout":
+        return [task.reason, task.timeout]
+    return task.reason
 from .tasktable import SESSION_IDLE, WORKER_TARGET, TaskTable
+
+NUMBERS_MAX = 4096  # task numbers granted to a session at a time
 
 
 class TaskCommands(TaskTable):
     """The task table with its commands; see the module docstring."""
 
     def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
-        return {"executor": self._cmd_executor, "task_submit": self._cmd_submit,
-                "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
+        return {"executor": self._cmd_executor, "task_numbers": self._cmd_numbers, "task_submit": self._cmd_submit,
+                "task_attach": self._cmd_attach, "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
                 "task_events": self._cmd_events, "tasks": self._cmd_tasks, "task_result": self._cmd_result}
 
     def _cmd_executor(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """Open (or join) an executor pool, and register the session that submits to it."""
+        """Open (or join) an executor pool, and register the session that submits to it
+        (``numbers``: the size of the first block of task numbers it is granted; ``after``:
+        where a session made anew starts counting its events, so that a client that comes
+        back reads on from where it was; ``rejoin``: the pool must exist, it is not made
+        again). Returns the pool's name, its replicas, its size, the block (``numbers``:
+        [first, count]) and whether the session is new here (``fresh``)."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
         options = parse_options(args.get("options"))
         init = as_bytes(args.get("init") or b"", "init")
+        about = args.get("init_about")
         spec = args.get("spec")
         if not isinstance(spec, dict) or spec.get("target") != WORKER_TARGET:
             raise InvalidSpec("an executor pool's spec runs " + WORKER_TARGET)
+        numbers = protocol.count(args["numbers"], what="numbers") if args.get("numbers") is not None else 0
+        after = args.get("after") or 0
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidSpec(f"after must be a whole number of at least 0, got {after!r}")
         self._listen()
         spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
         policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
         if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
             policy["memory_max"] = options["memory_max"]
         xp = self._pools.get(name)
-        if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
-            raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
-        pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
-        if xp is None or xp.closing:
-            xp = self._adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
+        pool = self.table.pool(name)
+        if xp is not None and not xp.closing and pool is not None and not pool.deleted:
+            conflicts = self._conflicts(xp, pool, options, init, about, spec)  # joined as it runs, if none
+            if conflicts:
+                raise InvalidSpec(f"executor pool {name!r} runs with {'; '.join(conflicts)}: "
+                                  "join it with the same, or use another pool name")
+            ids = [r.id for r in pool.live.values()]
+        elif args.get("rejoin"):
+            raise UnknownReplica(f"unknown executor pool {name!r} (deleted while this client was away)")
+        else:
+            if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
+                raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
+            pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
+            if xp is None or xp.closing:
+                xp = self._adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
+                if about and pool.executor is not None:
+                    pool.executor["about"] = str(about)[:200]  # named in a joiner's conflict
+                    self.table.save_pool(pool)
+        fresh = False
         session = args.get("session")
         if session is not None:
             sink = args.get("sink")
             if sink is not None and not callable(sink):
                 raise InvalidSpec("a session's sink must be callable")
-            self._open_session(str(session), sink)
-        return {"pool": pool.name, "ids": ids}
+            fresh = str(session) not in self._sessions
+            opened = self._open_session(str(session), sink)
+            if fresh:
+                opened.seq = after
+        block = self._grant(xp, numbers) if numbers else None
+        return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
+
+    def _conflicts(self, xp: ExecPool, pool: Pool, options: dict, init: bytes, about: Any, spec: dict) -> list[str]:
+        """What a joiner asks for that the running pool does not do, each as ``KEY=RUNS,
+        not ASKED`` (see the module docstring for which keywords conflict, and why)."""
+        out = [f"{key}={xp.options.get(key)!r}, not {options.get(key)!r}"
+               for key in ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max")
+               if xp.options.get(key) != options.get(key)]
+        if xp.init != init:
+            runs = (pool.executor or {}).get("about") or ("another initializer" if xp.init else "none")
+            out.append(f"initializer={runs}, not {about or 'another one' if init else 'none'}")
+        wire = pool.runtime.wire if pool.runtime is not None else {}
+        have_env, want_env = dict(wire.get("env") or {}), dict(spec.get("env") or {})
+        for key in sorted(set(have_env) | set(want_env)):
+            if key != w.SOCKET_ENV and have_env.get(key) != want_env.get(key):
+                out.append(f"env[{key!r}]={have_env.get(key)!r}, not {want_env.get(key)!r}")
+        for key, shown in (("cwd", "cwd"), ("pythonpath", "PYTHONPATH")):
+            have, want = wire.get(key) or None, spec.get(key) or None
+            if have != want:
+                out.append(f"{shown}={have!r}, not {want!r}")
+        return out
+
+    def _cmd_numbers(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """The next block of task numbers for a session (``count``; [first, count]), or the
+        unused end of its latest one given back (``give_back``: [first, end]; taken back
+        only if no number was handed out after it)."""
+        xp = self._exec_pool(args.get("pool"))
+        back = args.get("give_back")
+        if back is None:
+            return self._grant(xp, protocol.count(args.get("count"), what="count"))
+        if (not isinstance(back, list) or len(back) != 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
+            raise InvalidSpec("give_back must be [first, end]")
+        first, end = back
+        if 0 < first < end == xp.next_n and not any(f"{xp.name}/{n}" in self._live or f"{xp.name}/{n}" in self._ended
+                                                      for n in range(first, end)):
+            xp.next_n = first
+            self._reserve(xp)
+        return None
+
+    def _grant(self, xp: ExecPool, count: int) -> list[int]:
+        count = min(count, NUMBERS_MAX)
+        first = xp.next_n
+        xp.next_n += count
+        self._reserve(xp)  # in this turn's commit, before the reply that hands them out
+        return [first, count]
 
     def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
@@ -84,19 +195,78 @@ class TaskCommands(TaskTable):
         """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
         batch of them (``tasks``: a list of such objects); its id, or their ids."""
         xp = self._exec_pool(args.get("pool"))
-        session = self._sessions.get(str(args["session"])) if args.get("session") is not None else None
-        if session is not None:
-            self._touch(session)
+        session = self._session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
         if batch is None:
-            return self._submit(xp, session, args).id
-        if not isinstance(batch, list):
+            batch = [args]
+        elif not isinstance(batch, list):
             raise InvalidSpec("tasks must be a list")
-        made = [self._task(xp, session, one) for one in batch]  # all checked before any is queued
-        return [self._queue(xp, task).id for task in made]
+        resend = bool(args.get("resend"))
+        # All checked before any is queued; one whose number the pool has is that task.
+        made = [self._known(xp, session, one, resend) or self._task(xp, session, one) for one in batch]
+        ids = [task.id or self._queue(xp, task).id for task in made]
+        return ids if args.get("tasks") is not None else ids[0]
 
-    def _submit(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
-        return self._queue(xp, self._task(xp, session, one))
+    def _known(self, xp: ExecPool, session: Session | None, one: Any, resend: bool) -> Task | None:
+        """The task of ``one``'s number if the pool has it already (a resend), attached to
+        ``session``; None for a new one. Ended tasks that left memory are looked up in the
+        store only for a resend: a first send names a number no task has."""
+        n = one.get("n") if isinstance(one, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool):
+            return None
+        task_id = f"{xp.name}/{n}"
+        task = self._live.get(task_id) or self._ended.get(task_id)
+        if task is None and resend:
+            row = self._stored(task_id)
+            task = self._from_row(xp, row) if row is not None else None
+        if task is not None:
+            self._attach(session, one.get("ref"), task)
+        return task
+
+    def _cmd_attach(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+        """A session registered again (its client reconnected, perhaps to a daemon that
+        restarted) takes its tasks back: ``tasks``, [[ref, id], ...]. For each, whether the
+        pool has it; a running one is told ``started`` again, an ended one its end."""
+        xp = self._exec_pool(args.get("pool"))
+        session = self._session(args.get("session"))
+        pairs = args.get("tasks")
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)
+                                                  for p in pairs):
+            raise InvalidSpec("tasks must be a list of [ref, task id]")
+        known = []
+        for ref, task_id in pairs:
+            task = self._live.get(task_id) or self._ended.get(task_id)
+            if task is None and task_id.rpartition("/")[0] == xp.name:
+                row = self._stored(task_id)
+                task = self._from_row(xp, row) if row is not None else None
+            if task is not None:
+                self._attach(session, ref, task)
+            known.append(task is not None)
+        return known
+
+    def _attach(self, session: Session | None, ref: Any, task: Task) -> None:
+        """``task`` is ``session``'s, under ``ref``: what it does from now on is told there,
+        and what it did already (started, or its end) is told at once."""
+        if session is None or ref is None:
+            return
+        if task.state.terminal:
+            task.session, task.ref = session, ref
+            self._tell(task, ended_kind(task), ended_data(task))
+            return
+        if task.session is not None and task.session is not session:
+            task.session.tasks.pop(task.ref, None)
+        task.session, task.ref = session, ref
+        session.tasks[ref] = task
+        if task.state is T.RUNNING:
+            self._tell(task, "started", task.id)
+
+    def _from_row(self, xp: ExecPool, row: dict) -> Task:
+        """An ended task the store keeps (no longer in memory), as a record to tell its end."""
+        task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
+                    state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
+                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"])
+        task.ended_at, task.reason, task.kind, task.result = row["ended_at"], row["reason"], row["kind"], row["result"]
+        return task
 
     def _task(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
         if not isinstance(one, dict):
@@ -124,13 +294,17 @@ class TaskCommands(TaskTable):
         retries = one.get("retries", opts.get("retries", 0))
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidSpec(f"retries must be a whole number of at least 0, got {retries!r}")
-        return Task("", 0, xp, payload, one.get("ref"), session, timeout, retries)
+        n = one.get("n")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 < n < xp.next_n):
+            raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
+        return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries)
 
     def _queue(self, xp: ExecPool, task: Task) -> Task:
-        task.n = xp.next_n
+        if not task.n:  # not numbered by its session: the next number, recorded with this turn
+            task.n = xp.next_n
+            xp.next_n += 1
+            self._reserve(xp)
         task.id = f"{xp.name}/{task.n}"
-        xp.next_n += 1
-        self._reserve(xp)
         task.queued_at = self.table.os.time()
         if task.session is not None and task.ref is not None:
             task.session.tasks[task.ref] = task
@@ -153,10 +327,7 @@ class TaskCommands(TaskTable):
             found = [self._find(i) for i in ids]  # all or nothing
             return [self.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
                     for i, t in zip(ids, found)]
-        session = self._sessions.get(str(args.get("session")))
-        if session is None:
-            raise UnknownReplica(f"unknown session {args.get('session')!r}")
-        self._touch(session)
+        session = self._session(args.get("session"))
         # A ref it no longer holds has ended: cancelled (the submitter knows it is) or with a
         # result on its way, which stands.
         return [self.cancel(task) if (task := session.tasks.get(ref)) is not None else False
@@ -214,10 +385,7 @@ class TaskCommands(TaskTable):
     def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """What a polling session's tasks did since ``after``: at once if there is something,
         else when there is, or after ``timeout`` (empty)."""
-        session = self._sessions.get(str(args.get("session")))
-        if session is None:
-            raise UnknownReplica(f"unknown session {args.get('session')!r} (it was idle too long, or closed)")
-        self._touch(session)
+        session = self._session(args.get("session"))
         after = args.get("after", 0)
         while session.events and session.events[0][0] <= after:
             _, done = session.events.popleft()
@@ -239,7 +407,14 @@ class TaskCommands(TaskTable):
         return protocol.DEFERRED
 
     def _cmd_tasks(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first."""
+        """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first;
+        with ``id``, that task's alone (UnknownReplica if there is none)."""
+        if args.get("id") is not None:
+            task = self._find(args["id"])
+            row = task.record() if task is not None else self._stored(args["id"])
+            if row is None:
+                raise UnknownReplica(f"task {args['id']!r} ended long ago: its record was pruned")
+            return [listing(row)]
         pool = args.get("pool")
         if pool is not None and pool not in self._pools:
             raise UnknownReplica(f"unknown executor pool {pool!r}")
@@ -300,6 +475,14 @@ class TaskCommands(TaskTable):
         queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
         return {"queued": queued, "running": running,
                 **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal}}
+
+    def _session(self, name: Any) -> Session:
+        """A command's session, alive again (UnknownSession: its client registers it again)."""
+        session = self._sessions.get(str(name))
+        if session is None:
+            raise UnknownSession(f"unknown session {name!r} (the daemon restarted, or it was idle too long, or closed)")
+        self._touch(session)
+        return session
 
     def _open_session(self, name: str, sink: Sink | None) -> Session:
         session = self._sessions.get(name)

@@ -56,6 +56,7 @@ class Tasks(TaskCommands):
             next_n = max(int(ex.get("next_task") or 1), numbers.get(pool.name, 0) + 1)
             self._listen()
             xp = self._adopt(pool, options, init, next_n=next_n)
+            self._keep_about(pool, ex)
             if store is None:
                 continue
             for row in store.tasks(pool=pool.name):
@@ -71,6 +72,12 @@ class Tasks(TaskCommands):
                         self._end(task, T.LOST, "lost", "the daemon died while it ran")
                 else:
                     xp.queue.append(task)
+
+    def _keep_about(self, pool: Any, stored: dict) -> None:
+        """What the pool's row said of its initializer (a joiner's conflict names it) stays."""
+        if stored.get("about") and pool.executor is not None:
+            pool.executor["about"] = stored["about"]
+            self.table.save_pool(pool)
 
     # -- an upgrade (handover.py) ----------------------------------------------------------
 
@@ -149,7 +156,8 @@ class Tasks(TaskCommands):
             xp: ExecPool | None = self._adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
                              next_n=int(carried["next_n"]))
             assert xp is not None
-            xp.reserved, xp.said = int(carried["reserved"]), carried.get("said")
+            self._keep_about(pool, ex)
+            xp.said = carried.get("said")  # the next number: recorded by _adopt
             xp.ended.update({str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
         for ss in doc.get("sessions", []):
             session = self._open_session(ss["name"], None)

@@ -23,7 +23,7 @@ of an executor pool (SO_PEERCRED), once. The loop never unpickles a task or a re
 moves opaque bytes between the submitting session and the worker. What a session hears
 (``sink``, called with a list of them once per turn): ``(kind, ref, data, task id)`` with
 kind one of started, result, raised, error (data: a line), cancelled, timeout, lost,
-unrun (data: the reason).
+unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task short).
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is clos
 HELLO_MAX = 16  # the payload a connection may send before it said who it is
 PARKED_MAX = 64  # connections of our user from pids not known yet, waiting unread
 LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far shorter
-ID_BLOCK = 1024  # task numbers reserved in the pool's row at a time
 
 
 class Table(Protocol):
@@ -240,21 +239,22 @@ class TaskTable:
 
     def _adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1) -> ExecPool:
         """``pool`` is an executor pool from now on (made, or restored from the store)."""
-        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=next_n)
+        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0)
         pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
         self._reserve(xp, pool)
         self._watch_memory(xp)
         return xp
 
     def _reserve(self, xp: ExecPool, pool: Pool | None = None) -> None:
-        """Record in the pool's row that task numbers up to a block ahead are handed out, so
-        that an id is never given twice even once its task's row is pruned."""
-        if xp.next_n < xp.reserved:
+        """Record in the pool's row the exact next task number (committed with the turn that
+        handed the last one out, before its reply), so that an id is never given twice, even
+        once its task's row is pruned, and a restart continues without a gap."""
+        if xp.next_n == xp.reserved:
             return
         pool = pool or self.table.pool(xp.name)
         if pool is None or pool.executor is None:
             return
-        xp.reserved = xp.next_n + ID_BLOCK
+        xp.reserved = xp.next_n
         pool.executor["next_task"] = xp.reserved
         self.table.save_pool(pool)
 
@@ -843,8 +843,8 @@ class TaskTable:
                 # Cut short by something not its own doing: it runs again (after the next
                 # start, if the daemon is stopping), the attempt counted.
                 self.requeue(task, f"its worker {rep.id} was lost ({reason})")
-            else:
-                self._end(task, T.FAILED, "lost", reason)
+            else:  # a stop of the loop is no loss of the worker: its own kind (TaskInterrupted)
+                self._end(task, T.FAILED, "interrupted" if self.table.closing else "lost", reason)
         self._dispatch(xp)
         self._check_quiet(xp)
         self.table.changed()
