@@ -171,3 +171,8 @@ ERROR_TYPES: dict[str, type[OrchestratorError]] = {
     for cls in (OrchestratorError, InvalidSpec, UnknownReplica, ShuttingDown, DaemonNotRunning, ChannelError,
                 UnknownSession)
 }
+
+
+# What a call to a daemon that went away (stopped, killed, restarting) fails with;
+# UnknownSession: it is back and does not know the caller's executor session.
+AWAY = (ChannelError, DaemonNotRunning, ShuttingDown, UnknownSession)

@@ -19,15 +19,22 @@ import pickle
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol, TypeVar
 
 from .. import taskwire as w
-from ..errors import InvalidSpec, TaskInterrupted, TaskTimeoutError, WorkerLost
+from ..errors import AWAY, InvalidSpec, OrchestratorError, TaskInterrupted, TaskTimeoutError, WorkerLost
 from ..states import TaskState
-from .channel import AWAY
 
-if TYPE_CHECKING:
-    from .channel import Client
+R = TypeVar("R")
+
+
+class _Client(Protocol):
+    """What a handle asks of its ``Client`` (channel.py, which makes it)."""
+
+    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any: ...
+    def close_thread(self) -> None: ...
+    def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
+                        stop: threading.Event | None = None) -> R: ...
 
 WAIT_CHUNK = 30.0  # a wait is a series of bounded waits: a daemon that goes away is noticed within one
 
@@ -36,7 +43,7 @@ class TaskHandle:
     """See the module docstring. Made by ``Client.task``; UnknownReplica (one line) if the
     daemon has no such task."""
 
-    def __init__(self, client: "Client", task_id: str, *, reconnect_timeout: float = 30.0) -> None:
+    def __init__(self, client: _Client, task_id: str, *, reconnect_timeout: float = 30.0) -> None:
         if not isinstance(task_id, str) or "/" not in task_id:
             raise InvalidSpec(f"not a task id (POOL/N): {task_id!r}")
         self.client = client
