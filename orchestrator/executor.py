@@ -106,6 +106,58 @@ class _TaskFuture(Future):
         return True
 
 
+class _Numbers:
+    """A session's task numbers: the block in use, [next, end), and in daemon mode the next
+    block (``spare``), asked for with a batch of submits as soon as the one before it is
+    taken into use, so that a burst of submits does not wait for a grant of its own. Blocks
+    start small (a client that submits a few tasks and leaves skips few numbers; it gives
+    the rest back) and double up to _BLOCK_MAX. ``lock`` is held by whoever takes one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.came = threading.Condition(self.lock)  # a spare asked for came (or will not)
+        self.next = self.end = self.size = 0
+        self.spare: list[int] | None = None
+        self.asked = False  # a spare is on its way (asked for with a batch)
+
+    def use(self, block: list[int]) -> None:
+        first, count = block
+        self.next, self.end, self.size = first, first + count, count
+
+    def next_size(self) -> int:
+        return max(min(self.size * 2, _BLOCK_MAX), self.size)
+
+    def use_spare(self) -> bool:
+        """The spare taken into use; one asked for is waited for (its batch's reply is on its
+        way: a grant of its own would take as long), a bounded while."""
+        self.came.wait_for(lambda: not self.asked, timeout=_SPARE_WAIT)
+        if self.spare is None:
+            return False
+        block, self.spare = self.spare, None
+        self.use(block)
+        return True
+
+    def add_spare(self, block: list[int] | None) -> None:
+        """What the batch that asked brought (None: nothing, it failed; the sender's thread)."""
+        with self.lock:
+            self.asked = False
+            if block:
+                self.spare = block
+            self.came.notify_all()
+
+    def unused(self) -> list[int] | None:
+        """[first, end] of the numbers granted and not used, if they are one range that
+        ends with the latest grant (the spare follows the block in use unless another
+        session took numbers in between); forgotten here."""
+        with self.lock:
+            latest = self.spare if self.spare is not None else [self.next, self.end - self.next]
+            first, end = latest[0], latest[0] + latest[1]
+            if self.spare is not None and self.spare[0] == self.end:
+                first = self.next
+            self.spare, self.next, self.end = None, 0, 0
+        return [first, end] if first < end else None
+
+
 class Executor(futures_base.Executor):
     """A ``concurrent.futures.Executor`` whose tasks run in a supervised pool of worker
     processes. Every keyword is optional:
@@ -196,11 +248,13 @@ class Executor(futures_base.Executor):
         self._stopping = False
         self._after = 0  # the session's events read so far (daemon mode)
         self._finished = False  # the session ended (shutdown, or left at exit)
-        self._numbering = threading.Lock()  # this session's block of task numbers: [_next_n, _end_n)
-        self._next_n = self._end_n = self._block = 0
+        self._numbers = _Numbers()
         self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir, reconnect_timeout)
         args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
-                "init_about": _about(initializer, initargs), "session": self._session, "numbers": _FIRST_BLOCK}
+                "init_about": _about(initializer, initargs), "session": self._session,
+                # Embedded, the pool is this session's alone: one block that never runs out
+                # (a grant would wait behind the submits the loop has still to take).
+                "numbers": _FIRST_BLOCK if state_dir is not None else _EMBEDDED_BLOCK}
         if isinstance(self._backend, _Embedded):
             args["sink"] = self._events.put  # in this process: the loop hands each event over at once
         else:
@@ -210,10 +264,11 @@ class Executor(futures_base.Executor):
         except BaseException:
             self._backend.close()
             raise
-        block = got.get("numbers") if isinstance(got, dict) else None
-        if block:  # a daemon of an earlier version grants none: the ids come as the tasks start
-            self._next_n, self._block = block[0], block[1]
-            self._end_n = self._next_n + self._block
+        if isinstance(got, dict) and got.get("numbers"):  # a daemon of an earlier version grants none
+            self._numbers.use(got["numbers"])
+            self._numbers.asked = True
+            self._backend.ask_numbers({"pool": self._pool, "session": self._session,
+                                       "count": self._numbers.next_size()}, self._numbers.add_spare)
         target = self._collect if isinstance(self._backend, _Embedded) else self._poll
         self._collector = threading.Thread(target=target, name=f"executor-{self._pool}", daemon=True)
         self._collector.start()
@@ -334,27 +389,30 @@ class Executor(futures_base.Executor):
             _LIVE.discard(self)
 
     def _number(self) -> int | None:
-        """The next number of this session's block, which the task's id is made of; the
-        next block (twice as large, up to _BLOCK_MAX) asked for when it is used up: one
-        round trip per block, none per task. None from a daemon that grants none."""
-        with self._numbering:
-            if self._next_n >= self._end_n:
-                if not self._block:
+        """The number of the next task (its id is ``<pool>/<number>``), from this session's
+        block; None from a daemon that grants none (the id then comes when the task starts)."""
+        numbers = self._numbers
+        with numbers.lock:
+            if numbers.next >= numbers.end:
+                if not numbers.size:
                     return None
-                self._block = min(self._block * 2, _BLOCK_MAX)
-                first, count = self._backend.call("task_numbers", {"pool": self._pool, "session": self._session,
-                                                                   "count": self._block})
-                self._next_n, self._end_n = first, first + count
-            self._next_n += 1
-            return self._next_n - 1
+                ask = {"pool": self._pool, "session": self._session, "count": numbers.next_size()}
+                if not numbers.use_spare():  # none came in time: a round trip of its own
+                    numbers.use(self._backend.call("task_numbers", ask))
+                numbers.asked = True  # the next block, asked for now: it comes while this one is used
+                try:
+                    self._backend.ask_numbers({**ask, "count": numbers.next_size()}, numbers.add_spare)
+                except OrchestratorError:
+                    numbers.asked = False  # the loop is closing: this submit fails below
+            numbers.next += 1
+            return numbers.next - 1
 
     def _give_back(self) -> None:
-        """The unused end of the last block goes back, so that the next ids continue
+        """The unused end of the latest block goes back, so that the next ids continue
         without a gap (when no other session took numbers after it); best effort."""
-        with self._numbering:
-            if self._next_n >= self._end_n:
-                return
-            back, self._end_n = [self._next_n, self._end_n], self._next_n
+        back = self._numbers.unused()
+        if back is None:
+            return
         try:
             self._backend.call("task_numbers", {"pool": self._pool, "session": self._session, "give_back": back},
                                retry=False)
@@ -498,6 +556,11 @@ class _Backend:
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
         raise NotImplementedError
 
+    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+        """Ask for a block of task numbers (``task_numbers`` with ``args``) without waiting:
+        ``deliver`` gets it (or None) when it comes."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -516,6 +579,9 @@ class _Embedded(_Backend):
 
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
         self.handle.send("task_submit", args, on_reply)
+
+    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+        self.handle.send("task_numbers", args, lambda msg: deliver(msg.get("result") if msg.get("ok") else None))
 
     def close(self) -> None:
         self.handle.close()
@@ -549,6 +615,8 @@ class _Remote(_Backend):
         self._broken: OrchestratorError | None = None  # the window passed: every call fails with it
         self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
         self._inflight: set[int] = set()  # the refs of the batch on its way
+        self._want_numbers = 0  # task numbers to ask for with the next batch...
+        self._on_numbers: Callable[[list[int] | None], None] = lambda block: None  # ...and where they go
         self._wake = threading.Condition()
         self._sending = threading.Lock()  # held while a batch is on its way
         self._closed = False
@@ -642,6 +710,11 @@ class _Remote(_Backend):
             taken, self._unsent = self._unsent, []
         return [args["ref"] for args, _ in taken]
 
+    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+        """With the next batch of submits: no round trip of its own."""
+        with self._wake:
+            self._want_numbers, self._on_numbers = args["count"], deliver
+
     def acknowledged(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         """Of (ref, future) ``items``, those whose submit the daemon acknowledged (not
         waiting to be sent, nor on their way: those are sent again, to the daemon as it is)."""
@@ -660,8 +733,10 @@ class _Remote(_Backend):
                     self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
                     batch, self._unsent = self._unsent, []
                     self._inflight = {args["ref"] for args, _ in batch}
+                    want, self._want_numbers = self._want_numbers, 0
+                    deliver = self._on_numbers
                 try:
-                    self._send_batch(batch)
+                    self._send_batch(batch, want, deliver)
                 finally:
                     with self._wake:
                         self._inflight = set()
@@ -669,16 +744,22 @@ class _Remote(_Backend):
         finally:
             self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's
 
-    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
+    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]], want: int,
+                    deliver: Callable[[list[int] | None], None]) -> None:
         first = batch[0][0]
         tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
                  for args, _ in batch]
-        request = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
+        request: dict[str, Any] = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
+        if want:
+            request["numbers"] = want
         try:
             while True:
                 seen = self._generation
                 try:
-                    self.raw_call("task_submit", request)
+                    got = self.raw_call("task_submit", request)
+                    if want:  # None from a daemon that grants none with a batch
+                        deliver(got.get("numbers") if isinstance(got, dict) else None)
+                        want = 0
                     return
                 except AWAY as err:
                     # Perhaps it arrived, perhaps not: sent again once back, each task
@@ -689,6 +770,9 @@ class _Remote(_Backend):
             msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
             for _, on_reply in batch:
                 on_reply(msg)
+        finally:
+            if want:
+                deliver(None)  # none came: a submit that waits for them asks itself
 
     def drain(self) -> None:
         """No more submits; returns once the sender delivered what it holds (or gave up)."""
@@ -708,6 +792,8 @@ class _Remote(_Backend):
 POLL_TIMEOUT = 4.0  # a poll waits 1 s in the daemon: a daemon that went away is noticed within this
 _FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
 _BLOCK_MAX = 1024  # ...up to this
+_EMBEDDED_BLOCK = 1 << 31
+_SPARE_WAIT = 5.0  # the next block, asked for with a batch, is waited for this long at most
 
 
 _LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
