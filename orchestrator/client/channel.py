@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import (
-    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
+    AWAY, ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
 )
 from ..paths import (
     AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
@@ -70,9 +70,6 @@ from ..verbs import Verbs
 SERIALIZER = "orchestrator"
 _SUN_PATH_MAX = 107
 DEFAULT_TIMEOUT = 30.0
-# What a call to a daemon that went away (stopped, killed, restarting) fails with;
-# UnknownSession: it is back and does not know the caller's executor session.
-AWAY = (ChannelError, DaemonNotRunning, ShuttingDown, UnknownSession)
 R = TypeVar("R")
 
 
@@ -485,4 +482,4 @@ class Client(Verbs):
         return raise_reply(msg)
 
 
-__all__ = ["AWAY", "Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]
+__all__ = ["Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]

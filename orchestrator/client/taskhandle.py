@@ -19,24 +19,21 @@ import pickle
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import taskwire as w
-from ..errors import InvalidSpec, TaskInterrupted, TaskTimeoutError, WorkerLost
+from ..errors import AWAY, InvalidSpec, TaskInterrupted, TaskTimeoutError, WorkerLost
 from ..states import TaskState
-from .channel import AWAY
-
-if TYPE_CHECKING:
-    from .channel import Client
 
 WAIT_CHUNK = 30.0  # a wait is a series of bounded waits: a daemon that goes away is noticed within one
 
 
 class TaskHandle:
-    """See the module docstring. Made by ``Client.task``; UnknownReplica (one line) if the
+    """See the module docstring. Made by ``Client.task`` (``client``: that ``Client``; not
+    imported here, as ``Client.task`` imports this module); UnknownReplica (one line) if the
     daemon has no such task."""
 
-    def __init__(self, client: "Client", task_id: str, *, reconnect_timeout: float = 30.0) -> None:
+    def __init__(self, client: Any, task_id: str, *, reconnect_timeout: float = 30.0) -> None:
         if not isinstance(task_id, str) or "/" not in task_id:
             raise InvalidSpec(f"not a task id (POOL/N): {task_id!r}")
         self.client = client
