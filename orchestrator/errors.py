@@ -166,13 +166,12 @@ class ShutdownRequested(BaseException):
         self.signum = signum
 
 
+# What a call to a daemon that went away (stopped, killed, restarting) fails with;
+# UnknownSession: it is back, and does not know the caller's executor session.
+AWAY: tuple[type[OrchestratorError], ...] = (ChannelError, DaemonNotRunning, ShuttingDown, UnknownSession)
+
 ERROR_TYPES: dict[str, type[OrchestratorError]] = {
     cls.code: cls
     for cls in (OrchestratorError, InvalidSpec, UnknownReplica, ShuttingDown, DaemonNotRunning, ChannelError,
                 UnknownSession)
 }
-
-
-# What a call to a daemon that went away (stopped, killed, restarting) fails with;
-# UnknownSession: it is back and does not know the caller's executor session.
-AWAY = (ChannelError, DaemonNotRunning, ShuttingDown, UnknownSession)

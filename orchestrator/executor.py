@@ -8,7 +8,7 @@
 Where the parts are: this module is the submitting side (futures, pickling, one thread
 that turns what the loop reports into future states); the control loop keeps the queue and
 hands each task to a worker (daemon/tasks.py): an embedded ``Orchestrator`` with its
-watchdog (``_Embedded``), or a running daemon reached over its channel (``_Remote``, with
+watchdog (``_Embedded``), or a running daemon reached over its channel (``Remote``, with
 ``state_dir``); each worker is a replica running ``orchestrator.taskworker``. Tasks and
 results cross as pickled bytes that only this side and the worker load.
 
@@ -36,18 +36,17 @@ import pickle
 import queue
 import secrets
 import threading
-import time
 import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from . import taskwire as w
-from .client.channel import AWAY
 from .errors import (
     ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
     UnknownReplica, WorkerLost,
 )
+from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
 
 __all__ = ["Executor"]
 
@@ -217,11 +216,13 @@ class Executor(futures_base.Executor):
         self._stopping = False
         self._after = 0  # the session's events read so far (daemon mode)
         self._finished = False  # the session ended (shutdown, or left at exit)
-        self._numbering = threading.Lock()  # this session's block of task numbers: [_next_n, _end_n)
-        self._next_n = self._end_n = self._block = 0
-        self._backend: _Backend = _Embedded(grace) if state_dir is None else _Remote(state_dir, reconnect_timeout)
+        self._numbers = Numbers()
+        self._backend: Backend = _Embedded(grace) if state_dir is None else _remote(state_dir, reconnect_timeout)
         args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
-                "init_about": _about(initializer, initargs), "session": self._session, "numbers": _FIRST_BLOCK}
+                "init_about": _about(initializer, initargs), "session": self._session,
+                # Embedded, the pool is this session's alone: one block that never runs out
+                # (a grant would wait behind the submits the loop has still to take).
+                "numbers": FIRST_BLOCK if state_dir is not None else EMBEDDED_BLOCK}
         if isinstance(self._backend, _Embedded):
             args["sink"] = self._events.put  # in this process: the loop hands each event over at once
         else:
@@ -231,10 +232,11 @@ class Executor(futures_base.Executor):
         except BaseException:
             self._backend.close()
             raise
-        block = got.get("numbers") if isinstance(got, dict) else None
-        if block:  # a daemon of an earlier version grants none: the ids come as the tasks start
-            self._next_n, self._block = block[0], block[1]
-            self._end_n = self._next_n + self._block
+        if isinstance(got, dict) and got.get("numbers"):  # a daemon of an earlier version grants none
+            self._numbers.use(got["numbers"])
+            self._numbers.asked = True
+            self._backend.ask_numbers({"pool": self._pool, "session": self._session,
+                                       "count": self._numbers.next_size()}, self._numbers.add_spare)
         target = self._collect if isinstance(self._backend, _Embedded) else self._poll
         self._collector = threading.Thread(target=target, name=f"executor-{self._pool}", daemon=True)
         self._collector.start()
@@ -309,7 +311,7 @@ class Executor(futures_base.Executor):
                 # Daemon mode: a daemon thread, so that the interpreter's exit never waits
                 # for it (the exit leaves the tasks to the daemon: _leave).
                 threading.Thread(target=self._close, args=(cancel_futures,), name=f"executor-{self._pool}-close",
-                                 daemon=isinstance(self._backend, _Remote)).start()
+                                 daemon=isinstance(self._backend, Remote)).start()
         if wait:
             self._closed.wait()
 
@@ -327,7 +329,7 @@ class Executor(futures_base.Executor):
         with self._lock:
             self._shutdown = True
         self._end_session(False, "the interpreter exited: the task was left to the daemon")
-        if isinstance(self._backend, _Remote):  # a close of shutdown(wait=False) ends first
+        if isinstance(self._backend, Remote):  # a close of shutdown(wait=False) ends first
             self._closed.wait(self._backend.reconnect_timeout + POLL_TIMEOUT)
 
     def _end_session(self, cancel: bool, why: str) -> None:
@@ -339,7 +341,7 @@ class Executor(futures_base.Executor):
                 return
             self._finished = True
         try:
-            remote = self._backend if isinstance(self._backend, _Remote) else None
+            remote = self._backend if isinstance(self._backend, Remote) else None
             try:
                 if remote is not None:
                     if cancel:  # never sent: cancelled here, as the standard library's queued ones
@@ -371,27 +373,30 @@ class Executor(futures_base.Executor):
             _LIVE.discard(self)
 
     def _number(self) -> int | None:
-        """The next number of this session's block, which the task's id is made of; the
-        next block (twice as large, up to _BLOCK_MAX) asked for when it is used up: one
-        round trip per block, none per task. None from a daemon that grants none."""
-        with self._numbering:
-            if self._next_n >= self._end_n:
-                if not self._block:
+        """The number of the next task (its id is ``<pool>/<number>``), from this session's
+        block; None from a daemon that grants none (the id then comes when the task starts)."""
+        numbers = self._numbers
+        with numbers.lock:
+            if numbers.next >= numbers.end:
+                if not numbers.size:
                     return None
-                self._block = min(self._block * 2, _BLOCK_MAX)
-                first, count = self._backend.call("task_numbers", {"pool": self._pool, "session": self._session,
-                                                                   "count": self._block})
-                self._next_n, self._end_n = first, first + count
-            self._next_n += 1
-            return self._next_n - 1
+                ask = {"pool": self._pool, "session": self._session, "count": numbers.next_size()}
+                if not numbers.use_spare():  # none came in time: a round trip of its own
+                    numbers.use(self._backend.call("task_numbers", ask))
+                numbers.asked = True  # the next block, asked for now: it comes while this one is used
+                try:
+                    self._backend.ask_numbers({**ask, "count": numbers.next_size()}, numbers.add_spare)
+                except OrchestratorError:
+                    numbers.asked = False  # the loop is closing: this submit fails below
+            numbers.next += 1
+            return numbers.next - 1
 
     def _give_back(self) -> None:
-        """The unused end of the last block goes back, so that the next ids continue
+        """The unused end of the latest block goes back, so that the next ids continue
         without a gap (when no other session took numbers after it); best effort."""
-        with self._numbering:
-            if self._next_n >= self._end_n:
-                return
-            back, self._end_n = [self._next_n, self._end_n], self._next_n
+        back = self._numbers.unused()
+        if back is None:
+            return
         try:
             self._backend.call("task_numbers", {"pool": self._pool, "session": self._session, "give_back": back},
                                retry=False)
@@ -403,7 +408,7 @@ class Executor(futures_base.Executor):
         ``executor`` command), counting its events on from where this side read them; made
         anew (the daemon restarted, or dropped it), it takes this side's tasks back by their
         ids. A task the daemon has no record of fails (its submit had been acknowledged)."""
-        assert isinstance(self._backend, _Remote)
+        assert isinstance(self._backend, Remote)
         remote = self._backend
         got = remote.raw_call("executor", {**join, "numbers": None, "rejoin": True, "after": self._after}, timeout)
         if not got.get("fresh"):
@@ -420,7 +425,7 @@ class Executor(futures_base.Executor):
                 _fail(fut, ChannelError(f"task {task_id}: the daemon has no record of it (after it restarted)"))
 
     def _cancel(self, ref: int) -> bool:
-        if isinstance(self._backend, _Remote) and self._backend.unsend(ref):
+        if isinstance(self._backend, Remote) and self._backend.unsend(ref):
             self._futures.pop(ref, None)
             return True  # never sent: cancelled here
         try:
@@ -431,7 +436,7 @@ class Executor(futures_base.Executor):
 
     def _poll(self) -> None:
         """A daemon's pool: what its loop reports, fetched (long polls on the channel) and
-        handed to the collector. A daemon that goes away is waited for (``_Remote.call``:
+        handed to the collector. A daemon that goes away is waited for (``Remote.call``:
         reconnected, the session joined again); one that does not come back within
         ``reconnect_timeout`` fails every pending future with ChannelError."""
         try:
@@ -532,22 +537,7 @@ class Executor(futures_base.Executor):
                 _fail(fut, err)
 
 
-class _Backend:
-    """How an executor reaches the control loop that runs its pool."""
-
-    handle: Any
-
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
-        raise NotImplementedError
-
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class _Embedded(_Backend):
+class _Embedded(Backend):
     """The loop in this process (an ``Orchestrator`` with its watchdog); submits do not wait."""
 
     def __init__(self, grace: float) -> None:
@@ -564,199 +554,14 @@ class _Embedded(_Backend):
     def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
         self.handle.send("task_submit", args, on_reply)
 
-    def close(self) -> None:
-        self.handle.close()
-
-
-class _Remote(_Backend):
-    """A running daemon, over its command channel (``Client``). Submits are sent in batches
-    by a thread of their own: each waits for nothing, and a burst costs one round trip per
-    batch, not per task.
-
-    A daemon that goes away does not end this client: the call that finds it away waits
-    (``recover``) while one thread reconnects (the daemon's new key, a new connection) and
-    registers the session again (``rejoin``, the executor's), for up to
-    ``reconnect_timeout`` seconds; then every waiting call tries again. A batch whose reply
-    did not come is sent again (``resend``): the daemon knows each task by the number this
-    side gave it, so a task that arrived the first time is not queued twice."""
-
-    def __init__(self, state_dir: str | os.PathLike, reconnect_timeout: float) -> None:
-        from .client.channel import Client
-
-        if isinstance(reconnect_timeout, bool) or not isinstance(reconnect_timeout, (int, float)) or \
-                not 0 <= reconnect_timeout < float("inf"):
-            raise ValueError(f"reconnect_timeout must be a finite number of seconds, got {reconnect_timeout!r}")
-        self.handle = Client(state_dir)
-        self.reconnect_timeout = float(reconnect_timeout)
-        self.rejoin: Callable[[float], None] = lambda timeout: None  # the executor's
-        self.gone = threading.Event()  # the executor is closing: a reconnect gives up
-        self._link = threading.Condition()
-        self._generation = 0  # reconnects so far
-        self._recovering = False
-        self._broken: OrchestratorError | None = None  # the window passed: every call fails with it
-        self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
-        self._inflight: set[int] = set()  # the refs of the batch on its way
-        self._wake = threading.Condition()
-        self._sending = threading.Lock()  # held while a batch is on its way
-        self._closed = False
-        self._sender = threading.Thread(target=self._send, name="executor-submit", daemon=True)
-        self._sender.start()
-
-    def raw_call(self, op: str, args: dict, timeout: float | None = None) -> Any:
-        """One call, as it goes: no waiting for a daemon that is away."""
-        if op == "executor" and isinstance(args.get("init"), bytes):
-            args = {**args, "init": base64.b64encode(args["init"]).decode("ascii")}  # JSON carries no bytes
-        return self.handle.call(op, args, timeout)
-
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
-        """A call; one that finds the daemon away is made again once this client is back
-        with it (``recover``), unless ``retry`` is False."""
-        while True:
-            seen = self._generation
-            try:
-                return self.raw_call(op, args, timeout)
-            except AWAY as err:
-                if not retry:
-                    raise
-                self.recover(seen, err)
-
-    def recover(self, seen: int, err: OrchestratorError) -> None:
-        """A call made at reconnect ``seen`` failed with ``err``, as a call to a daemon that
-        is away does. Returns once this client is back with its daemon (the caller tries
-        again); raises the error that ends this executor once ``reconnect_timeout`` has
-        passed (or at once, if it has passed already, or the executor is closing)."""
-        with self._link:
-            while True:
-                if self._broken is not None:
-                    raise self._broken
-                if self._generation != seen:
-                    return  # another thread reconnected meanwhile
-                if self.gone.is_set():
-                    raise ShuttingDown("the executor is shutting down")
-                if not self._recovering:
-                    self._recovering = True
-                    break
-                self._link.wait()
-        broken: OrchestratorError | None = ChannelError("the executor shut down while it reconnected")
-        try:
-            broken = self._reconnect(err)
-        finally:
-            with self._link:
-                self._recovering = False
-                if broken is None:
-                    self._generation += 1
-                else:
-                    self._broken = broken
-                self._link.notify_all()
-        if broken is not None:
-            raise broken
-
-    def _reconnect(self, err: OrchestratorError) -> OrchestratorError | None:
-        """Until the daemon takes this session again (None), or the error that ends this
-        executor: the window passed (ChannelError), or the daemon refuses the session (its
-        pool was deleted meanwhile)."""
-        deadline = time.monotonic() + self.reconnect_timeout
-
-        def rejoin() -> None:
-            self.rejoin(max(1.0, min(deadline - time.monotonic(), 30.0)))
-
-        try:
-            self.handle.through_restart(rejoin, err, self.reconnect_timeout, self.gone)
-        except OrchestratorError as end:
-            return end
-        return None
-
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
-        with self._wake:
-            if self._closed:
-                raise ShuttingDown("the executor is shutting down")
-            self._unsent.append((args, on_reply))
-            self._wake.notify()
-
-    def unsend(self, ref: int) -> bool:
-        """Take a task back before it was sent (its cancel); False if it has been sent,
-        in which case the daemon has it by the time this returns."""
-        with self._sending, self._wake:
-            for i, (args, _) in enumerate(self._unsent):
-                if args["ref"] == ref:
-                    del self._unsent[i]
-                    return True
-        return False
-
-    def take_back(self) -> list[int]:
-        """Every task not sent yet, taken back (a shutdown that cancels): their refs."""
-        with self._sending, self._wake:
-            taken, self._unsent = self._unsent, []
-        return [args["ref"] for args, _ in taken]
-
-    def acknowledged(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """Of (ref, future) ``items``, those whose submit the daemon acknowledged (not
-        waiting to be sent, nor on their way: those are sent again, to the daemon as it is)."""
-        with self._wake:
-            waiting = self._inflight | {args["ref"] for args, _ in self._unsent}
-        return [(ref, fut) for ref, fut in items if ref not in waiting]
-
-    def _send(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while not self._unsent and not self._closed:
-                        self._wake.wait()
-                    if not self._unsent:
-                        return
-                    self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
-                    batch, self._unsent = self._unsent, []
-                    self._inflight = {args["ref"] for args, _ in batch}
-                try:
-                    self._send_batch(batch)
-                finally:
-                    with self._wake:
-                        self._inflight = set()
-                    self._sending.release()
-        finally:
-            self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's
-
-    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]]) -> None:
-        first = batch[0][0]
-        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
-                 for args, _ in batch]
-        request = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
-        try:
-            while True:
-                seen = self._generation
-                try:
-                    self.raw_call("task_submit", request)
-                    return
-                except AWAY as err:
-                    # Perhaps it arrived, perhaps not: sent again once back, each task
-                    # named by its number (the daemon takes a task it has as that one).
-                    self.recover(seen, err)
-                    request["resend"] = True
-        except OrchestratorError as err:  # refused, or the daemon did not come back: each future's error
-            msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
-            for _, on_reply in batch:
-                on_reply(msg)
-
-    def drain(self) -> None:
-        """No more submits; returns once the sender delivered what it holds (or gave up)."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._sender.join()
+    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+        self.handle.send("task_numbers", args, lambda msg: deliver(msg.get("result") if msg.get("ok") else None))
 
     def close(self) -> None:
-        self.drain()
-        self.gone.set()
-        with self._link:
-            self._link.notify_all()
         self.handle.close()
 
 
 POLL_TIMEOUT = 4.0  # a poll waits 1 s in the daemon: a daemon that went away is noticed within this
-_FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
-_BLOCK_MAX = 1024  # ...up to this
-
-
 _LIVE: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 
 
@@ -766,10 +571,21 @@ def _shutdown_at_exit() -> None:
     lets the submitted tasks finish, then stops the workers (none is left behind). A
     daemon's: its tasks are left to the daemon (delivered first), nothing waits for them."""
     for executor in list(_LIVE):
-        if isinstance(executor._backend, _Remote):
+        if isinstance(executor._backend, Remote):
             executor._leave()
         else:
             executor.shutdown(wait=True)
+
+
+def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
+    from .client.channel import Client
+
+    client = Client(state_dir)
+    try:
+        return Remote(client, reconnect_timeout)
+    except BaseException:
+        client.close()
+        raise
 
 
 def _about(initializer: Callable[..., Any] | None, initargs: tuple) -> str | None:

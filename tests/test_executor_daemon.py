@@ -94,14 +94,16 @@ def test_a_waiting_client_outlives_a_restart_of_its_daemon(daemon: DaemonUnderTe
                                                            how: str) -> None:
     """One task running and four queued under a waiting client: after the restart the queued
     ones end with their results (each ran once), the running one fails with its real end,
-    and the same executor goes on."""
+    and the same executor goes on; a handle of another client waits through it too."""
     daemon.start()
     started, log = tmp_path / "started", tmp_path / "log"
     ex = Executor(state_dir=daemon.state_dir, pool="jobs", max_workers=1)
+    other = Client(daemon.state_dir)
     try:
         running = ex.submit(jobs.cancellable, str(started), str(tmp_path / "marker"))  # type: ignore[attr-defined]
         queued = [ex.submit(jobs.record, str(log), i) for i in range(4)]  # type: ignore[attr-defined]
         wait_for(started.exists, 30, "the first task to run")
+        elsewhere = other.task(queued[-1].task_id).future()
         if how == "stop":
             assert cli(daemon.state_dir, "stop", "--timeout", "60").returncode == 0
         else:
@@ -109,6 +111,7 @@ def test_a_waiting_client_outlives_a_restart_of_its_daemon(daemon: DaemonUnderTe
         assert not any(f.done() for f in queued)  # not failed: those tasks are still the daemon's
         daemon.start()
         assert [f.result(timeout=60) for f in queued] == [0, 1, 2, 3]
+        assert elsewhere.result(timeout=30) == 3
         if how == "stop":
             with pytest.raises(TaskInterrupted) as interrupted:
                 running.result(timeout=30)
@@ -123,6 +126,7 @@ def test_a_waiting_client_outlives_a_restart_of_its_daemon(daemon: DaemonUnderTe
         assert ex.submit(jobs.record, str(log), 9).result(timeout=30) == 9  # type: ignore[attr-defined]
     finally:
         ex.shutdown(wait=True)
+        other.close()
 
 
 def test_a_task_with_retries_interrupted_by_stop_runs_again(daemon: DaemonUnderTest, jobs: object,

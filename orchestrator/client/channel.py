@@ -482,4 +482,4 @@ class Client(Verbs):
         return raise_reply(msg)
 
 
-__all__ = ["AWAY", "Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]
+__all__ = ["Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]

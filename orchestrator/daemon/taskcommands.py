@@ -35,6 +35,13 @@ from .taskrecords import (
 )
 
 
+def _count(value: Any, what: str) -> int:
+    """How many task numbers a session asks for."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= NUMBERS_MAX:
+        raise InvalidSpec(f"{what} must be a whole number from 1 to {NUMBERS_MAX}, got {value!r}")
+    return value
+
+
 def ended_kind(task: Task) -> str:
     """How an ended task ended, as its end event says it (a row of an earlier version may
     not say: its state does)."""
@@ -54,7 +61,7 @@ def ended_data(task: Task) -> Any:
     return task.reason
 from .tasktable import SESSION_IDLE, WORKER_TARGET, TaskTable
 
-NUMBERS_MAX = 4096  # task numbers granted to a session at a time
+NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
 
 
 class TaskCommands(TaskTable):
@@ -80,7 +87,7 @@ class TaskCommands(TaskTable):
         spec = args.get("spec")
         if not isinstance(spec, dict) or spec.get("target") != WORKER_TARGET:
             raise InvalidSpec("an executor pool's spec runs " + WORKER_TARGET)
-        numbers = protocol.count(args["numbers"], what="numbers") if args.get("numbers") is not None else 0
+        numbers = _count(args["numbers"], "numbers") if args.get("numbers") is not None else 0
         after = args.get("after") or 0
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidSpec(f"after must be a whole number of at least 0, got {after!r}")
@@ -148,7 +155,7 @@ class TaskCommands(TaskTable):
         xp = self._exec_pool(args.get("pool"))
         back = args.get("give_back")
         if back is None:
-            return self._grant(xp, protocol.count(args.get("count"), what="count"))
+            return self._grant(xp, _count(args.get("count"), "count"))
         if (not isinstance(back, list) or len(back) != 2
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
             raise InvalidSpec("give_back must be [first, end]")
@@ -160,7 +167,6 @@ class TaskCommands(TaskTable):
         return None
 
     def _grant(self, xp: ExecPool, count: int) -> list[int]:
-        count = min(count, NUMBERS_MAX)
         first = xp.next_n
         xp.next_n += count
         self._reserve(xp)  # in this turn's commit, before the reply that hands them out
@@ -193,26 +199,32 @@ class TaskCommands(TaskTable):
 
     def _cmd_submit(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
-        batch of them (``tasks``: a list of such objects); its id, or their ids."""
+        batch of them (``tasks``: a list of such objects); its id, or their ids. A task may
+        name its number (``n``, of its session's block); ``resend``: the batch may have
+        arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
+        session's next block of task numbers granted with it."""
         xp = self._exec_pool(args.get("pool"))
         session = self._session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
         if batch is None:
-            batch = [args]
-        elif not isinstance(batch, list):
+            return (self._known(xp, session, args, False) or self._queue(xp, self._task(xp, session, args))).id
+        if not isinstance(batch, list):
             raise InvalidSpec("tasks must be a list")
+        # All checked before any is queued; one that names a number the pool has is the task
+        # it has (a batch sent again: ``resend``), attached to the session, not run again.
         resend = bool(args.get("resend"))
-        # All checked before any is queued; one whose number the pool has is that task.
         made = [self._known(xp, session, one, resend) or self._task(xp, session, one) for one in batch]
         ids = [task.id or self._queue(xp, task).id for task in made]
-        return ids if args.get("tasks") is not None else ids[0]
+        if args.get("numbers") is not None:  # the session's next block, with no round trip of its own
+            return {"ids": ids, "numbers": self._grant(xp, _count(args["numbers"], "numbers"))}
+        return ids
 
     def _known(self, xp: ExecPool, session: Session | None, one: Any, resend: bool) -> Task | None:
-        """The task of ``one``'s number if the pool has it already (a resend), attached to
-        ``session``; None for a new one. Ended tasks that left memory are looked up in the
-        store only for a resend: a first send names a number no task has."""
+        """The task of ``one``'s number if the pool has it already, attached to ``session``;
+        None for a new one. The store (ended tasks no longer in memory) is asked only for a
+        resend: a first send names a number of its session's own block."""
         n = one.get("n") if isinstance(one, dict) else None
-        if not isinstance(n, int) or isinstance(n, bool):
+        if n is None or isinstance(n, bool) or not isinstance(n, int):
             return None
         task_id = f"{xp.name}/{n}"
         task = self._live.get(task_id) or self._ended.get(task_id)

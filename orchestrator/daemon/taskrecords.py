@@ -44,7 +44,7 @@ class Task:
     started_at: float | None = None
     ended_at: float | None = None
     reason: str | None = None
-    kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, cancelled
+    kind: str | None = None  # how it ended: result, raised, error, timeout, lost, unrun, interrupted, cancelled
     result: bytes | None = None  # the pickled result or exception (kind result or raised)
     timer: Timer | None = None
     slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
