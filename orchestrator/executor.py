@@ -37,83 +37,22 @@ import queue
 import secrets
 import threading
 import weakref
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from . import taskwire as w
 from .errors import (
     ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
     UnknownReplica, WorkerLost,
 )
+from .taskfutures import TaskFuture, fail, remote_exception, resolve
 from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
 
 __all__ = ["Executor"]
 
 _WORKER_TARGET = "orchestrator.taskworker:main"
 _STOP = ("stop", None, None, None)
-
-
-class RemoteTraceback(Exception):
-    """The text of an exception's traceback in the worker, as its ``__cause__``."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
-class _Canceller(Protocol):
-    def _cancel(self, ref: int) -> bool: ...
-
-
-class _TaskFuture(Future):
-    """A standard Future whose ``cancel()`` also reaches a task that runs."""
-
-    def __init__(self, executor: _Canceller | None, ref: int, task_id: str | None = None) -> None:
-        super().__init__()
-        self._executor: _Canceller | None = executor
-        self._ref = ref
-        # The task's id (``<pool>/<n>``), set by ``submit`` before it returns: any process
-        # finds the task again with it (``Client(DIR).task(ID)``). None for a future that
-        # failed before its task was made (it could not be pickled).
-        self.task_id: str | None = task_id
-
-    def cancel(self) -> bool:
-        with self._condition:
-            if self._state in (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED):
-                return True
-            if self._state == futures_base.FINISHED:
-                return False
-        executor = self._executor
-        if executor is None or not executor._cancel(self._ref):
-            return False
-        return self._cancelled_now()
-
-    def _cancelled_now(self) -> bool:
-        with self._condition:
-            if self._state == futures_base.FINISHED:
-                return False
-            if self._state in (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED):
-                return True
-            self._state = futures_base.CANCELLED
-            self._condition.notify_all()
-            self.set_running_or_notify_cancel()  # -> CANCELLED_AND_NOTIFIED: wait() sees it done
-        self._invoke_callbacks()
-        return True
-
-    def _invoke_callbacks(self) -> None:
-        """Future's own, but a callback that raises SystemExit (any BaseException) is
-        reported as one that raises an Exception (``exception calling callback for``, on
-        the concurrent.futures logger): Future's catches Exception only, and it runs in the
-        thread that resolves every future of the executor."""
-        for callback in self._done_callbacks:  # type: ignore[attr-defined]
-            try:
-                callback(self)
-            except BaseException:
-                futures_base.LOGGER.exception("exception calling callback for %r", self)
 
 
 class Executor(futures_base.Executor):
@@ -206,7 +145,8 @@ class Executor(futures_base.Executor):
         # (a process per task would otherwise import it every time).
         spec = make_spec(target=_WORKER_TARGET, env=env, cwd=os.getcwd() if cwd is None else cwd,
                          preload=("orchestrator.taskworker", *preload)).to_wire()
-        self._futures: dict[int, _TaskFuture] = {}
+        self._futures: dict[int, TaskFuture] = {}
+        self._unstopped: dict[int, TaskFuture] = {}  # ended while a worker still ran them ("stopping")
         self._refs = itertools.count(1)
         self._lock = threading.Lock()
         self._shutdown = False
@@ -260,7 +200,7 @@ class Executor(futures_base.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             ref = next(self._refs)
-            fut = _TaskFuture(self, ref)
+            fut = TaskFuture(self, ref)
             self._futures[ref] = fut
         try:
             payload = w.dumps((fn, args, kwargs), by_value=_by_value(fn))
@@ -367,8 +307,12 @@ class Executor(futures_base.Executor):
             if self._collector is not threading.current_thread():
                 self._collector.join()
             for fut in list(self._futures.values()):  # the loop ended first (it failed): nothing waits forever
-                _fail(fut, ShuttingDown(why))
+                fail(fut, ShuttingDown(why))
+                fut.mark_stopped()
+            for fut in self._unstopped.values():  # embedded: the pool is gone; a daemon's: not ours to follow
+                fut.mark_stopped()
             self._futures.clear()
+            self._unstopped.clear()
             self._closed.set()
             _LIVE.discard(self)
 
@@ -422,9 +366,10 @@ class Executor(futures_base.Executor):
         for (ref, task_id), ok in zip(pending, known):
             fut = None if ok else self._futures.pop(ref, None)
             if fut is not None:
-                _fail(fut, ChannelError(f"task {task_id}: the daemon has no record of it (after it restarted)"))
+                fail(fut, ChannelError(f"task {task_id}: the daemon has no record of it (after it restarted)"))
 
-    def _cancel(self, ref: int) -> bool:
+    def cancel_ref(self, ref: int) -> bool:
+        """Cancel the task of this executor's future ``ref`` (its ``cancel()``)."""
         if isinstance(self._backend, Remote) and self._backend.unsend(ref):
             self._futures.pop(ref, None)
             return True  # never sent: cancelled here
@@ -448,7 +393,7 @@ class Executor(futures_base.Executor):
                     if self._stopping:
                         break
                     for fut in list(self._futures.values()):
-                        _fail(fut, err if isinstance(err, ChannelError) else ChannelError(f"the daemon went away: {err}"))
+                        fail(fut, err if isinstance(err, ChannelError) else ChannelError(f"the daemon went away: {err}"))
                     self._futures.clear()
                     break
                 self._after = got["next"]
@@ -481,8 +426,16 @@ class Executor(futures_base.Executor):
         kind, ref, data, task_id = event
         if kind == "stop":
             return False
+        if kind == "stopped":  # a task that ended while it ran: its worker is done with it now
+            stopped = self._unstopped.pop(ref, None)
+            if stopped is not None:
+                stopped.mark_stopped()
+            return True
         fut = self._futures.get(ref)
         if fut is None:
+            return True
+        if kind == "stopping":  # its end comes next, while a worker still runs it
+            self._unstopped[ref] = fut
             return True
         if kind == "started":
             fut.task_id = task_id
@@ -498,10 +451,12 @@ class Executor(futures_base.Executor):
             self._end(fut, kind, data, task_id)
         except BaseException as err:  # this thread resolves every future: it must outlive any one report
             futures_base.LOGGER.exception("the report of task %s could not be handled", task_id)
-            _fail(fut, RuntimeError(f"task {task_id}: its report could not be handled: {type(err).__name__}: {err}"))
+            fail(fut, RuntimeError(f"task {task_id}: its report could not be handled: {type(err).__name__}: {err}"))
+        if ref not in self._unstopped:
+            fut.mark_stopped()
         return True
 
-    def _end(self, fut: _TaskFuture, kind: str, data: Any, task_id: str | None) -> None:
+    def _end(self, fut: TaskFuture, kind: str, data: Any, task_id: str | None) -> None:
         """The end the loop reported for a task, into its future."""
         if isinstance(data, str) and kind in ("result", "raised"):
             data = base64.b64decode(data)  # from a daemon: base64 over its JSON channel
@@ -509,23 +464,23 @@ class Executor(futures_base.Executor):
             try:
                 value = w.loads(data)
             except BaseException as err:  # a __reduce__ raising SystemExit too: this future's error alone
-                _fail(fut, pickle.UnpicklingError(f"task {task_id}: its result cannot be unpickled here: "
+                fail(fut, pickle.UnpicklingError(f"task {task_id}: its result cannot be unpickled here: "
                                                   f"{type(err).__name__}: {err}"))
             else:
-                _resolve(fut, value)
+                resolve(fut, value)
         elif kind == "raised":
-            _fail(fut, _remote_exception(task_id, data))
+            fail(fut, remote_exception(task_id, data))
         elif kind == "error":
-            _fail(fut, pickle.PicklingError(data))
+            fail(fut, pickle.PicklingError(data))
         elif kind == "timeout":
             line, limit = data
-            _fail(fut, TaskTimeoutError(line, task=task_id, timeout=limit))
+            fail(fut, TaskTimeoutError(line, task=task_id, timeout=limit))
         elif kind == "lost":
-            _fail(fut, WorkerLost(f"task {task_id}: its worker was lost: {data}", reason=data, task=task_id))
+            fail(fut, WorkerLost(f"task {task_id}: its worker was lost: {data}", reason=data, task=task_id))
         elif kind == "unrun":
-            _fail(fut, WorkerLost(f"task {task_id} did not run: {data}", reason=data, task=task_id))
+            fail(fut, WorkerLost(f"task {task_id} did not run: {data}", reason=data, task=task_id))
         elif kind == "interrupted":
-            _fail(fut, TaskInterrupted(f"task {task_id} was {data}", reason=data, task=task_id))
+            fail(fut, TaskInterrupted(f"task {task_id} was {data}", reason=data, task=task_id))
         elif kind == "cancelled":
             fut._cancelled_now()
         elif kind == "refused":
@@ -534,7 +489,7 @@ class Executor(futures_base.Executor):
             try:
                 raise_reply(data)
             except Exception as err:
-                _fail(fut, err)
+                fail(fut, err)
 
 
 class _Embedded(Backend):
@@ -631,30 +586,3 @@ def _chunks(iterables: tuple, chunksize: int) -> Iterator[tuple]:
     items = zip(*iterables)
     while chunk := tuple(itertools.islice(items, chunksize)):
         yield chunk
-
-
-def _resolve(fut: Future, value: Any) -> None:
-    try:
-        fut.set_result(value)
-    except InvalidStateError:
-        pass  # cancelled in the meantime: a cancel that was accepted stands
-
-
-def _fail(fut: Future, err: BaseException) -> None:
-    try:
-        fut.set_exception(err)
-    except InvalidStateError:
-        pass
-
-
-def _remote_exception(task_id: str | None, data: bytes) -> BaseException:
-    try:
-        exc, tb = w.loads(data)
-    except BaseException as err:  # SystemExit from a __reduce__ too: this future's error, not the collector's end
-        return pickle.UnpicklingError(f"task {task_id}: its exception cannot be unpickled here: "
-                                      f"{type(err).__name__}: {err}")
-    if isinstance(exc, BaseException):
-        exc.__cause__ = RemoteTraceback(tb)
-        return exc
-    return RuntimeError(f"task {task_id} raised {exc!r}")
-

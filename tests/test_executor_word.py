@@ -221,3 +221,24 @@ def test_a_process_per_task_never_loses_a_worker_that_connected_early(make_execu
     pids = [f.result(timeout=60) for f in [ex.submit(wordfns.pid_of_worker) for _ in range(150)]]
     assert len(set(pids)) == 150
     assert not [r for r in caplog.records if "no worker of an executor pool" in r.getMessage()]
+
+
+def test_wait_stopped_returns_once_a_cancelled_tasks_cleanup_has_run(make_executor: MakeExecutor,
+                                                                     tmp_path: Path) -> None:
+    """cancel() returns at once, while the task's finally: still runs in its worker;
+    wait_stopped() returns once the worker is done with it."""
+    ex = make_executor(max_workers=1)
+    started, marker = tmp_path / "started", tmp_path / "marker"
+    fut = ex.submit(wordfns.cleans_up, str(started), str(marker), 1.0)
+    wait_for(started.exists, 30, "the task to start")
+    assert fut.cancel() and fut.cancelled()
+    assert not marker.exists()  # its cleanup runs on after cancel() returned
+    assert fut.wait_stopped(30)
+    assert marker.read_text() == "Cancelled none"
+    queued = ex.submit(wordfns.pid_of_worker)
+    assert queued.result(timeout=30) and queued.wait_stopped(0)  # ended on its own: at once
+    never = ex.submit(wordfns.block_until, str(tmp_path / "b"), str(tmp_path / "release"))
+    held = ex.submit(wordfns.pid_of_worker)
+    assert held.cancel() and held.wait_stopped(30)  # it never ran: no cleanup to wait for
+    (tmp_path / "release").touch()
+    never.result(timeout=30)

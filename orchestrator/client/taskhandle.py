@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from .. import taskwire as w
 from ..errors import AWAY, InvalidSpec, OrchestratorError, TaskInterrupted, TaskTimeoutError, WorkerLost
 from ..states import TaskState
+from ..taskfutures import TaskFuture, fail, remote_exception, resolve
 
 R = TypeVar("R")
 
@@ -86,24 +87,20 @@ class TaskHandle:
         """A ``concurrent.futures.Future`` of the task: it ends when the task does, as the
         submitter's future would (its ``cancel()`` is this handle's). A thread of this
         process waits for it."""
-        from ..executor import _TaskFuture
-
-        fut = _TaskFuture(_HandleCanceller(self), 0, self.id)
+        fut = TaskFuture(_HandleCanceller(self), 0, self.id)
         fut.set_running_or_notify_cancel()
         threading.Thread(target=self._resolve, args=(fut,), name=f"task-{self.id}", daemon=True).start()
         return fut
 
     def _resolve(self, fut: Any) -> None:
-        from ..executor import _fail, _resolve
-
         try:
             value = self.result()
         except CancelledError:
             fut._cancelled_now()
         except BaseException as err:  # the task's exception, or the daemon's: the future's either way
-            _fail(fut, err)
+            fail(fut, err)
         else:
-            _resolve(fut, value)
+            resolve(fut, value)
         finally:
             self.client.close_thread()
 
@@ -121,15 +118,13 @@ class _HandleCanceller:
     def __init__(self, handle: TaskHandle) -> None:
         self.handle = handle
 
-    def _cancel(self, ref: int) -> bool:
+    def cancel_ref(self, ref: int) -> bool:
         return self.handle.cancel()
 
 
 def outcome_value(got: dict) -> Any:
     """An ended task's outcome (``task_result``'s answer) as its future ends: its value, or
     the exception raised here."""
-    from ..executor import _remote_exception
-
     task_id, state, kind, reason = got["id"], TaskState(got["state"]), got.get("kind"), got.get("reason") or ""
     data = base64.b64decode(got["result"]) if got.get("result") else b""
     if state is TaskState.DONE:
@@ -143,7 +138,7 @@ def outcome_value(got: dict) -> Any:
     if state is TaskState.TIMED_OUT:
         raise TaskTimeoutError(reason, task=task_id, timeout=got.get("timeout"))
     if kind == "raised" and data:
-        raise _remote_exception(task_id, data)
+        raise remote_exception(task_id, data)
     if kind == "error":
         raise pickle.PicklingError(reason)
     if kind == "interrupted":

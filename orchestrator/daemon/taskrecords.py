@@ -49,6 +49,7 @@ class Task:
     timer: Timer | None = None
     slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
     asked_back: bool = False  # its worker was asked to give it back (another is idle): no answer yet
+    stopping: bool = False  # it ended while a worker held it: "stopped" is told once that worker is done
     waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
 
     def record(self) -> dict:

@@ -111,7 +111,7 @@ class Tasks(TaskCommands):
         for t in self._live.values():
             tasks.append({**t.record(), "payload": as_text(t.payload), "result": None, "ref": t.ref,
                           "session": t.session.name if t.session is not None else None, "slot": t.slot,
-                          "asked_back": t.asked_back,
+                          "asked_back": t.asked_back, "stopping": t.stopping,
                           "timer": deadline(t.timer)})
         workers = []
         for worker in [wk for xp in self._pools.values() for wk in xp.workers.values()] + list(self._accepted):
@@ -176,7 +176,7 @@ class Tasks(TaskCommands):
                         row.get("ref"), owner, row["timeout"], int(row["retries"]), state=T(row["state"]),
                         attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
                         started_at=row["started_at"], slot=int(row.get("slot") or 0),
-                        asked_back=bool(row.get("asked_back")))
+                        asked_back=bool(row.get("asked_back")), stopping=bool(row.get("stopping")))
             if row.get("timer") is not None:
                 task.timer = reactor.call_later(max(0.0, float(row["timer"]) - now),
                                                 functools.partial(self._timed_out, task))

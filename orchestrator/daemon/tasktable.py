@@ -476,7 +476,11 @@ class TaskTable:
         if task.timer is not None:
             task.timer.cancel()
             task.timer = None
-        task.worker = None  # a worker still busy with it keeps it as its ``task`` until it answers
+        worker = task.worker
+        if worker is not None and worker.task is task:  # it runs: the worker answers for it when it stops
+            task.stopping = True
+            self._tell(task, "stopping", None)
+        task.worker = None
         task.kind = kind
         task.payload = None
         if isinstance(data, bytes):
@@ -694,6 +698,7 @@ class TaskTable:
         worker.tasks.popleft()
         xp.holders.discard(worker)
         task.worker = None
+        self._released(task)
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
             worker.kill_timer = None
@@ -734,6 +739,7 @@ class TaskTable:
         head = worker.tasks[0] is task
         worker.tasks.remove(task)
         xp.holders.discard(worker)
+        self._released(task)
         if task.worker is worker:
             task.worker = None
         if task.state is T.QUEUED:
@@ -747,6 +753,13 @@ class TaskTable:
                 xp.single.append(worker)
         self._dispatch(xp)
         self._check_quiet(xp)
+
+    def _released(self, task: Task) -> None:
+        """No worker holds ``task`` any more: one that ended while a worker had it (a
+        cancel, a timeout, a shutdown) is told ``stopped`` (``TaskFuture.wait_stopped``)."""
+        if task.stopping:
+            task.stopping = False
+            self._tell(task, "stopped", None)
 
     def _check_quiet(self, xp: ExecPool) -> None:
         """A closing pool whose workers have all answered for their tasks (or are gone):
@@ -827,6 +840,8 @@ class TaskTable:
             self._answered(worker)  # asked back, no answer: it may have begun, so as if it had
             self._head(worker)
         waited = list(worker.tasks)[1:]
+        for held in worker.tasks:
+            self._released(held)
         worker.tasks.clear()
         xp.holders.discard(worker)
         worker.asked = None

@@ -1,0 +1,119 @@
+"""The client's side of a task's future: ``TaskFuture`` (a standard ``Future`` whose
+``cancel()`` also reaches a task that runs), how the loop's report of a task's end goes into
+it (``resolve``, ``fail``), and an exception from a worker with its traceback's text
+(``remote_exception``). Shared by the executor (executor.py) and a task found again by id
+(client/taskhandle.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import _base as futures_base
+from typing import Any, Protocol
+
+from . import taskwire as w
+
+
+class RemoteTraceback(Exception):
+    """The text of an exception's traceback in the worker, as its ``__cause__``."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class Canceller(Protocol):
+    """What a future's ``cancel()`` asks: the executor (or a task handle) that made it."""
+
+    def cancel_ref(self, ref: int) -> bool: ...
+
+
+class TaskFuture(Future):
+    """A standard Future whose ``cancel()`` also reaches a task that runs."""
+
+    def __init__(self, executor: Canceller | None, ref: int, task_id: str | None = None) -> None:
+        super().__init__()
+        self._executor: Canceller | None = executor
+        self._ref = ref
+        # The task's id (``<pool>/<n>``), set by ``submit`` before it returns: any process
+        # finds the task again with it (``Client(DIR).task(ID)``). None for a future that
+        # failed before its task was made (it could not be pickled).
+        self.task_id: str | None = task_id
+        self._stopped = threading.Event()  # no worker runs the task any more
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait until no worker runs this future's task any more; True if so (False: the
+        timeout passed). ``cancel()`` returns once the task is cancelled, while the task's
+        cleanup (its ``finally:`` blocks) may still run in its worker: this returns once the
+        worker has answered for it, or its tree was killed after ``grace``. At once for a
+        task that ended on its own or had not started (one held by a busy worker never
+        starts once it is cancelled)."""
+        return self._stopped.wait(timeout)
+
+    def mark_stopped(self) -> None:
+        self._stopped.set()
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state in (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED):
+                return True
+            if self._state == futures_base.FINISHED:
+                return False
+        executor = self._executor
+        if executor is None or not executor.cancel_ref(self._ref):
+            return False
+        return self._cancelled_now()
+
+    def _cancelled_now(self) -> bool:
+        with self._condition:
+            if self._state == futures_base.FINISHED:
+                return False
+            if self._state in (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED):
+                return True
+            self._state = futures_base.CANCELLED
+            self._condition.notify_all()
+            self.set_running_or_notify_cancel()  # -> CANCELLED_AND_NOTIFIED: wait() sees it done
+        self._invoke_callbacks()
+        return True
+
+    def _invoke_callbacks(self) -> None:
+        """Future's own, but a callback that raises SystemExit (any BaseException) is
+        reported as one that raises an Exception (``exception calling callback for``, on
+        the concurrent.futures logger): Future's catches Exception only, and it runs in the
+        thread that resolves every future of the executor."""
+        for callback in self._done_callbacks:  # type: ignore[attr-defined]
+            try:
+                callback(self)
+            except BaseException:
+                futures_base.LOGGER.exception("exception calling callback for %r", self)
+
+
+def resolve(fut: Future, value: Any) -> None:
+    try:
+        fut.set_result(value)
+    except InvalidStateError:
+        pass  # cancelled in the meantime: a cancel that was accepted stands
+
+
+def fail(fut: Future, err: BaseException) -> None:
+    try:
+        fut.set_exception(err)
+    except InvalidStateError:
+        pass
+
+
+def remote_exception(task_id: str | None, data: bytes) -> BaseException:
+    try:
+        exc, tb = w.loads(data)
+    except BaseException as err:  # SystemExit from a __reduce__ too: this future's error, not the collector's end
+        return pickle.UnpicklingError(f"task {task_id}: its exception cannot be unpickled here: "
+                                      f"{type(err).__name__}: {err}")
+    if isinstance(exc, BaseException):
+        exc.__cause__ = RemoteTraceback(tb)
+        return exc
+    return RuntimeError(f"task {task_id} raised {exc!r}")
