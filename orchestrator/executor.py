@@ -179,7 +179,18 @@ class Executor(futures_base.Executor):
                                        "count": self._numbers.next_size()}, self._numbers.add_spare)
         target = self._collect if isinstance(self._backend, _Embedded) else self._poll
         self._collector = threading.Thread(target=target, name=f"executor-{self._pool}", daemon=True)
-        self._collector.start()
+        try:
+            self._collector.start()
+        except BaseException:  # no thread (at interpreter shutdown): nothing of the pool may stay behind
+            try:
+                self._backend.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": True,
+                                                      "delete": isinstance(self._backend, _Embedded)},
+                                   timeout=None, retry=False)
+            except OrchestratorError:
+                pass
+            finally:
+                self._backend.close()
+            raise
         _LIVE.add(self)
 
     @property

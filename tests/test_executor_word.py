@@ -242,3 +242,30 @@ def test_wait_stopped_returns_once_a_cancelled_tasks_cleanup_has_run(make_execut
     assert held.cancel() and held.wait_stopped(30)  # it never ran: no cleanup to wait for
     (tmp_path / "release").touch()
     never.result(timeout=30)
+
+
+def test_an_executor_that_cannot_start_its_thread_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch,
+                                                                         orch_test_tag: str) -> None:
+    """As at interpreter shutdown (CPython's test_python_finalization_error): Executor()
+    raises the RuntimeError, and its loop, watchdog, spawners and workers are gone."""
+    import threading
+
+    import orchestrator.executor as executor_module
+    from orchestrator import Executor
+
+    real = threading.Thread
+
+    class NoCollector(real):  # type: ignore[misc, valid-type]
+        def start(self) -> None:
+            if self.name.startswith("executor-"):
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            super().start()
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    monkeypatch.setattr(executor_module.threading, "Thread", NoCollector)
+    with pytest.raises(RuntimeError, match="can't create new thread"):
+        Executor(max_workers=2, env={"ORCH_TEST_TAG": orch_test_tag})
+    monkeypatch.setattr(executor_module.threading, "Thread", real)
+    wait_for(lambda: {p.pid for p in psutil.Process().children(recursive=True)} <= before, 30,
+             "the pool's processes to end")
+    assert not [t for t in threading.enumerate() if t.name.startswith("orchestrator")], threading.enumerate()
