@@ -787,7 +787,7 @@ class TaskTable:
             if cancel:
                 self.shut_down(task)
             elif task.id in running and worker is not None:
-                self._end(task, T.FAILED, "lost", self.stop_reason)
+                self._end(task, T.FAILED, "interrupted", self.stop_reason)
                 self._interrupt(worker, task, w.SHUTDOWN)
             else:
                 self._end(task, T.FAILED, "unrun", self.stop_reason)
