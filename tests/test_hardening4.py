@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -28,18 +27,11 @@ import pytest
 from conftest import TAG_VAR
 from helpers import ROOT, TESTS, DaemonUnderTest, cli, cli_env, no_leftovers, one_line_error, wait_for
 from orchestrator import Client, Executor, OrchestratorError
+from test_security import NOBODY
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _nobody() -> pwd.struct_passwd | None:
-    try:
-        return pwd.getpwnam("nobody")
-    except KeyError:
-        return None
-
-
-NOBODY = _nobody()
 needs_nobody = pytest.mark.skipif(
     os.geteuid() != 0 or NOBODY is None,
     reason="needs root and a 'nobody' user: a directory another user controls",

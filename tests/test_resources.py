@@ -85,11 +85,10 @@ def test_a_failing_commit_fails_no_command_and_is_retried_once_a_second(fake) ->
 def _fill(where: Path) -> Path:
     """Write a file until the disk under ``where`` is full."""
     ballast = where / "ballast"
-    with open(ballast, "wb") as f:
+    with open(ballast, "wb", buffering=0) as f:  # unbuffered: nothing left to flush at close on a full disk
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError:
             pass
     return ballast

@@ -10,22 +10,14 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 import taskfns
 from helpers import DaemonUnderTest, wait_for
 from orchestrator import Executor
-from test_tasks_cli import make_pool
+from test_tasks_cli import executors, make_pool  # noqa: F401  # the fixture
 
-
-@pytest.fixture
-def executors() -> Iterator[list[Executor]]:
-    made: list[Executor] = []
-    yield made
-    for ex in made:
-        ex.shutdown(wait=True)
 
 
 def _peak_rss(pid: int) -> int:

@@ -9,24 +9,16 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Iterator
 
 import pytest
 
 from helpers import ROOT, DaemonUnderTest
 from orchestrator import Executor
 from test_security import NOBODY, needs_nobody
-from test_tasks_cli import make_pool
+from test_tasks_cli import executors, make_pool  # noqa: F401  # the fixture
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture
-def executors() -> Iterator[list[Executor]]:
-    made: list[Executor] = []
-    yield made
-    for ex in made:
-        ex.shutdown(wait=True)
 
 
 def test_the_daemons_task_listener_is_a_socket_of_its_private_state_dir(daemon: DaemonUnderTest,
