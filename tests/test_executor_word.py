@@ -17,7 +17,10 @@ import pytest
 import wordfns
 from helpers import wait_for
 from orchestrator import WorkerLost
+from helpers import DaemonUnderTest
+from orchestrator import Executor
 from test_executor import MakeExecutor, make_executor  # noqa: F401  # the fixture
+from test_tasks_cli import executors, make_pool  # noqa: F401  # the fixture
 
 MTPC = [None, 1]
 
@@ -269,3 +272,16 @@ def test_an_executor_that_cannot_start_its_thread_leaves_nothing_running(monkeyp
     wait_for(lambda: {p.pid for p in psutil.Process().children(recursive=True)} <= before, 30,
              "the pool's processes to end")
     assert not [t for t in threading.enumerate() if t.name.startswith("orchestrator")], threading.enumerate()
+
+
+def test_wait_stopped_in_daemon_mode(daemon: DaemonUnderTest, executors: list[Executor], tmp_path: Path) -> None:
+    """The daemon's session tells the client when a cancelled task's worker is done with it."""
+    daemon.start()
+    ex = make_pool(daemon, executors)
+    started, marker = tmp_path / "started", tmp_path / "marker"
+    fut = ex.submit(wordfns.cleans_up, str(started), str(marker), 1.0)
+    wait_for(started.exists, 30, "the task to start")
+    assert fut.cancel()
+    assert not marker.exists()
+    assert fut.wait_stopped(30)
+    assert marker.read_text() == "Cancelled none"

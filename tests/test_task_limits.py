@@ -93,3 +93,4 @@ def _listener_of(pid: int) -> str | None:
             name = parts[7]
             return "\0" + name[1:] if name.startswith("@") else name
     return None
+
