@@ -15,10 +15,8 @@ import psutil
 import pytest
 
 import wordfns
-from helpers import wait_for
-from orchestrator import WorkerLost
-from helpers import DaemonUnderTest
-from orchestrator import Executor
+from helpers import DaemonUnderTest, wait_for
+from orchestrator import Executor, WorkerLost
 from test_executor import MakeExecutor, make_executor  # noqa: F401  # the fixture
 from test_tasks_cli import executors, make_pool  # noqa: F401  # the fixture
 
