@@ -300,6 +300,7 @@ class Executor(futures_base.Executor):
                             fut = self._futures.pop(ref, None)
                             if fut is not None:
                                 fut._cancelled_now()
+                                fut.mark_stopped()
                     remote.drain()  # what was submitted reaches the daemon before the session ends
                     self._give_back()
                     self._stopping = True  # before the close: its answer to the poll ends the poller
@@ -319,7 +320,6 @@ class Executor(futures_base.Executor):
                 self._collector.join()
             for fut in list(self._futures.values()):  # the loop ended first (it failed): nothing waits forever
                 fail(fut, ShuttingDown(why))
-                fut.mark_stopped()
             for fut in self._unstopped.values():  # embedded: the pool is gone; a daemon's: not ours to follow
                 fut.mark_stopped()
             self._futures.clear()
@@ -382,7 +382,9 @@ class Executor(futures_base.Executor):
     def cancel_ref(self, ref: int) -> bool:
         """Cancel the task of this executor's future ``ref`` (its ``cancel()``)."""
         if isinstance(self._backend, Remote) and self._backend.unsend(ref):
-            self._futures.pop(ref, None)
+            fut = self._futures.pop(ref, None)
+            if fut is not None:
+                fut.mark_stopped()  # never sent: no worker ever had it
             return True  # never sent: cancelled here
         try:
             (cancelled,) = self._backend.call("task_cancel", {"session": self._session, "refs": [ref]})
@@ -446,6 +448,7 @@ class Executor(futures_base.Executor):
         if fut is None:
             return True
         if kind == "stopping":  # its end comes next, while a worker still runs it
+            fut.expect_stop()
             self._unstopped[ref] = fut
             return True
         if kind == "started":
@@ -463,8 +466,7 @@ class Executor(futures_base.Executor):
         except BaseException as err:  # this thread resolves every future: it must outlive any one report
             futures_base.LOGGER.exception("the report of task %s could not be handled", task_id)
             fail(fut, RuntimeError(f"task {task_id}: its report could not be handled: {type(err).__name__}: {err}"))
-        if ref not in self._unstopped:
-            fut.mark_stopped()
+        fut.reported()
         return True
 
     def _end(self, fut: TaskFuture, kind: str, data: Any, task_id: str | None) -> None:

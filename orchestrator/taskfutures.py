@@ -8,7 +8,6 @@ it (``resolve``, ``fail``), and an exception from a worker with its traceback's 
 from __future__ import annotations
 
 import pickle
-import threading
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
 from typing import Any, Protocol
@@ -44,19 +43,37 @@ class TaskFuture(Future):
         # finds the task again with it (``Client(DIR).task(ID)``). None for a future that
         # failed before its task was made (it could not be pickled).
         self.task_id: str | None = task_id
-        self._stopped = threading.Event()  # no worker runs the task any more
+
+    # Whether the loop's report of the task's end has been taken in (a cancel() ends the
+    # future first), and whether a worker still runs the task then (its "stopping").
+    _reported = False
+    _stop_pending = False
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         """Wait until no worker runs this future's task any more; True if so (False: the
         timeout passed). ``cancel()`` returns once the task is cancelled, while the task's
         cleanup (its ``finally:`` blocks) may still run in its worker: this returns once the
         worker has answered for it, or its tree was killed after ``grace``. At once for a
-        task that ended on its own or had not started (one held by a busy worker never
-        starts once it is cancelled)."""
-        return self._stopped.wait(timeout)
+        task that ended on its own; for one that had not started (one held by a busy worker
+        never starts once it is cancelled), once the loop has said so."""
+        with self._condition:
+            return self._condition.wait_for(lambda: self._reported and not self._stop_pending, timeout)
+
+    def expect_stop(self) -> None:
+        """Its task ends while a worker still runs it: ``wait_stopped`` waits for ``mark_stopped``."""
+        with self._condition:
+            self._stop_pending = True
+
+    def reported(self) -> None:
+        """The loop's report of its task's end (or this side's own failure of it) is in."""
+        with self._condition:
+            self._reported = True
+            self._condition.notify_all()
 
     def mark_stopped(self) -> None:
-        self._stopped.set()
+        with self._condition:
+            self._reported, self._stop_pending = True, False
+            self._condition.notify_all()
 
     def cancel(self) -> bool:
         with self._condition:
@@ -98,6 +115,8 @@ def resolve(fut: Future, value: Any) -> None:
         fut.set_result(value)
     except InvalidStateError:
         pass  # cancelled in the meantime: a cancel that was accepted stands
+    if isinstance(fut, TaskFuture):
+        fut.reported()
 
 
 def fail(fut: Future, err: BaseException) -> None:
@@ -105,6 +124,8 @@ def fail(fut: Future, err: BaseException) -> None:
         fut.set_exception(err)
     except InvalidStateError:
         pass
+    if isinstance(fut, TaskFuture):
+        fut.reported()
 
 
 def remote_exception(task_id: str | None, data: bytes) -> BaseException:

@@ -281,10 +281,10 @@ def _my_children() -> list[int]:
 def _end_leftovers() -> None:
     """The processes the task left below this worker: SIGTERM, then SIGKILL after the
     grace, before the next task starts. The common case (none) costs one read."""
-    me = os.getpid()
     mine = _my_children()
     if not mine or _own.issuperset(mine):
         return
+    me = os.getpid()
     _reap()
     fds = _pidfds(me)
     if not fds:

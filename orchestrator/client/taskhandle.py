@@ -97,6 +97,7 @@ class TaskHandle:
             value = self.result()
         except CancelledError:
             fut._cancelled_now()
+            fut.reported()
         except BaseException as err:  # the task's exception, or the daemon's: the future's either way
             fail(fut, err)
         else:

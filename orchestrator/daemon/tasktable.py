@@ -63,6 +63,7 @@ HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is clos
 HELLO_MAX = 16  # the payload a connection may send before it said who it is
 PARKED_MAX = 64  # connections of our user from pids not known yet, waiting unread
 LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far shorter
+COPY_MAX = 1 << 20  # a TASK frame's payload below this is copied behind its header: one write
 
 
 class Table(Protocol):
@@ -388,8 +389,11 @@ class TaskTable:
         worker.sent += 1
         worker.tasks.append(task)
         payload = task.payload or b""
-        worker.writer.write(w.header(w.TASK, task.n, len(payload)))
-        worker.writer.write(payload)
+        if len(payload) < COPY_MAX:  # one write (one syscall, one read in the worker)
+            worker.writer.write(w.frame(w.TASK, task.n, payload))
+        else:  # its header, then its own bytes, uncopied
+            worker.writer.write(w.header(w.TASK, task.n, len(payload)))
+            worker.writer.write(payload)
         if len(worker.tasks) > 1:
             xp.holders.add(worker)
         else:
