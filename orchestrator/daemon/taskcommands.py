@@ -160,8 +160,9 @@ class TaskCommands(TaskTable):
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
             raise InvalidSpec("give_back must be [first, end]")
         first, end = back
-        if 0 < first < end == xp.next_n and not any(f"{xp.name}/{n}" in self._live or f"{xp.name}/{n}" in self._ended
-                                                      for n in range(first, end)):
+        # (Checked against the tasks held, not number by number: a block may be very large.)
+        if 0 < first < end == xp.next_n and not any(t.pool is xp and t.n >= first
+                                                      for t in (*self._live.values(), *self._ended.values())):
             xp.next_n = first
             self._reserve(xp)
         return None
