@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 _HOMES = {
     "__version__": "version",
     "Orchestrator": "daemon.embedded",
-    "Client": "client.channel",
+    "Client": "executor",  # the channel's Client with its door to a daemon's executor
     "WorkerSpec": "spec",
     "ReplicaState": "states",
     "Replica": "states",
@@ -62,14 +62,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .client.channel import Client
     from .daemon.embedded import Orchestrator
     from .errors import (
         ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
         ShuttingDown, SpawnerLost, StoreError, TaskInterrupted, TaskTimeoutError, UnknownReplica, UnsafeFile,
         UnsafeStateDir, WorkerLost,
     )
-    from .executor import Executor
+    from .executor import Client, Executor
     from .spec import WorkerSpec
     from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState, TaskState
     from .version import __version__

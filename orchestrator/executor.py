@@ -23,6 +23,12 @@ gone (or restarted: a new auth key, no such session) reconnects, registers the s
 again and attaches its tasks to it by their ids, within ``reconnect_timeout``; each task's
 number is this side's own (blocks granted by the loop), so that a batch sent again can never
 run a task twice.
+
+A face, beside ``__init__.py``: the public ``Executor``, and the public ``Client`` (the
+command channel's client, ``client/channel.py``, with its door to a daemon's executor:
+``Client(DIR).executor(P)`` is ``Executor(state_dir=DIR, pool=P)``, the one way to a
+daemon's pool). It puts the sides together (the embedded loop, a daemon's channel), so
+nothing in the package imports it and the channel never needs it (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from concurrent.futures import _base as futures_base
 from typing import Any, Callable, Iterator, Sequence
 
 from . import taskwire as w
+from .client import channel
 from .errors import (
     ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
     UnknownReplica, WorkerLost,
@@ -49,7 +56,7 @@ from .errors import (
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
 from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
 
-__all__ = ["Executor"]
+__all__ = ["Client", "Executor"]
 
 _WORKER_TARGET = "orchestrator.taskworker:main"
 _STOP = ("stop", None, None, None)
@@ -545,10 +552,20 @@ def _shutdown_at_exit() -> None:
             executor.shutdown(wait=True)
 
 
-def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
-    from .client.channel import Client
+class Client(channel.Client):
+    """``orchestrator.Client``: a running daemon's client (its commands, ``task(ID)``: see
+    ``client/channel.py``), and ``executor()``, the same door to its pools as
+    ``Executor(state_dir=...)``. The CLI uses the channel's ``Client`` itself: it makes no executor."""
 
-    client = Client(state_dir)
+    def executor(self, pool: str | None = None, **keywords: Any) -> Executor:
+        """An ``orchestrator.Executor`` whose pool ``pool`` lives in this daemon (made, or
+        joined as it runs where the keywords do not conflict: see ``Executor``): it outlives
+        this client until ``delete``."""
+        return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
+
+
+def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
+    client = channel.Client(state_dir)
     try:
         return Remote(client, reconnect_timeout)
     except BaseException:

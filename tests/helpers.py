@@ -383,7 +383,7 @@ class OwnedProcesses:
 def manager_proxies(state_dir: Path) -> tuple:
     """The manager's ``commands`` queue and ``replies`` board as multiprocess proxies: what
     a client that skips ``Client``'s checks can send (the server end is channelserver.py)."""
-    from orchestrator.client.channel import SERIALIZER, read_authkey, socket_address
+    from orchestrator.channelwire import SERIALIZER, read_authkey, socket_address
     from orchestrator.manager.channelserver import ChannelManager, use_plain_pickling
     from orchestrator.paths import Paths
 

@@ -141,7 +141,7 @@ def pids_cgroup() -> Iterator[PidsCgroup]:
 
 def test_a_manager_at_its_thread_limit_serves_on_the_threads_it_has_and_refuses_beyond_them(
         daemon: DaemonUnderTest, pids_cgroup: PidsCgroup) -> None:
-    from orchestrator.client.channel import open_connection, read_authkey, socket_address
+    from orchestrator.channelwire import open_connection, read_authkey, socket_address
     from orchestrator.paths import Paths
 
     pid = daemon.start()

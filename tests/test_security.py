@@ -487,13 +487,13 @@ def test_channel_unpickles_plain_data_only(tmp_path: Path) -> None:
     """Even from a trusted peer, a message that would import or call anything is a
     ChannelError, never run: the client takes plain data and builtin exceptions (the
     Manager's #ERROR replies), the server plain data only."""
-    from orchestrator.client.channel import _ClientConnection
+    from orchestrator.channelwire import ClientConnection
     from orchestrator.manager.channelserver import _ServerConnection
 
     marker = tmp_path / "pwned"
     a, b = socket.socketpair()
-    sender = _ClientConnection(a.detach())
-    client_end = _ClientConnection(os.dup(b.fileno()))
+    sender = ClientConnection(a.detach())
+    client_end = ClientConnection(os.dup(b.fileno()))
     server_end = _ServerConnection(b.detach())
     try:
         plain = ("#RETURN", {"id": "x", "ok": True, "result": [1, 2.5, "s", None, True, b"b", (1,), {3}]})

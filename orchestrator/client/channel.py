@@ -1,6 +1,6 @@
 """The command channel: a multiprocess Manager queue on a Unix socket, and the Client.
 Client side (the CLI, a user's app): the Client speaks the Manager's protocol with the
-standard library (see "the client's end" below); the server's end is channelserver.py.
+standard library (``channelwire.ClientConnection``); the server's end is manager/channelserver.py.
 
     Client (CLI, API, any process)         Manager server process             daemon
     ──────────────────────────────         ────────────────────────           ──────────────
@@ -23,78 +23,36 @@ a callable travels as base64 text that only the worker unpickles (spec.py). Ever
 call is bounded: the client's socket carries SO_RCVTIMEO/SO_SNDTIMEO, so a stopped or
 hung server gives a ChannelError instead of blocking forever.
 
-A state dir whose socket path exceeds the 108-byte sun_path limit is reached through
-``/proc/self/fd/<dirfd>/control.sock``, a short path to the same file.
-
-Who is on the other end is checked before anything it sends is read, with SO_PEERCRED
-(the credentials the kernel recorded when the peer connected, or listened):
-
-* a client talks only to a server that runs as its own uid (root's only to root's): a
-  state dir, socket or auth key planted by someone else gets nothing sent to it and
-  nothing unpickled from it (``open_connection``, before the auth handshake);
-* the manager server serves only clients of its own uid or root, and drops any other
-  before the auth handshake (channelserver's ``_PlainListener.accept``; the socket is 0600 in a 0700 dir
-  as well, so this is the second wall, not the first).
-
-Both ends speak the Manager's protocol, which pickles its tuples, but unpickle with
-``PlainUnpickler``: it refuses every global, so a message can only be plain data (the
-client also accepts builtin exception classes, which the Manager uses for its ``#ERROR``
-replies). A pickle that would import or call anything is a ChannelError, never run.
+The wire both ends share (the socket's address, the auth key, the peer check, the
+plain-data unpicklers, the client's end of the Manager protocol) is ``channelwire.py``:
+the manager process imports it too, and never this module.
 """
 
 from __future__ import annotations
 
-import builtins
-import hmac
-import io
 import os
-import pickle
-import socket
 import stat
-import struct
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Self, TypeVar
 
+from ..channelwire import (
+    DEFAULT_TIMEOUT, AuthenticationError, ClientConnection, ServerError, open_connection, read_authkey, set_timeouts,
+    socket_address,
+)
 from ..errors import (
     AWAY, ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
 )
-from ..paths import (
-    AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
-)
+from ..paths import SOCKET_NAME, Paths, check_file, check_state_dir, running_pid
 from ..protocol import FrameTooLarge, command, encode_frame, raise_reply
 from ..verbs import Verbs
 
-SERIALIZER = "orchestrator"
-_SUN_PATH_MAX = 107
-DEFAULT_TIMEOUT = 30.0
+if TYPE_CHECKING:
+    from .taskhandle import TaskHandle
+
 R = TypeVar("R")
-
-
-# -- addresses and keys ------------------------------------------------------------
-
-
-def socket_address(state_dir: Path) -> tuple[str, int | None]:
-    """(address to bind/connect, dirfd to keep open while it is used, or None)."""
-    path = str(state_dir / SOCKET_NAME)
-    if len(path.encode()) <= _SUN_PATH_MAX:
-        return path, None
-    dirfd = os.open(state_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return f"/proc/self/fd/{dirfd}/{SOCKET_NAME}", dirfd
-
-
-def read_authkey(paths: Paths) -> bytes:
-    """The auth key, from a checked file of a checked state dir (UnsafeStateDir if not)."""
-    try:
-        return read_private(paths, AUTHKEY_NAME)
-    except FileNotFoundError:
-        raise DaemonNotRunning(f"no daemon is running for {paths.state_dir}") from None
-
-
-# The two helpers below borrow the fd (detach, never close) instead of working on a dup: at
-# the fd limit a dup fails, and an accepted connection must still be checked and answered.
 
 
 def manager_down(paths: Paths) -> str | None:
@@ -114,171 +72,6 @@ def manager_down(paths: Paths) -> str | None:
         store.close()
     data = event["data"] if event is not None and isinstance(event["data"], dict) else {}
     return str(data.get("reason")) if data.get("up") is False else None
-
-
-def peer_uid(fd: int) -> int:
-    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    finally:
-        sock.detach()
-    return struct.unpack("3i", creds)[1]
-
-
-def set_timeouts(fd: int, seconds: float) -> None:
-    """Bound every send and recv on socket ``fd`` (SO_SNDTIMEO/SO_RCVTIMEO)."""
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock = socket.socket(fileno=fd)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-    finally:
-        sock.detach()
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Plain data only: every global (a class, a function: anything that could run) is
-    refused, so loading a message can build dicts, lists, tuples, sets, str, bytes,
-    numbers, bool and None, and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: the channel carries plain data only")
-
-
-class _ReplyUnpickler(PlainUnpickler):
-    """A client's: plain data, and the builtin exception classes of ``#ERROR`` replies."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins":
-            obj = getattr(builtins, name, None)
-            if isinstance(obj, type) and issubclass(obj, BaseException):
-                return obj
-        return super().find_class(module, name)
-
-
-# -- the client's end of the Manager protocol --------------------------------------------
-#
-# What multiprocess's BaseManager and BaseProxy do for a client, written against the
-# standard library, so that a client (the CLI, a user's app) never imports multiprocess
-# and dill (~50 ms of every command's start): the same frames (a 4-byte big-endian length,
-# or -1 and an 8-byte one), the same HMAC challenge both ways, the same request tuples
-# (ident, method, args, kwds) and (kind, result) replies as multiprocess.managers.Server
-# serves. The server end (channelserver.py) is unchanged.
-
-_CHALLENGE, _WELCOME, _FAILURE = b"#CHALLENGE#", b"#WELCOME#", b"#FAILURE#"
-_CHALLENGE_BYTES = 20
-_HANDSHAKE_MAX = 256  # a handshake message longer than this is refused, as multiprocess does
-
-
-class _AuthenticationError(ChannelError):
-    """The handshake failed: the other end does not hold this daemon's auth key."""
-
-
-class _ClientConnection:
-    """One connection to the manager server: frames out, frames in; a reply is unpickled
-    as plain data and builtin exceptions only (``_ReplyUnpickler``)."""
-
-    _unpickler: type[pickle.Unpickler] = _ReplyUnpickler
-
-    def __init__(self, fd: int) -> None:
-        self._sock = socket.socket(fileno=fd)
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def send_bytes(self, data: bytes) -> None:
-        n = len(data)
-        head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-        self._sock.sendall(head + data)
-
-    def recv_bytes(self, limit: int | None = None) -> bytes:
-        (size,) = struct.unpack("!i", self._exactly(4))
-        if size == -1:
-            (size,) = struct.unpack("!Q", self._exactly(8))
-        if limit is not None and size > limit:
-            raise OSError(f"a message of {size} bytes, more than the {limit} expected")
-        return self._exactly(size)
-
-    def _exactly(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:])  # a time-out: TimeoutError (SO_RCVTIMEO)
-            if k == 0:
-                raise EOFError("the manager server closed the connection")
-            got += k
-        return bytes(buf)
-
-    def send(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> Any:
-        data = self.recv_bytes()
-        try:
-            return self._unpickler(io.BytesIO(data)).load()
-        except pickle.UnpicklingError as err:
-            raise ChannelError(str(err)) from None
-
-    def handshake(self, authkey: bytes) -> None:
-        """Answer the server's challenge, then challenge it (multiprocess's order)."""
-        message = self.recv_bytes(_HANDSHAKE_MAX)
-        if not message.startswith(_CHALLENGE):
-            raise _AuthenticationError("the manager server did not start the handshake")
-        self.send_bytes(hmac.new(authkey, message[len(_CHALLENGE):], "md5").digest())
-        if self.recv_bytes(_HANDSHAKE_MAX) != _WELCOME:
-            raise _AuthenticationError("digest sent was rejected")
-        challenge = os.urandom(_CHALLENGE_BYTES)
-        self.send_bytes(_CHALLENGE + challenge)
-        if hmac.compare_digest(self.recv_bytes(_HANDSHAKE_MAX), hmac.new(authkey, challenge, "md5").digest()):
-            self.send_bytes(_WELCOME)
-        else:
-            self.send_bytes(_FAILURE)
-            raise _AuthenticationError("digest received was wrong")
-
-    def dispatch(self, ident: str | None, method: str, args: tuple = ()) -> Any:
-        """One request, one reply: its result, or the error it carries raised."""
-        self.send((ident, method, args, {}))
-        kind, result = self.recv()
-        if kind == "#RETURN":
-            return result
-        if kind == "#ERROR" and isinstance(result, BaseException):
-            raise result  # e.g. the OSError of a manager refusing a connection at its limits
-        # "#TRACEBACK" / "#UNSERIALIZABLE": the server failed on our request
-        text = result if isinstance(result, str) else repr(result)
-        raise _RemoteError(text.strip().splitlines()[-1] if text.strip() else kind)
-
-
-class _RemoteError(ChannelError):
-    """The manager server answered a request with a traceback (its last line here)."""
-
-
-def open_connection(address: str, authkey: bytes, timeout: float) -> _ClientConnection:
-    """A connection to the manager server, bounded by socket time-outs, its peer checked
-    before anything it sends is read, then authenticated."""
-    sock = socket.socket(socket.AF_UNIX)
-    try:
-        set_timeouts(sock.fileno(), timeout)
-        sock.connect(address)
-        # Before the handshake, before any byte is read: is the server one of ours?
-        uid, me = peer_uid(sock.fileno()), os.geteuid()
-        if uid != me:
-            raise UnsafeStateDir(f"the server on its control socket runs as {user_name(uid)}, "
-                                 f"not as {user_name(me)}: refusing to talk to it")
-    except BaseException:
-        sock.close()
-        raise
-    conn = _ClientConnection(sock.detach())
-    try:
-        conn.handshake(authkey)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
 
 
 # -- the client ------------------------------------------------------------------
@@ -352,12 +145,12 @@ class Client(Verbs):
             delay = min(delay * 2, 0.5)
         raise ShuttingDown("stopped while waiting for the daemon to come back")
 
-    def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> Any:
+    def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> TaskHandle:
         """A handle on task ``task_id`` (``<pool>/<n>``, as ``fut.task_id`` and ``submit``
         give it) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
         ``future()``, ``info()``. UnknownReplica if the daemon has no such task. Its calls
         wait through a restart of the daemon for up to ``reconnect_timeout`` seconds."""
-        from .taskhandle import TaskHandle
+        from .taskhandle import TaskHandle  # here, not above: a command that makes no handle need not load it
 
         return TaskHandle(self, task_id, reconnect_timeout=reconnect_timeout)
 
@@ -366,7 +159,7 @@ class Client(Verbs):
         closes only its caller's, as closing a socket another thread waits on is unsafe)."""
         self._drop_connection()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -397,7 +190,7 @@ class Client(Verbs):
                 conn.close()
         except UnsafeStateDir as err:
             raise UnsafeStateDir(f"{self.paths.state_dir}: {err}") from None
-        except _AuthenticationError:
+        except AuthenticationError:
             raise ChannelError("authentication failed: wrong auth key for this daemon") from None
         except (FileNotFoundError, ConnectionRefusedError):
             pid = running_pid(self.paths)
@@ -419,9 +212,9 @@ class Client(Verbs):
         if board is not None:  # another thread made one first: ours goes back
             self._release(str(board))
 
-    def _thread_connection(self, limit: float) -> _ClientConnection:
+    def _thread_connection(self, limit: float) -> ClientConnection:
         """This thread's connection to the board (made on first use), bounded for one reply."""
-        conn: _ClientConnection | None = getattr(self._tls, "connection", None)
+        conn: ClientConnection | None = getattr(self._tls, "connection", None)
         if conn is not None and self._tls.generation != self._generation:  # made before a renew()
             self._drop_connection()
             conn = None
@@ -443,14 +236,6 @@ class Client(Verbs):
             del self._tls.connection
             conn.close()
 
-    def executor(self, pool: str | None = None, **keywords: Any) -> Any:
-        """An ``orchestrator.Executor`` whose pool ``pool`` lives in this daemon (made, or
-        joined as it runs where the keywords do not conflict: see ``Executor``): it outlives
-        this client until ``delete``."""
-        from ..executor import Executor
-
-        return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
-
     def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""
         limit = self.timeout if timeout is None else timeout
@@ -466,7 +251,7 @@ class Client(Verbs):
         try:
             conn = self._thread_connection(limit)
             msg = conn.dispatch(self._board, "call", (cmd, limit))
-        except _RemoteError as err:
+        except ServerError as err:
             self._drop_connection()
             raise ChannelError(f"{op}: the channel refused the command: {err}") from None
         except OrchestratorError:  # a peer of another uid, a failed handshake, a reply that is not plain data
@@ -482,4 +267,4 @@ class Client(Verbs):
         return raise_reply(msg)
 
 
-__all__ = ["Client", "DEFAULT_TIMEOUT", "SERIALIZER", "socket_address", "read_authkey", "set_timeouts"]
+__all__ = ["Client", "manager_down"]

@@ -1,4 +1,4 @@
-"""The manager server's end of the command channel (channel.py has the picture): the
+"""The manager server's end of the command channel (client/channel.py has the picture): the
 multiprocess Manager, its listener and its connections, with the peer check on accept and
 plain-data unpickling. Runs in the manager process (server.py); a client never loads it,
 nor multiprocess: ``Client`` speaks the same protocol with the standard library only.
@@ -13,7 +13,7 @@ from typing import Any
 
 from multiprocess import connection, managers
 
-from ..client.channel import DEFAULT_TIMEOUT, SERIALIZER, PlainUnpickler, open_connection, peer_uid
+from ..channelwire import DEFAULT_TIMEOUT, SERIALIZER, PlainUnpickler, open_connection, peer_uid
 from ..errors import ChannelError
 from ..paths import user_name
 
@@ -73,7 +73,7 @@ class _PlainListener(connection.Listener):
 
 
 def _client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
-    """The client half of our serializer, for multiprocess's registry: channel.py's
+    """The client half of our serializer, for multiprocess's registry: channelwire.py's
     bounded, peer-checked connection (the manager server itself never connects)."""
     return open_connection(address, authkey or b"", DEFAULT_TIMEOUT)
 

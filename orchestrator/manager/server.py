@@ -2,7 +2,7 @@
 
 It serves the command queue and the reply board on the daemon's Unix socket (0600, auth
 key, and only to peers of its own uid or root: channelserver.py checks SO_PEERCRED on accept)
-and bridges them to the daemon over two pipes (see channel.py for the picture):
+and bridges them to the daemon over two pipes (see client/channel.py for the picture):
 
 * accepter thread: each connection to a connection thread, started ahead and reused
   (``_Handlers``: at a process limit the channel still answers);
@@ -31,11 +31,11 @@ from typing import Any, Callable
 
 from multiprocess import connection, process, util
 
-from ..client.channel import SERIALIZER, read_authkey, set_timeouts, socket_address
+from ..channelwire import SERIALIZER, read_authkey, set_timeouts, socket_address
 from ..errors import OrchestratorError
 from ..paths import Paths, check_state_dir
+from ..prctl import set_pdeathsig
 from ..protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
-from ..spawn.childsetup import set_pdeathsig
 from .channelserver import ChannelManager, use_plain_pickling
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
