@@ -37,10 +37,9 @@ from typing import Any
 
 from . import signals
 from . import taskwire as w
-from .spawn.childsetup import prctl
+from .prctl import set_child_subreaper
 from .worker import Cancelled, TaskTimeout, Terminated
 
-_PR_SET_CHILD_SUBREAPER = 36
 _BLOCK = {w.CANCEL_SIGNAL}
 _current = 0  # the number of the task running now; 0 between tasks
 _slot = 0  # the cancel word of the task that runs (or ran last)
@@ -130,7 +129,7 @@ def main() -> None:
     if not address:
         raise SystemExit(f"{w.SOCKET_ENV} is not set: not started by an executor pool")
     try:
-        prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a task's daemonized children stay ours to end
+        set_child_subreaper()  # a task's daemonized children stay ours to end
     except OSError:
         pass
     sock = _sock = _connect(address)

@@ -2,9 +2,9 @@
 
 ``run_child`` runs in the new replica, between the fork (``osapi.OSApi`` forking in the
 daemon, or the spawner process's clone, spawner.py) and the exec or the target. The
-processes that fork import this module beforehand, so that ``prctl`` is resolved once
-there, not in every child; they use ``prctl`` themselves too (the manager and the spawner
-``set_pdeathsig``, the daemon ``osapi.set_child_subreaper``).
+processes that fork import this module beforehand, so that ``prctl`` (``orchestrator/prctl.py``,
+which the manager and a task worker use without this module) is resolved once there, not
+in every child.
 
 What the child does before it runs anything of the user's, in this order and why:
   * its own process group (a terminate that comes before the child has set it reaches
@@ -39,7 +39,6 @@ turns it into FAILED("could not start: ...").
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # pthread_sigmask without the enum conversion: ~3 µs against ~60 µs a call
-import ctypes
 import fcntl
 import os
 import resource
@@ -52,16 +51,10 @@ from setproctitle import setproctitle
 
 from watchdog.cgroup import join as join_cgroup
 
+from ..prctl import set_pdeathsig
 from ..spec import LaunchPlan
 from ..targets import TargetRef, load_preload, load_target
 from ..worker import Terminated, exit_as_killed, install_sigterm_handler
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-# Resolved once here: a forked child that looked the symbol up itself paid ~150 µs for it.
-_prctl = _libc.prctl
-_prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
-_prctl.restype = ctypes.c_int
 
 # Signals whose disposition the orchestrator (or an embedding program) may have changed
 # and a worker must not inherit.
@@ -97,18 +90,6 @@ def worker_oom_score_adj() -> bytes:
 
 
 _OOM_SCORE_ADJ = worker_oom_score_adj()  # 500, or the parent's if higher: only a raise
-
-
-def prctl(option: int, arg: int) -> None:
-    """``prctl(option, arg, 0, 0, 0)``; OSError if refused."""
-    if _prctl(option, arg, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def set_pdeathsig(sig: int) -> None:
-    """``sig`` to us when our parent dies (the spawner and the manager use it too)."""
-    prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
 def run_child(

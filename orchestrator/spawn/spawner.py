@@ -50,7 +50,8 @@ import time
 from typing import Any, Callable
 
 from ..listenspec import MAX_SOCKETS
-from .childsetup import ALL_SIGNALS, run_child, set_pdeathsig
+from ..prctl import set_pdeathsig
+from .childsetup import ALL_SIGNALS, run_child
 
 _HEADER = struct.Struct("!I")
 _FD = array.array("i")
