@@ -79,7 +79,8 @@ def peer_uid(fd: int) -> int:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     finally:
         sock.detach()
-    return struct.unpack("3i", creds)[1]
+    pid, uid, gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def set_timeouts(fd: int, seconds: float) -> None:
@@ -196,7 +197,7 @@ class ClientConnection:
             self.send_bytes(_FAILURE)
             raise AuthenticationError("digest received was wrong")
 
-    def dispatch(self, ident: str | None, method: str, args: tuple = ()) -> Any:
+    def dispatch(self, ident: str | None, method: str, args: tuple[Any, ...] = ()) -> Any:
         """One request, one reply: its result, or the error it carries raised."""
         self.send((ident, method, args, {}))
         kind, result = self.recv()

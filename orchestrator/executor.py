@@ -118,18 +118,18 @@ class Executor(futures_base.Executor):
         self,
         max_workers: int | None = None,
         *,
-        state_dir: str | os.PathLike | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
         pool: str | None = None,
         max_tasks_per_child: int | None = None,
         preload: Sequence[str] = (),
         initializer: Callable[..., Any] | None = None,
-        initargs: tuple = (),
+        initargs: tuple[Any, ...] = (),
         timeout: float | None = None,
         grace: float = 5.0,
         retries: int = 0,
         memory_max: int | None = None,
         env: dict[str, str] | None = None,
-        cwd: str | os.PathLike | None = None,
+        cwd: str | os.PathLike[str] | None = None,
         reconnect_timeout: float = 30.0,
     ) -> None:
         if max_workers is None:
@@ -564,7 +564,7 @@ class Client(channel.Client):
         return Executor(state_dir=self.paths.state_dir, pool=pool, **keywords)
 
 
-def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
+def _remote(state_dir: str | os.PathLike[str], reconnect_timeout: float) -> Remote:
     client = channel.Client(state_dir)
     try:
         return Remote(client, reconnect_timeout)
@@ -573,7 +573,7 @@ def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
         raise
 
 
-def _about(initializer: Callable[..., Any] | None, initargs: tuple) -> str | None:
+def _about(initializer: Callable[..., Any] | None, initargs: tuple[Any, ...]) -> str | None:
     """An initializer as a joiner's conflict names it: ``module.name(args)``, short."""
     if initializer is None:
         return None
@@ -587,7 +587,7 @@ def _by_value(fn: Any) -> bool:
     return getattr(fn, "__module__", None) == "__main__"
 
 
-def _init_payload(initializer: Callable[..., Any] | None, initargs: tuple, *, embedded: bool) -> bytes:
+def _init_payload(initializer: Callable[..., Any] | None, initargs: tuple[Any, ...], *, embedded: bool) -> bytes:
     """The pool's WELCOME payload: the pickled (initializer, initargs); embedded, the
     caller's multiprocessing authkey with it (the workers are this caller's alone: they
     get its key as a forked child would; a daemon's pool serves clients with other keys,

@@ -80,7 +80,7 @@ def manager_down(paths: Paths) -> str | None:
 class Client(Verbs):
     """Talks to a running daemon over its Manager queue. Thread-safe; every call bounded."""
 
-    def __init__(self, state_dir: str | os.PathLike, *, timeout: float = DEFAULT_TIMEOUT, authkey: bytes | None = None) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT, authkey: bytes | None = None) -> None:
         self.paths = Paths(Path(state_dir))
         self.timeout = timeout
         # A dir, pid file, key or socket someone else controls is refused here (UnsafeStateDir).
@@ -236,7 +236,7 @@ class Client(Verbs):
             del self._tls.connection
             conn.close()
 
-    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """Send one command and wait, bounded, for its reply; raises its typed error."""
         limit = self.timeout if timeout is None else timeout
         if self._board is None:

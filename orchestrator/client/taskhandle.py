@@ -32,7 +32,7 @@ R = TypeVar("R")
 class _Client(Protocol):
     """What a handle asks of its ``Client`` (channel.py, which makes it)."""
 
-    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any: ...
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any: ...
     def close_thread(self) -> None: ...
     def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
                         stop: threading.Event | None = None) -> R: ...
@@ -56,7 +56,7 @@ class TaskHandle:
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id}>"
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         """The task's record, as ``orchestrator tasks --json`` shows it (id, pool, n, state,
         attempts, worker, queued/started/ended times, reason, kind)."""
         (row,) = self._call("tasks", {"id": self.id})
@@ -83,7 +83,7 @@ class TaskHandle:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"task {self.id} has not ended within {timeout:g} s (it is {got['state']})")
 
-    def future(self) -> Future:
+    def future(self) -> Future[Any]:
         """A ``concurrent.futures.Future`` of the task: it ends when the task does, as the
         submitter's future would (its ``cancel()`` is this handle's). A thread of this
         process waits for it."""
@@ -105,7 +105,7 @@ class TaskHandle:
         finally:
             self.client.close_thread()
 
-    def _call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> Any:
         try:
             return self.client.call(op, args, timeout)
         except AWAY as err:
@@ -123,7 +123,7 @@ class _HandleCanceller:
         return self.handle.cancel()
 
 
-def outcome_value(got: dict) -> Any:
+def outcome_value(got: dict[str, Any]) -> Any:
     """An ended task's outcome (``task_result``'s answer) as its future ends: its value, or
     the exception raised here."""
     task_id, state, kind, reason = got["id"], TaskState(got["state"]), got.get("kind"), got.get("reason") or ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any
+from typing import Any, cast
 
 from multiprocess import connection, managers
 
@@ -18,7 +18,7 @@ from ..errors import ChannelError
 from ..paths import user_name
 
 
-class _ServerConnection(connection.Connection):
+class _ServerConnection(connection.Connection):  # type: ignore[misc, unused-ignore]  # multiprocess: untyped
     """A multiprocess Connection that pickles with the stdlib pickler and unpickles plain
     data only (``PlainUnpickler``). The channel carries only plain data and the Manager's
     own protocol tuples, so dill's pure-Python pickler (~46 µs a message against ~3 µs)
@@ -40,7 +40,7 @@ class _ServerConnection(connection.Connection):
             raise ChannelError(str(err)) from None
 
 
-class _PlainListener(connection.Listener):
+class _PlainListener(connection.Listener):  # type: ignore[misc, unused-ignore]  # multiprocess: untyped
     """The manager server's listener: a peer that is neither our uid nor root is dropped
     on accept, before the auth handshake and before anything it sends is read."""
 
@@ -48,7 +48,7 @@ class _PlainListener(connection.Listener):
 
     def fileno(self) -> int:
         """The listening socket's fd (to poll it for a queued connection)."""
-        return self._listener._socket.fileno()
+        return int(self._listener._socket.fileno())
 
     def accept(self) -> _ServerConnection:
         if self._listener is None:
@@ -69,7 +69,7 @@ class _PlainListener(connection.Listener):
             connection.deliver_challenge(conn, self._authkey)
             connection.answer_challenge(conn, self._authkey)
         conn.__class__ = _ServerConnection  # same object, stdlib pickling (no detach() to rewrap)
-        return conn
+        return cast(_ServerConnection, conn)
 
 
 def _client(address: str, family: str | None = None, authkey: bytes | None = None) -> Any:
@@ -78,7 +78,7 @@ def _client(address: str, family: str | None = None, authkey: bytes | None = Non
     return open_connection(address, authkey or b"", DEFAULT_TIMEOUT)
 
 
-class ChannelManager(managers.BaseManager):
+class ChannelManager(managers.BaseManager):  # type: ignore[misc, unused-ignore]  # multiprocess: untyped
     """Typeids: ``commands`` (the command queue) and ``replies`` (a board keyed by id,
     whose ``call(cmd, timeout)`` puts a command on the queue and waits for its reply: one
     round trip instead of a put and a take)."""

@@ -44,12 +44,12 @@ REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropp
 class ReplyBoard:
     """Replies by command id; ``take`` blocks (server side) until its reply is posted."""
 
-    def __init__(self, commands: queue.Queue) -> None:
+    def __init__(self, commands: queue.Queue[Any]) -> None:
         self._commands = commands
         self._cond = threading.Condition()
-        self._replies: dict[str, tuple[float, dict]] = {}
+        self._replies: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    def post(self, msg: dict) -> None:
+    def post(self, msg: dict[str, Any]) -> None:
         cmd_id = msg.get("id")
         if not isinstance(cmd_id, str):
             return  # only a command with an id is waited for (``call``): nobody could take it
@@ -62,7 +62,7 @@ class ReplyBoard:
                         del self._replies[key]
             self._cond.notify_all()
 
-    def call(self, cmd: Any, timeout: float) -> dict | None:
+    def call(self, cmd: Any, timeout: float) -> dict[str, Any] | None:
         """Put ``cmd`` on the command queue and wait for its reply."""
         cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
         if not isinstance(cmd_id, str):
@@ -70,7 +70,7 @@ class ReplyBoard:
         self._commands.put(cmd)
         return self.take(cmd_id, timeout)
 
-    def take(self, cmd_id: str, timeout: float) -> dict | None:
+    def take(self, cmd_id: str, timeout: float) -> dict[str, Any] | None:
         deadline = time.monotonic() + max(0.0, float(timeout))
         with self._cond:
             while cmd_id not in self._replies:
@@ -81,7 +81,7 @@ class ReplyBoard:
             return self._replies.pop(cmd_id)[1]
 
 
-def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
+def _forward(commands: queue.Queue[Any], board: ReplyBoard, cmd_fd: int) -> None:
     while True:
         cmd = commands.get()
         cmd_id = cmd.get("id") if isinstance(cmd, dict) else None
@@ -323,7 +323,7 @@ def serve(argv: list[str] | None = None) -> None:
         os._exit(1)
     use_plain_pickling()
     address, _dirfd = socket_address(state_dir)
-    commands: queue.Queue = queue.Queue()
+    commands: queue.Queue[Any] = queue.Queue()  # what clients put: checked by the forwarder
     board = ReplyBoard(commands)
     ChannelManager.register("commands", callable=lambda: commands)
     ChannelManager.register("replies", callable=lambda: board, exposed=("take", "call"))

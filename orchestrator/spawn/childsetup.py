@@ -235,4 +235,5 @@ def unpickle_target(data: bytes) -> Callable[[], Any]:
     """Runs in the worker: only the worker ever unpickles a user's callable."""
     import dill
 
-    return dill.loads(data)
+    target: Callable[[], Any] = dill.loads(data)  # dill has no types: what was pickled was one
+    return target
