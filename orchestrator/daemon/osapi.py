@@ -32,10 +32,11 @@ from watchdog.ledger import Entry
 
 from .. import signals
 from ..errors import SpawnerLost
-from ..prctl import set_child_subreaper as set_child_subreaper  # main.py's name for it
+from ..prctl import prctl
 from ..spawn.childsetup import ALL_SIGNALS, run_child
 from ..spec import LaunchPlan
 
+_PR_SET_CHILD_SUBREAPER = 36
 # The write ends of ready pipes this process holds for a moment (between the pipe and the
 # spawner's or our own fork). An embedding program that forks on another thread in that
 # moment (a multiprocessing or pebble pool making a worker) would keep one in its child,
@@ -58,6 +59,11 @@ def _close_write_ends() -> None:
 
 os.register_at_fork(after_in_child=_close_write_ends)
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def set_child_subreaper() -> None:
+    """Orphaned descendants are re-parented to us, and we reap them (PID 1 may not)."""
+    prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 @dataclass(slots=True)
