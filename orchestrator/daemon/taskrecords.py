@@ -220,6 +220,25 @@ def as_text(data: Any) -> Any:
     return base64.b64encode(data).decode("ascii") if isinstance(data, bytes) else data
 
 
+def ended_kind(task: Task) -> str:
+    """How an ended task ended, as its end event says it (a row of an earlier version may
+    not say: its state does)."""
+    if task.kind:
+        return task.kind
+    return {T.DONE: "result", T.CANCELLED: "cancelled", T.TIMED_OUT: "timeout"}.get(
+        task.state, "raised" if task.result else "lost")
+
+
+def ended_data(task: Task) -> Any:
+    """What an ended task's end event carries (TaskTable.end): the result's or the
+    exception's bytes, [line, limit] for a timeout, else the reason."""
+    if task.kind in ("result", "raised"):
+        return task.result
+    if task.kind == "timeout":
+        return [task.reason, task.timeout]
+    return task.reason
+
+
 def how_it_ended(rep: Replica) -> str:
     """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
     ``OOM-killed``."""
