@@ -22,7 +22,7 @@ from ..errors import InvalidSpec
 from ..states import TaskState as T
 from .pools import Pool
 from .reactor import BufferedWriter, Timer
-from .taskrecords import Task, Worker, as_bytes, as_text, parse_options
+from .taskrecords import Doc, Task, Worker, as_bytes, as_text, parse_options
 from .tasktable import Table, TaskTable, log
 
 
@@ -74,7 +74,7 @@ class TaskCarry:
                 else:
                     tasks.enqueue(task)
 
-    def _keep_about(self, pool: Pool, stored: dict) -> None:
+    def _keep_about(self, pool: Pool, stored: Doc) -> None:
         """What the pool's row said of its initializer (a joiner's conflict names it) stays."""
         if stored.get("about") and pool.executor is not None:
             pool.executor["about"] = stored["about"]
@@ -88,7 +88,7 @@ class TaskCarry:
         self.tasks.take_parked()
         self.tasks.answer_waiting()
 
-    def carried(self) -> dict:
+    def carried(self) -> Doc:
         """What the next image needs to go on with every executor pool: its tasks, its
         workers' connections and cancel words (their fds made inheritable here), the
         sessions' unread events, the listener."""
@@ -131,7 +131,7 @@ class TaskCarry:
         return {"address": self.tasks.address, "listener": keep(listener) if listener is not None else None,
                 "pools": carried_pools, "tasks": tasks, "workers": workers, "sessions": sessions}
 
-    def take_over(self, doc: dict | None) -> None:
+    def take_over(self, doc: Doc | None) -> None:
         """The next image: the executor pools of the store (restored already) go on as the
         earlier image left them, on the connections it handed over."""
         if not doc:
@@ -176,7 +176,7 @@ class TaskCarry:
             self._take_worker(item, by_id, now)
         tasks.run_queues()
 
-    def _take_worker(self, item: dict, by_id: dict[str, Task], now: float) -> None:
+    def _take_worker(self, item: Doc, by_id: dict[str, Task], now: float) -> None:
         """One worker's connection as the image before left it, handed to the table."""
         conn = socket.socket(fileno=int(item["sock"]))
         conn.setblocking(False)

@@ -31,11 +31,11 @@ from .. import taskwire as w
 from ..errors import InvalidSpec, UnknownReplica
 from ..states import TaskState as T
 from .pools import Pool
-from .taskrecords import ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, target_payload
+from .taskrecords import Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, target_payload
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
 NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
-Command = Callable[[dict, Reply, Any], Any]
+Command = Callable[[Doc, Reply, Any], Any]
 
 
 def _count(value: Any, what: str) -> int:
@@ -58,7 +58,7 @@ class TaskCommands:
                 "task_attach": self._cmd_attach, "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
                 "task_events": self._cmd_events, "tasks": self._cmd_tasks, "task_result": self._cmd_result}
 
-    def _cmd_executor(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_executor(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Open (or join) an executor pool, and register the session that submits to it
         (``numbers``: the size of the first block of task numbers it is granted; ``after``:
         where a session made anew starts counting its events, so that a client that comes
@@ -108,7 +108,7 @@ class TaskCommands:
         block = self.tasks.grant(xp, numbers) if numbers else None
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 
-    def _conflicts(self, xp: ExecPool, pool: Pool, options: dict, init: bytes, about: Any, spec: dict) -> list[str]:
+    def _conflicts(self, xp: ExecPool, pool: Pool, options: Doc, init: bytes, about: Any, spec: Doc) -> list[str]:
         """What a joiner asks for that the running pool does not do, each as ``KEY=RUNS,
         not ASKED`` (see the module docstring for which keywords conflict, and why)."""
         out = [f"{key}={xp.options.get(key)!r}, not {options.get(key)!r}"
@@ -128,7 +128,7 @@ class TaskCommands:
                 out.append(f"{shown}={have!r}, not {want!r}")
         return out
 
-    def _cmd_numbers(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_numbers(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """The next block of task numbers for a session (``count``; [first, count]), or the
         unused end of its latest one given back (``give_back``: [first, end]; taken back
         only if no number was handed out after it)."""
@@ -142,7 +142,7 @@ class TaskCommands:
         self.tasks.give_back(xp, back[0], back[1])
         return None
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int, options: Doc) -> str:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""
@@ -162,7 +162,7 @@ class TaskCommands:
             what = "changed" if what == "unchanged" else what
         return what
 
-    def _cmd_submit(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_submit(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
         batch of them (``tasks``: a list of such objects); its id, or their ids. A task may
         name its number (``n``, of its session's block); ``resend``: the batch may have
@@ -200,7 +200,7 @@ class TaskCommands:
             self.tasks.attach(session, one.get("ref"), task)
         return task
 
-    def _cmd_attach(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_attach(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A session registered again (its client reconnected, perhaps to a daemon that
         restarted) takes its tasks back: ``tasks``, [[ref, id], ...]. For each, whether the
         pool has it; a running one is told ``started`` again, an ended one its end."""
@@ -222,7 +222,7 @@ class TaskCommands:
         return known
 
     @staticmethod
-    def _from_row(xp: ExecPool, row: dict) -> Task:
+    def _from_row(xp: ExecPool, row: Doc) -> Task:
         """An ended task the store keeps (no longer in memory), as a record to tell its end."""
         task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
                     state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
@@ -262,7 +262,7 @@ class TaskCommands:
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
         return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries)
 
-    def _cmd_cancel(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
         it is cancelled (now or before), False if it had ended otherwise (its result
         stands). An id never handed out is UnknownReplica, and nothing is cancelled."""
@@ -294,7 +294,7 @@ class TaskCommands:
             return None
         raise UnknownReplica(f"unknown task {task_id!r}")
 
-    def _stored(self, task_id: str) -> dict | None:
+    def _stored(self, task_id: str) -> Doc | None:
         store = self.table.journal.store
         rows = store.tasks(task_id=task_id) if store is not None else []
         return rows[0] if rows else None
@@ -303,7 +303,7 @@ class TaskCommands:
         row = self._stored(task_id)
         return row["state"] if row is not None else None
 
-    def _cmd_close(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_close(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A session ends: its unfinished tasks cancelled (``cancel``: the running ones get
         ``Terminated``, a shutdown, not a user's cancel), or left to run; with ``delete`` (an
         embedded executor's pool) the pool goes too: its queued tasks cancelled or failed,
@@ -328,7 +328,7 @@ class TaskCommands:
         self.tasks.stop_pool(xp, cancel=cancel, then=then)
         return protocol.DEFERRED
 
-    def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_events(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """What a polling session's tasks did since ``after``: at once if there is something,
         else when there is, or after ``timeout`` (empty)."""
         session = self.tasks.session(args.get("session"))
@@ -336,7 +336,7 @@ class TaskCommands:
         timeout = protocol.seconds(args.get("timeout", 1.0), "timeout") or 0.0
         return self.tasks.poll(session, after, timeout, reply, cmd_id)
 
-    def _cmd_tasks(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_tasks(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first;
         with ``id``, that task's alone (UnknownReplica if there is none)."""
         if args.get("id") is not None:
@@ -359,7 +359,7 @@ class TaskCommands:
                     rows[t.id] = listing(t.record())
         return sorted(rows.values(), key=lambda r: (r["pool"], r["n"]))
 
-    def _cmd_result(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_result(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A task's outcome: ``{"id", "state", "kind", "result", "reason"}`` (``result``: the
         pickled value or exception, bytes). Unfinished: that state at once, or with
         ``wait`` the outcome once it has ended (or, at ``timeout``, the state then)."""
@@ -384,7 +384,7 @@ class TaskCommands:
             raise UnknownReplica(f"unknown executor pool {name!r}")
         return xp
 
-    def pool_counts(self, name: str) -> dict | None:
+    def pool_counts(self, name: str) -> Doc | None:
         """An executor pool's tasks for ``status``: queued and running now; ended since the
         daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
         timed_out, lost (the daemon died while it ran)."""

@@ -22,6 +22,7 @@ from ..states import Replica
 from .pools import Pool
 from .taskcarry import TaskCarry
 from .taskcommands import Command, TaskCommands
+from .taskrecords import Doc
 from .tasktable import Table, TaskTable
 
 
@@ -44,10 +45,10 @@ class Tasks:
     def commands(self) -> dict[str, Command]:
         return self._commands.commands()
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int, options: Doc) -> str:
         return self._commands.declare(name, spec, policy, size, options)
 
-    def pool_counts(self, name: str) -> dict | None:
+    def pool_counts(self, name: str) -> Doc | None:
         return self._commands.pool_counts(name)
 
     # -- a restart, an upgrade ------------------------------------------------------------
@@ -58,10 +59,10 @@ class Tasks:
     def before_handover(self) -> None:
         self._carry.before_handover()
 
-    def carried(self) -> dict:
+    def carried(self) -> Doc:
         return self._carry.carried()
 
-    def take_over(self, doc: dict | None) -> None:
+    def take_over(self, doc: Doc | None) -> None:
         self._carry.take_over(doc)
 
     # -- the table's own --------------------------------------------------------------------

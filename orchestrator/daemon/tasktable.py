@@ -57,7 +57,7 @@ from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
 from .taskrecords import (
-    ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
+    Doc, ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
     size_text,
 )
 
@@ -93,7 +93,7 @@ class Table(Protocol):
     def proc_by_pid(self, pid: int) -> Any: ...
     def proc_of(self, rep: Replica) -> Any: ...
     def changed(self) -> None: ...
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
+    def reply(self, reply: Reply, msg: Doc, durable: bool) -> None: ...
     def wait_for(self, ids: Any, until: str, reply: Reply, cmd_id: Any, timeout: float) -> Any: ...
 
 
@@ -333,7 +333,7 @@ class TaskTable:
             return False
         return True
 
-    def adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1, said: str | None = None,
+    def adopt(self, pool: Pool, options: Doc, init: bytes, *, next_n: int = 1, said: str | None = None,
               ended: Mapping[str, int] | None = None) -> ExecPool:
         """``pool`` is an executor pool from now on (made, restored from the store, or carried
         across an upgrade: ``said`` and ``ended`` as the image before had them)."""
@@ -357,7 +357,7 @@ class TaskTable:
         pool.executor["next_task"] = xp.reserved
         self.table.save_pool(pool)
 
-    def prepare(self, spec: dict, policy: dict, options: dict) -> tuple[dict, dict]:
+    def prepare(self, spec: Doc, policy: Doc, options: Doc) -> tuple[Doc, Doc]:
         """An executor pool's spec and policy as the supervisor is to run them: its workers
         told where the listener is (it listens from now on), its ``memory_max`` given to the
         cgroup where a memory controller enforces it (else it is polled: taskmemory.py)."""
@@ -368,7 +368,7 @@ class TaskTable:
             policy["memory_max"] = options["memory_max"]
         return spec, policy
 
-    def set_options(self, xp: ExecPool, options: dict) -> None:
+    def set_options(self, xp: ExecPool, options: Doc) -> None:
         """``xp``'s options (checked: taskrecords.parse_options) in force for the tasks
         handed out from now on (a config reload)."""
         xp.options = options
