@@ -23,6 +23,7 @@ from orchestrator import protocol, signals
 from orchestrator import taskwire as w
 from orchestrator.daemon import tasktable
 from orchestrator.daemon.pools import CRASHLOOP, Pool
+from orchestrator.daemon.containment import Tree
 from orchestrator.daemon.reactor import Reactor
 from orchestrator.daemon.taskcarry import TaskCarry
 from orchestrator.daemon.taskcommands import TaskCommands
@@ -46,9 +47,10 @@ class FakeProc:
 
     def __init__(self, pid: int, replica: Replica) -> None:
         self.pid, self.replica = pid, replica
-        self.reaped = False
+        self.reaped = self.killed = False
         self.cgroup: str | None = None
         self.escaped: list[tuple[int, int]] = []
+        self.kill_timer: Any = None
 
 
 class FakeStore:
@@ -84,7 +86,7 @@ class FakeEngine:
         self.procs: dict[str, FakeProc] = {}
         self.connecting: Replica | None = None  # who the next connection of this process is
         self.renewed: list[tuple[str, str]] = []
-        self.killed: list[str] = []
+        self.killed: list[int] = []  # pids whose tree was killed
         self.saved: list[Doc] = []  # the executor part of each save_pool, as it was then
 
     # os
@@ -98,12 +100,21 @@ class FakeEngine:
     def check_limits(self, limits: Doc) -> None:
         raise InvalidSpec("no memory controller")
 
-    def kill_after_grace(self, proc: FakeProc) -> None:
-        self.killed.append(proc.replica.id)
+    def kill_after_grace(self, tree: Tree) -> None:
+        self.killed.append(tree.pid)
 
     # supervisor
     def renew(self, rep: Replica, reason: str, *, now: bool = False) -> None:
         self.renewed.append((rep.id, reason))
+
+    def open_pool(self, name: str, spec: Doc, policy: Doc, size: int) -> tuple[Pool, list[str]]:
+        raise AssertionError("not used here: the tests make their pool themselves")
+
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int) -> str:
+        raise AssertionError("not used here")
+
+    def delete_pool(self, name: str) -> list[str]:
+        raise AssertionError("not used here")
 
     # journal, metrics
     def event(self, kind: str, doc: Doc) -> None:
@@ -383,7 +394,7 @@ def test_a_timeout_writes_its_cause_and_the_tree_is_killed_after_the_grace(make:
     assert state(task) is T.TIMED_OUT and w1.word(task.slot) == w.cancel_word(task.n, w.TIMEOUT)
     assert [d for k, r, d, _ in h.heard if k == "timeout"] == [[f"task {task.id} ran past its timeout of 5 s", 5.0]]
     h.advance(2.1)  # it did not answer within the grace
-    assert h.engine.killed == [w1.rep.id]
+    assert h.engine.killed == [h.engine.procs[w1.rep.id].pid]
     assert h.engine.renewed == [(w1.rep.id, f"task {task.id} still ran 2 s after its timeout")]
 
 
@@ -404,7 +415,7 @@ def test_a_task_cut_short_by_its_workers_death_runs_again_while_retries_remain(m
     w3 = h.worker()
     assert w3.tasks_sent(2) == [task.n, behind[1].n] and state(task) is T.RUNNING and task.attempts == 2
     w3.die(3)
-    assert task.state is T.FAILED and task.kind == "lost" and task.reason == "exited with 3"
+    assert state(task) is T.FAILED and task.kind == "lost" and task.reason == "exited with 3"
     assert [d for k, r, d, _ in h.heard if r == task.ref and k == "lost"] == ["exited with 3"]
 
 

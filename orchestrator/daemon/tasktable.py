@@ -53,6 +53,7 @@ from ..taskwire import TaskEvent
 from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
 from ..states import TaskState as T
+from .containment import Tree
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
@@ -76,25 +77,87 @@ LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far sho
 COPY_MAX = 1 << 20  # a TASK frame's payload below this is copied behind its header: one write
 
 
+class Clock(Protocol):
+    """The engine's clocks (osapi.OSApi): a task's times are wall clock, timers monotonic."""
+
+    def time(self) -> float: ...
+    def monotonic(self) -> float: ...
+
+
+class Proc(Tree, Protocol):
+    """A replica's process as the engine holds it (engine.Proc): its tree, and whose it is."""
+
+    replica: Replica
+
+
+class Containment(Protocol):
+    """What the table asks of containment.py: may memory_max be the cgroup's, and the kill
+    of a worker's whole tree."""
+
+    def check_limits(self, limits: dict[str, Any]) -> None: ...
+    def kill_after_grace(self, tree: Tree) -> None: ...
+
+
+class Supervisor(Protocol):
+    """What the table and its commands ask of supervision.Supervisor: an executor pool is a
+    pool like any other."""
+
+    def renew(self, rep: Replica, reason: str, *, now: bool = False) -> None: ...
+    def open_pool(self, name: str, spec: Doc, policy: Doc, size: int) -> tuple[Pool, list[str]]: ...
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int) -> str: ...
+    def delete_pool(self, name: str) -> list[str]: ...
+
+
+class TaskStore(Protocol):
+    """The store's task rows (store.Store)."""
+
+    def save_task(self, rec: Doc) -> None: ...
+    def tasks(self, *, pool: str | None = None, include_terminal: bool = False,
+              task_id: str | None = None) -> list[Doc]: ...
+    def task_numbers(self) -> dict[str, int]: ...
+
+
+class Journal(Protocol):
+    """The engine's writes to the store (journal.Journal): a task's row, its events."""
+
+    @property
+    def store(self) -> TaskStore | None: ...
+    def event(self, kind: str, data: Doc) -> None: ...
+
+
+class Metrics(Protocol):
+    """The task counters of metrics.Metrics."""
+
+    def task_started(self, pool: str, waited: float) -> None: ...
+    def task_ended(self, pool: str, state: str, ran: float | None) -> None: ...
+
+
 class Table(Protocol):
-    """What the task table asks of the replica table (engine.Engine)."""
+    """What the task table and its collaborators ask of the replica table (engine.Engine)."""
 
-    reactor: Reactor
-    os: Any
-    containment: Any
-    supervisor: Any
-    journal: Any
-    metrics: Any
-    closing: bool
+    @property
+    def reactor(self) -> Reactor: ...
+    @property
+    def os(self) -> Clock: ...
+    @property
+    def containment(self) -> Containment: ...
+    @property
+    def supervisor(self) -> Supervisor: ...
+    @property
+    def journal(self) -> Journal: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def closing(self) -> bool: ...
 
-    def pool(self, name: Any) -> Pool | None: ...
+    def pool(self, name: str) -> Pool | None: ...
     def replica(self, rid: str) -> Replica | None: ...
     def save_pool(self, pool: Pool) -> None: ...
-    def proc_by_pid(self, pid: int) -> Any: ...
-    def proc_of(self, rep: Replica) -> Any: ...
+    def proc_by_pid(self, pid: int) -> Proc | None: ...
+    def proc_of(self, rep: Replica) -> Proc | None: ...
     def changed(self) -> None: ...
     def reply(self, reply: Reply, msg: Doc, durable: bool) -> None: ...
-    def wait_for(self, ids: Any, until: str, reply: Reply, cmd_id: Any, timeout: float) -> Any: ...
+    def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: object, timeout: float) -> object: ...
 
 
 class TaskTable:
@@ -787,7 +850,7 @@ class TaskTable:
             session.idle_timer.cancel()
         session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self.drop_session(session))
 
-    def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list]]) -> Session:
+    def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list[Any]]]) -> Session:
         """A polling session carried across an upgrade, with the events it had not read."""
         session = self.open_session(name, None)
         session.seq = seq
@@ -1258,7 +1321,7 @@ class TaskTable:
             return f"memory limit {size_text(limit)} exceeded"
         return None
 
-    def _proc(self, worker: Worker) -> Any:
+    def _proc(self, worker: Worker) -> Proc | None:
         rep = worker.replica
         proc = self.table.proc_of(rep) if rep is not None else None
         return proc if proc is not None and not proc.reaped else None
