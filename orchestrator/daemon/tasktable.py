@@ -1223,6 +1223,8 @@ class TaskTable:
         self.table.changed()
 
     def requeue(self, task: Task, why: str) -> None:
+        """``task``, cut short by something not its own doing (its worker lost, the daemon
+        died), is queued again, first in its pool's queue, the attempt counted."""
         old = task.state
         task.state = task_transition(task.id, task.state, T.QUEUED)
         if task.timer is not None:
