@@ -246,6 +246,7 @@ class TaskTable:
         return self._live.get(task_id) or self._ended.get(task_id)
 
     def listen(self) -> None:
+        """Bind the workers' listener at ``address``, once (the first executor pool)."""
         if self._listener is not None:
             return
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
