@@ -1,8 +1,8 @@
 """The task table on a fake: the real reactor on a fake clock, a fake engine (the ``Table``
-the table asks), and socketpair-free "workers" that are plain sockets of this process
-speaking the wire (taskwire frames, a memfd of cancel words) to the table's real listener.
-No process is started: who a connection is, is what the fake engine says the connecting
-pid is (``FakeEngine.connecting``), and the cancel signal is recorded, not sent.
+the table asks), and "workers" that are sockets of this process connected to the table's
+real listener, speaking the wire (taskwire frames, a memfd of cancel words sent with
+HELLO). No process is started: who a connection is, is what the fake engine says the
+connecting pid is (``FakeEngine.connecting``), and the cancel signal is recorded, not sent.
 
 What it shows: dispatch order (idle first, one held per busy worker, a held task asked
 back for an idle worker), the two cancel words, retries after a worker's death, a
