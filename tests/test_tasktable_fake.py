@@ -29,7 +29,7 @@ from orchestrator.daemon.taskcarry import TaskCarry
 from orchestrator.daemon.taskcommands import TaskCommands
 from orchestrator.daemon.taskrecords import Doc, Event, ExecPool, Reply, Session, Task, parse_options
 from orchestrator.daemon.tasktable import TaskTable
-from orchestrator.errors import InvalidSpec
+from orchestrator.errors import InvalidSpec, UnknownReplica
 from orchestrator.states import Replica, ReplicaState
 from orchestrator.states import TaskState as T
 from orchestrator.taskwire import TaskEvent
@@ -594,3 +594,44 @@ def test_a_session_dropped_has_its_poll_answered_and_its_tasks_run_on(make: Call
     h.tasks.drop_session(polling)
     assert answers == [{"id": 9, "ok": True, "result": {"events": [], "next": 0}}]
     assert "poller" not in h.tasks.sessions and task.session is None and task.state is T.QUEUED
+
+
+# -- the commands, on the same fake -------------------------------------------------------
+
+
+def test_a_batch_sent_again_is_the_same_tasks_not_a_second_run(make: Callable[..., Harness]) -> None:
+    h = make()
+    cmd = h.commands.commands()
+    assert cmd["task_numbers"]({"pool": POOL, "count": 10}, lambda m: None, 1) == [1, 10]
+    batch = {"pool": POOL, "session": "s1", "tasks": [{"payload": b"a", "n": 1, "ref": "a"},
+                                                      {"payload": b"b", "n": 2, "ref": "b"}]}
+    assert cmd["task_submit"](batch, lambda m: None, 2) == [f"{POOL}/1", f"{POOL}/2"]
+    assert cmd["task_submit"]({**batch, "resend": True}, lambda m: None, 3) == [f"{POOL}/1", f"{POOL}/2"]
+    assert list(h.tasks.live) == [f"{POOL}/1", f"{POOL}/2"] and len(h.xp.queue) == 2
+    with pytest.raises(InvalidSpec, match="task number 11 was not handed out"):
+        cmd["task_submit"]({"pool": POOL, "payload": b"c", "n": 11}, lambda m: None, 4)
+
+
+def test_a_cancel_naming_an_id_never_handed_out_cancels_nothing(make: Callable[..., Harness]) -> None:
+    h = make()
+    task = h.submit()
+    with pytest.raises(UnknownReplica, match="unknown task"):
+        h.commands.commands()["task_cancel"]({"ids": [task.id, f"{POOL}/99"]}, lambda m: None, 1)
+    assert task.state is T.QUEUED
+    assert h.commands.commands()["task_cancel"]({"ids": [task.id]}, lambda m: None, 2) == [True]
+    assert state(task) is T.CANCELLED
+
+
+def test_a_result_wait_is_answered_at_the_end_or_at_its_timeout(make: Callable[..., Harness]) -> None:
+    h = make()
+    w1 = h.worker()
+    slow, other = h.submit(), h.submit()
+    w1.tasks_sent(2)
+    answers: list[Doc] = []
+    result = h.commands.commands()["task_result"]
+    assert result({"id": slow.id, "wait": True, "timeout": 10}, answers.append, 1) is protocol.DEFERRED
+    assert result({"id": other.id, "wait": True, "timeout": 10}, answers.append, 2) is protocol.DEFERRED
+    w1.send(w.RESULT, slow.n, b"v")
+    assert [(a["id"], a["result"]["state"], a["result"]["result"]) for a in answers] == [(1, "DONE", "dg==")]
+    h.advance(10.1)
+    assert [(a["id"], a["result"]["state"]) for a in answers[1:]] == [(2, "RUNNING")]
