@@ -6,7 +6,8 @@ connecting pid is (``FakeEngine.connecting``), and the cancel signal is recorded
 
 What it shows: dispatch order (idle first, one held per busy worker, a held task asked
 back for an idle worker), the two cancel words, retries after a worker's death, a
-hopeless pool, the backlog bounds, and task numbers reserved across a restore.
+hopeless pool, the backlog bounds, task numbers reserved across a restore, a few commands,
+and an upgrade's hand-over between two tables of this process.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ class Harness:
         self.session = self.tasks.open_session("s1", self.heard.extend)
         self.workers: list[FakeWorker] = []
         self.signalled: list[int] = []
+        self.table_closed = False  # its fds are closed once only: another table may hold their numbers
 
     def turn(self) -> None:
         """One turn of the real reactor (no wait: what the workers sent is there already),
@@ -266,7 +268,8 @@ class Harness:
         return [str(kind) for kind, r, _, _ in self.heard if r == ref]
 
     def close(self) -> None:
-        self.tasks.close()
+        if not self.table_closed:
+            self.tasks.close()
         for worker in self.workers:
             worker.sock.close()
             worker.words.close()
@@ -635,3 +638,72 @@ def test_a_result_wait_is_answered_at_the_end_or_at_its_timeout(make: Callable[.
     assert [(a["id"], a["result"]["state"], a["result"]["result"]) for a in answers] == [(1, "DONE", "dg==")]
     h.advance(10.1)
     assert [(a["id"], a["result"]["state"]) for a in answers[1:]] == [(2, "RUNNING")]
+
+
+# -- an upgrade's hand-over, both images in this process ----------------------------------
+
+
+def hand_over(h: Harness, *, later: float = 0.0) -> tuple[FakeEngine, TaskTable]:
+    """What ``h``'s table carries (through JSON, as it crosses the exec), taken over by a
+    new table on a new engine ``later`` seconds on; ``h``'s table is closed. The exec keeps
+    the fds' numbers; here the next image gets copies, as the first image's own close as its
+    process would end."""
+    doc = json.loads(json.dumps(TaskCarry(h.tasks, h.engine).carried()))
+    for item in doc["workers"]:
+        for key in ("sock", "out", "word"):
+            item[key] = os.dup(item[key])
+    doc["listener"] = os.dup(doc["listener"])
+    h.tasks.close()
+    h.table_closed = True
+    engine = FakeEngine()
+    engine.now = h.engine.now + later  # one host, one monotonic clock
+    engine.replicas, engine.procs = h.engine.replicas, h.engine.procs
+    engine.pools[POOL] = Pool(POOL, None, executor=dict(h.pool.executor or {}), live=dict(h.pool.live))
+    table = TaskTable(engine)
+    TaskCarry(table, engine).take_over(doc)
+    return engine, table
+
+
+def test_the_next_image_goes_on_with_the_workers_and_tasks_the_first_handed_over(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    w1 = h.worker()
+    running, held = h.submit(timeout=30.0), h.submit()
+    w1.tasks_sent(2)
+    h.tasks.grant(h.xp, 5)
+    engine, table = hand_over(h, later=10.0)
+    try:
+        xp = table.pools[POOL]
+        after, behind = table.live[running.id], table.live[held.id]
+        assert (after.state, behind.state, xp.next_n) == (T.RUNNING, T.QUEUED, held.n + 6)
+        assert [t.id for t in xp.workers[w1.rep.id].tasks] == [running.id, held.id]
+        w1.sock.sendall(w.frame(w.RESULT, running.n, b"v"))
+        engine.reactor.run_once(0.0)
+        assert (after.state, after.result, behind.state) == (T.DONE, b"v", T.RUNNING)
+        engine.now += 30.0  # the first's timeout, carried, went with its end: nothing times out
+        engine.reactor.run_once(0.0)
+        assert behind.state is T.RUNNING and w1.nothing_sent()
+        assert table.cancel(behind) and w1.word(behind.slot) == w.cancel_word(behind.n, w.CANCEL)
+    finally:
+        table.close()
+        engine.reactor.close()
+
+
+def test_a_running_tasks_timeout_goes_on_across_the_hand_over(make: Callable[..., Harness]) -> None:
+    h = make()
+    w1 = h.worker()
+    task = h.submit(timeout=30.0)
+    w1.tasks_sent(1)
+    h.advance(20.0)
+    engine, table = hand_over(h)
+    try:
+        after = table.live[task.id]
+        engine.now += 9.9
+        engine.reactor.run_once(0.0)
+        assert after.state is T.RUNNING
+        engine.now += 0.2  # 30 s after it started, not 30 s after the hand-over
+        engine.reactor.run_once(0.0)
+        assert state(after) is T.TIMED_OUT and w1.word(after.slot) == w.cancel_word(task.n, w.TIMEOUT)
+    finally:
+        table.close()
+        engine.reactor.close()
