@@ -446,7 +446,7 @@ class Executor(futures_base.Executor):
         kind, ref, data, task_id = event
         if kind == "stop":
             return False
-        if kind == "stopped":  # a task that ended while it ran: its worker is done with it now
+        if kind == w.TaskEvent.STOPPED:  # a task that ended while it ran: its worker is done with it now
             stopped = self._unstopped.pop(ref, None)
             if stopped is not None:
                 stopped.mark_stopped()
@@ -454,11 +454,11 @@ class Executor(futures_base.Executor):
         fut = self._futures.get(ref)
         if fut is None:
             return True
-        if kind == "stopping":  # its end comes next, while a worker still runs it
+        if kind == w.TaskEvent.STOPPING:  # its end comes next, while a worker still runs it
             fut.expect_stop()
             self._unstopped[ref] = fut
             return True
-        if kind == "started":
+        if kind == w.TaskEvent.STARTED:
             fut.task_id = task_id
             with fut._condition:
                 if fut._state == futures_base.PENDING:

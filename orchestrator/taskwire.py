@@ -61,6 +61,7 @@ import signal
 import struct
 import sys
 import types
+from enum import StrEnum
 from typing import Any, Callable
 
 HEADER = struct.Struct("!IBQ")
@@ -78,6 +79,17 @@ HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG 
 REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
 VERSION = 2  # what HELLO says: 2 knows REVOKE and KEPT
 OVERSIZE = 0x80  # Frames.feed: a frame over its limit, not read (the kind's high bit)
+
+
+class TaskEvent(StrEnum):
+    """What the loop tells a task's submitter (``Executor``) of a task that has not ended, or
+    not for it: the first word of an event ``[kind, ref, data, task id]`` (the other kinds
+    are its end: result, raised, error, timeout, lost, unrun, interrupted, cancelled).
+    A ``str``: over the daemon's JSON channel it is the word itself, unchanged."""
+
+    STARTED = "started"  # a worker runs it now (data: its task id)
+    STOPPING = "stopping"  # it ended while a worker ran it: its end comes next, the worker still stops it
+    STOPPED = "stopped"  # that worker is done with it (TaskFuture.wait_stopped returns)
 
 
 def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:

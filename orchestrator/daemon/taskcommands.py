@@ -1,15 +1,16 @@
-"""The commands of the task table (tasktable.py): ``executor`` (open or join an executor
+"""The commands of the task table (tasktable.py), a collaborator that calls its public API
+(as circus's commands call the arbiter): ``executor`` (open or join an executor
 pool, with a session), ``task_numbers`` (a block of task numbers a session hands out
 itself), ``task_submit``, ``task_attach`` (a session registered again takes its tasks back),
 ``task_cancel``, ``executor_close``, ``task_events`` (a client's long poll), ``tasks``,
 ``task_result``; a config file's executor pools (``declare``); each pool's counts for
 ``status``; and the sessions' lifecycle (opened by ``executor``, kept alive by a client's
-polls, dropped when closed or idle). Loop thread only.
+polls, dropped when closed or idle; the table keeps them). Loop thread only.
 
 Task numbers: a session is granted blocks of numbers (``executor``, then ``task_numbers``)
 and names each task's number itself when it submits it, so that the submitter knows the
 task's id at once, without a round trip per task; every grant is recorded in the pool's
-row (``_reserve``) before its reply. A task sent again with a number the pool has already
+row (``TaskTable.grant``) before its reply. A task sent again with a number the pool has already
 (a client that reconnected resends what it is not sure arrived) is that task, attached
 to the sender's session, never a second run.
 
@@ -27,12 +28,14 @@ from typing import Any, Callable
 
 from .. import protocol
 from .. import taskwire as w
-from ..errors import InvalidSpec, UnknownReplica, UnknownSession
+from ..errors import InvalidSpec, UnknownReplica
 from ..states import TaskState as T
 from .pools import Pool
-from .taskrecords import (
-    ExecPool, Reply, Session, Sink, Task, as_bytes, listing, outcome, parse_options, target_payload,
-)
+from .taskrecords import Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, target_payload
+from .tasktable import WORKER_TARGET, Table, TaskTable
+
+NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
+Command = Callable[[Doc, Reply, Any], Any]
 
 
 def _count(value: Any, what: str) -> int:
@@ -42,37 +45,20 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
-def ended_kind(task: Task) -> str:
-    """How an ended task ended, as its end event says it (a row of an earlier version may
-    not say: its state does)."""
-    if task.kind:
-        return task.kind
-    return {T.DONE: "result", T.CANCELLED: "cancelled", T.TIMED_OUT: "timeout"}.get(
-        task.state, "raised" if task.result else "lost")
+class TaskCommands:
+    """The task commands on ``tasks`` (its public API only), for the engine ``table``
+    (pools, replies, the store); see the module docstring."""
 
+    def __init__(self, tasks: TaskTable, table: Table) -> None:
+        self.tasks = tasks
+        self.table = table
 
-def ended_data(task: Task) -> Any:
-    """What an ended task's end event carries (tasktable's ``_end``): the result's or the
-    exception's bytes, [line, limit] for a timeout, else the reason."""
-    if task.kind in ("result", "raised"):
-        return task.result
-    if task.kind == "timeout":
-        return [task.reason, task.timeout]
-    return task.reason
-from .tasktable import SESSION_IDLE, WORKER_TARGET, TaskTable
-
-NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
-
-
-class TaskCommands(TaskTable):
-    """The task table with its commands; see the module docstring."""
-
-    def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
+    def commands(self) -> dict[str, Command]:
         return {"executor": self._cmd_executor, "task_numbers": self._cmd_numbers, "task_submit": self._cmd_submit,
                 "task_attach": self._cmd_attach, "task_cancel": self._cmd_cancel, "executor_close": self._cmd_close,
                 "task_events": self._cmd_events, "tasks": self._cmd_tasks, "task_result": self._cmd_result}
 
-    def _cmd_executor(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_executor(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Open (or join) an executor pool, and register the session that submits to it
         (``numbers``: the size of the first block of task numbers it is granted; ``after``:
         where a session made anew starts counting its events, so that a client that comes
@@ -91,12 +77,8 @@ class TaskCommands(TaskTable):
         after = args.get("after") or 0
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidSpec(f"after must be a whole number of at least 0, got {after!r}")
-        self._listen()
-        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
-        policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
-        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
-            policy["memory_max"] = options["memory_max"]
-        xp = self._pools.get(name)
+        spec, policy = self.tasks.prepare(spec, {"restart": "always", "grace": options["grace"]}, options)
+        xp = self.tasks.pools.get(name)
         pool = self.table.pool(name)
         if xp is not None and not xp.closing and pool is not None and not pool.deleted:
             conflicts = self._conflicts(xp, pool, options, init, about, spec)  # joined as it runs, if none
@@ -111,7 +93,7 @@ class TaskCommands(TaskTable):
                 raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
             pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
             if xp is None or xp.closing:
-                xp = self._adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
+                xp = self.tasks.adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
                 if about and pool.executor is not None:
                     pool.executor["about"] = str(about)[:200]  # named in a joiner's conflict
                     self.table.save_pool(pool)
@@ -121,14 +103,12 @@ class TaskCommands(TaskTable):
             sink = args.get("sink")
             if sink is not None and not callable(sink):
                 raise InvalidSpec("a session's sink must be callable")
-            fresh = str(session) not in self._sessions
-            opened = self._open_session(str(session), sink)
-            if fresh:
-                opened.seq = after
-        block = self._grant(xp, numbers) if numbers else None
+            fresh = str(session) not in self.tasks.sessions
+            self.tasks.open_session(str(session), sink, after=after)
+        block = self.tasks.grant(xp, numbers) if numbers else None
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 
-    def _conflicts(self, xp: ExecPool, pool: Pool, options: dict, init: bytes, about: Any, spec: dict) -> list[str]:
+    def _conflicts(self, xp: ExecPool, pool: Pool, options: Doc, init: bytes, about: Any, spec: Doc) -> list[str]:
         """What a joiner asks for that the running pool does not do, each as ``KEY=RUNS,
         not ASKED`` (see the module docstring for which keywords conflict, and why)."""
         out = [f"{key}={xp.options.get(key)!r}, not {options.get(key)!r}"
@@ -148,76 +128,60 @@ class TaskCommands(TaskTable):
                 out.append(f"{shown}={have!r}, not {want!r}")
         return out
 
-    def _cmd_numbers(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_numbers(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """The next block of task numbers for a session (``count``; [first, count]), or the
         unused end of its latest one given back (``give_back``: [first, end]; taken back
         only if no number was handed out after it)."""
         xp = self._exec_pool(args.get("pool"))
         back = args.get("give_back")
         if back is None:
-            return self._grant(xp, _count(args.get("count"), "count"))
+            return self.tasks.grant(xp, _count(args.get("count"), "count"))
         if (not isinstance(back, list) or len(back) != 2
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
             raise InvalidSpec("give_back must be [first, end]")
-        first, end = back
-        # (Checked against the tasks held, not number by number: a block may be very large.)
-        if 0 < first < end == xp.next_n and not any(t.pool is xp and t.n >= first
-                                                      for t in (*self._live.values(), *self._ended.values())):
-            xp.next_n = first
-            self._reserve(xp)
+        self.tasks.give_back(xp, back[0], back[1])
         return None
 
-    def _grant(self, xp: ExecPool, count: int) -> list[int]:
-        first = xp.next_n
-        xp.next_n += count
-        self._reserve(xp)  # in this turn's commit, before the reply that hands them out
-        return [first, count]
-
-    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int, options: Doc) -> str:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""
         options = parse_options(options)
-        self._listen()
-        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
-        policy = dict(policy)
-        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
-            policy["memory_max"] = options["memory_max"]
+        spec, policy = self.tasks.prepare(spec, policy, options)
         what = self.table.supervisor.declare(name, spec, policy, size)
         pool = self.table.pool(name)
         assert pool is not None  # declared just now
-        xp = self._pools.get(name)
+        xp = self.tasks.pools.get(name)
         if xp is None or xp.closing:
-            self._adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
+            self.tasks.adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
         elif xp.options != options:
-            xp.options = options
-            self._watch_memory(xp)
+            self.tasks.set_options(xp, options)
             if pool.executor is not None:
                 pool.executor["options"] = options
             self.table.save_pool(pool)
             what = "changed" if what == "unchanged" else what
         return what
 
-    def _cmd_submit(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_submit(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Queue one task (``payload``, or a ``target`` with JSON ``args``/``kwargs``), or a
         batch of them (``tasks``: a list of such objects); its id, or their ids. A task may
         name its number (``n``, of its session's block); ``resend``: the batch may have
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
         session's next block of task numbers granted with it."""
         xp = self._exec_pool(args.get("pool"))
-        session = self._session(args.get("session")) if args.get("session") is not None else None
+        session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
         if batch is None:
-            return (self._known(xp, session, args, False) or self._queue(xp, self._task(xp, session, args))).id
+            return (self._known(xp, session, args, False) or self.tasks.submit(xp, self._task(xp, session, args))).id
         if not isinstance(batch, list):
             raise InvalidSpec("tasks must be a list")
         # All checked before any is queued; one that names a number the pool has is the task
         # it has (a batch sent again: ``resend``), attached to the session, not run again.
         resend = bool(args.get("resend"))
         made = [self._known(xp, session, one, resend) or self._task(xp, session, one) for one in batch]
-        ids = [task.id or self._queue(xp, task).id for task in made]
+        ids = [task.id or self.tasks.submit(xp, task).id for task in made]
         if args.get("numbers") is not None:  # the session's next block, with no round trip of its own
-            return {"ids": ids, "numbers": self._grant(xp, _count(args["numbers"], "numbers"))}
+            return {"ids": ids, "numbers": self.tasks.grant(xp, _count(args["numbers"], "numbers"))}
         return ids
 
     def _known(self, xp: ExecPool, session: Session | None, one: Any, resend: bool) -> Task | None:
@@ -228,52 +192,37 @@ class TaskCommands(TaskTable):
         if n is None or isinstance(n, bool) or not isinstance(n, int):
             return None
         task_id = f"{xp.name}/{n}"
-        task = self._live.get(task_id) or self._ended.get(task_id)
+        task = self.tasks.task(task_id)
         if task is None and resend:
             row = self._stored(task_id)
             task = self._from_row(xp, row) if row is not None else None
         if task is not None:
-            self._attach(session, one.get("ref"), task)
+            self.tasks.attach(session, one.get("ref"), task)
         return task
 
-    def _cmd_attach(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_attach(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A session registered again (its client reconnected, perhaps to a daemon that
         restarted) takes its tasks back: ``tasks``, [[ref, id], ...]. For each, whether the
         pool has it; a running one is told ``started`` again, an ended one its end."""
         xp = self._exec_pool(args.get("pool"))
-        session = self._session(args.get("session"))
+        session = self.tasks.session(args.get("session"))
         pairs = args.get("tasks")
         if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)
                                                   for p in pairs):
             raise InvalidSpec("tasks must be a list of [ref, task id]")
         known = []
         for ref, task_id in pairs:
-            task = self._live.get(task_id) or self._ended.get(task_id)
+            task = self.tasks.task(task_id)
             if task is None and task_id.rpartition("/")[0] == xp.name:
                 row = self._stored(task_id)
                 task = self._from_row(xp, row) if row is not None else None
             if task is not None:
-                self._attach(session, ref, task)
+                self.tasks.attach(session, ref, task)
             known.append(task is not None)
         return known
 
-    def _attach(self, session: Session | None, ref: Any, task: Task) -> None:
-        """``task`` is ``session``'s, under ``ref``: what it does from now on is told there,
-        and what it did already (started, or its end) is told at once."""
-        if session is None or ref is None:
-            return
-        if task.state.terminal:
-            task.session, task.ref = session, ref
-            self._tell(task, ended_kind(task), ended_data(task))
-            return
-        if task.session is not None and task.session is not session:
-            task.session.tasks.pop(task.ref, None)
-        task.session, task.ref = session, ref
-        session.tasks[ref] = task
-        if task.state is T.RUNNING:
-            self._tell(task, "started", task.id)
-
-    def _from_row(self, xp: ExecPool, row: dict) -> Task:
+    @staticmethod
+    def _from_row(xp: ExecPool, row: Doc) -> Task:
         """An ended task the store keeps (no longer in memory), as a record to tell its end."""
         task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
                     state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
@@ -282,6 +231,7 @@ class TaskCommands(TaskTable):
         return task
 
     def _task(self, xp: ExecPool, session: Session | None, one: Any) -> Task:
+        """A task of a submit, checked (InvalidSpec), not queued yet."""
         if not isinstance(one, dict):
             raise InvalidSpec("a task must be an object")
         payload = one.get("payload")
@@ -312,24 +262,7 @@ class TaskCommands(TaskTable):
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
         return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries)
 
-    def _queue(self, xp: ExecPool, task: Task) -> Task:
-        if not task.n:  # not numbered by its session: the next number, recorded with this turn
-            task.n = xp.next_n
-            xp.next_n += 1
-            self._reserve(xp)
-        task.id = f"{xp.name}/{task.n}"
-        task.queued_at = self.table.os.time()
-        if task.session is not None and task.ref is not None:
-            task.session.tasks[task.ref] = task
-        self._live[task.id] = task
-        xp.queue.append(task)
-        self._save(task, None)
-        self._dispatch(xp)
-        if task.state is T.QUEUED:
-            self._hopeless(xp)
-        return task
-
-    def _cmd_cancel(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
         it is cancelled (now or before), False if it had ended otherwise (its result
         stands). An id never handed out is UnknownReplica, and nothing is cancelled."""
@@ -338,12 +271,12 @@ class TaskCommands(TaskTable):
             if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
                 raise InvalidSpec("ids must be a non-empty list of task ids")
             found = [self._find(i) for i in ids]  # all or nothing
-            return [self.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
+            return [self.tasks.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
                     for i, t in zip(ids, found)]
-        session = self._session(args.get("session"))
+        session = self.tasks.session(args.get("session"))
         # A ref it no longer holds has ended: cancelled (the submitter knows it is) or with a
         # result on its way, which stands.
-        return [self.cancel(task) if (task := session.tasks.get(ref)) is not None else False
+        return [self.tasks.cancel(task) if (task := session.tasks.get(ref)) is not None else False
                 for ref in args.get("refs") or ()]
 
     def _find(self, task_id: Any) -> Task | None:
@@ -351,17 +284,17 @@ class TaskCommands(TaskTable):
         if no such id was ever handed out."""
         if not isinstance(task_id, str):
             raise InvalidSpec(f"not a task id: {task_id!r}")
-        task = self._live.get(task_id) or self._ended.get(task_id)
+        task = self.tasks.task(task_id)
         if task is not None:
             return task
         parsed = protocol.parse_task_id(task_id)  # never a Unicode digit read as a number
-        if parsed is not None and (xp := self._pools.get(parsed[0])) is not None and parsed[1] < xp.next_n:
+        if parsed is not None and (xp := self.tasks.pools.get(parsed[0])) is not None and parsed[1] < xp.next_n:
             return None
         if self._stored(task_id) is not None:
             return None
         raise UnknownReplica(f"unknown task {task_id!r}")
 
-    def _stored(self, task_id: str) -> dict | None:
+    def _stored(self, task_id: str) -> Doc | None:
         store = self.table.journal.store
         rows = store.tasks(task_id=task_id) if store is not None else []
         return rows[0] if rows else None
@@ -370,19 +303,19 @@ class TaskCommands(TaskTable):
         row = self._stored(task_id)
         return row["state"] if row is not None else None
 
-    def _cmd_close(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_close(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A session ends: its unfinished tasks cancelled (``cancel``: the running ones get
         ``Terminated``, a shutdown, not a user's cancel), or left to run; with ``delete`` (an
         embedded executor's pool) the pool goes too: its queued tasks cancelled or failed,
         each running task stopped and given the pool's grace to clean up, and only then its
         workers stopped; the reply waits until every one of them is reaped."""
-        session = self._sessions.get(str(args.get("session")))
+        session = self.tasks.sessions.get(str(args.get("session")))
         cancel, delete = bool(args.get("cancel")), bool(args.get("delete"))
         if session is not None:
             if cancel:
                 for task in list(session.tasks.values()):
-                    self.shut_down(task)
-            self._drop_session(session)
+                    self.tasks.shut_down(task)
+            self.tasks.drop_session(session)
         if not delete:
             return None
         xp = self._exec_pool(args.get("pool"))
@@ -392,34 +325,18 @@ class TaskCommands(TaskTable):
             ids = self.table.supervisor.delete_pool(xp.name)
             self.table.wait_for(ids, "ended", reply, cmd_id, timeout)
 
-        self.stop_pool(xp, cancel=cancel, then=then)
+        self.tasks.stop_pool(xp, cancel=cancel, then=then)
         return protocol.DEFERRED
 
-    def _cmd_events(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_events(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """What a polling session's tasks did since ``after``: at once if there is something,
         else when there is, or after ``timeout`` (empty)."""
-        session = self._session(args.get("session"))
+        session = self.tasks.session(args.get("session"))
         after = args.get("after", 0)
-        while session.events and session.events[0][0] <= after:
-            _, done = session.events.popleft()
-            session.held -= len(done[2]) if isinstance(done[2], str) else 0
-        if session.events:
-            return {"events": [e for _, e in session.events], "next": session.seq}
         timeout = protocol.seconds(args.get("timeout", 1.0), "timeout") or 0.0
-        if session.poll is not None:  # an older poll of the same session: answered empty
-            old_reply, old_id, old_timer = session.poll
-            old_timer.cancel()
-            self.table.reply(old_reply, protocol.ok(old_id, {"events": [], "next": session.seq}), False)
+        return self.tasks.poll(session, after, timeout, reply, cmd_id)
 
-        def expire() -> None:
-            if session.poll is not None and session.poll[0] is reply:
-                session.poll = None
-                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
-
-        session.poll = (reply, cmd_id, self.table.reactor.call_later(min(timeout, 30.0), expire))
-        return protocol.DEFERRED
-
-    def _cmd_tasks(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_tasks(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first;
         with ``id``, that task's alone (UnknownReplica if there is none)."""
         if args.get("id") is not None:
@@ -429,20 +346,20 @@ class TaskCommands(TaskTable):
                 raise UnknownReplica(f"task {args['id']!r} ended long ago: its record was pruned")
             return [listing(row)]
         pool = args.get("pool")
-        if pool is not None and pool not in self._pools:
+        if pool is not None and pool not in self.tasks.pools:
             raise UnknownReplica(f"unknown executor pool {pool!r}")
-        rows = {t.id: listing(t.record()) for t in self._live.values() if pool is None or t.pool.name == pool}
+        rows = {t.id: listing(t.record()) for t in self.tasks.live.values() if pool is None or t.pool.name == pool}
         if args.get("all"):
             store = self.table.journal.store
             if store is not None:
                 for row in store.tasks(pool=pool, include_terminal=True):
                     rows.setdefault(row["id"], listing(row))
-            for t in self._ended.values():
+            for t in self.tasks.ended.values():
                 if pool is None or t.pool.name == pool:
                     rows[t.id] = listing(t.record())
         return sorted(rows.values(), key=lambda r: (r["pool"], r["n"]))
 
-    def _cmd_result(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_result(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """A task's outcome: ``{"id", "state", "kind", "result", "reason"}`` (``result``: the
         pickled value or exception, bytes). Unfinished: that state at once, or with
         ``wait`` the outcome once it has ended (or, at ``timeout``, the state then)."""
@@ -457,30 +374,21 @@ class TaskCommands(TaskTable):
             return outcome(row)
         if task.state.terminal or not args.get("wait"):
             return outcome(task.record())
-        timeout = protocol.wait_timeout(args)
-        entry = (reply, cmd_id)
-        task.waiters.append(entry)
-
-        def expire() -> None:
-            if entry in task.waiters:
-                task.waiters.remove(entry)
-                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
-
-        self.table.reactor.call_later(timeout, expire)
+        self.tasks.wait_result(task, reply, cmd_id, protocol.wait_timeout(args))
         return protocol.DEFERRED
 
     def _exec_pool(self, name: Any) -> ExecPool:
-        xp = self._pools.get(name) if isinstance(name, str) else None
+        xp = self.tasks.pools.get(name) if isinstance(name, str) else None
         pool = self.table.pool(name) if xp is not None else None
         if xp is None or xp.closing or pool is None or pool.deleted:
             raise UnknownReplica(f"unknown executor pool {name!r}")
         return xp
 
-    def pool_counts(self, name: str) -> dict | None:
+    def pool_counts(self, name: str) -> Doc | None:
         """An executor pool's tasks for ``status``: queued and running now; ended since the
         daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
         timed_out, lost (the daemon died while it ran)."""
-        xp = self._pools.get(name)
+        xp = self.tasks.pools.get(name)
         if xp is None:
             return None
         queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
@@ -488,47 +396,3 @@ class TaskCommands(TaskTable):
         queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
         return {"queued": queued, "running": running,
                 **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal}}
-
-    def _session(self, name: Any) -> Session:
-        """A command's session, alive again (UnknownSession: its client registers it again)."""
-        session = self._sessions.get(str(name))
-        if session is None:
-            raise UnknownSession(f"unknown session {name!r} (the daemon restarted, or it was idle too long, or closed)")
-        self._touch(session)
-        return session
-
-    def _open_session(self, name: str, sink: Sink | None) -> Session:
-        session = self._sessions.get(name)
-        if session is None:
-            session = self._sessions[name] = Session(name, sink)
-        elif sink is not None:
-            session.sink = sink
-        self._touch(session)
-        return session
-
-    def _touch(self, session: Session) -> None:
-        """A polling session is alive: its idle clock starts over."""
-        if session.sink is not None:
-            return
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
-        session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self._drop_session(session))
-
-    def _drop_session(self, session: Session) -> None:
-        if self._sessions.get(session.name) is session:
-            del self._sessions[session.name]
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
-        if session.poll is not None:
-            reply, cmd_id, timer = session.poll
-            timer.cancel()
-            session.poll = None
-            self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
-        for task in session.tasks.values():
-            task.session = None  # it runs on; any client can fetch its result
-        session.tasks.clear()
-
-    def close(self) -> None:
-        for session in list(self._sessions.values()):
-            self._drop_session(session)  # a poll waiting is answered before the loop goes
-        super().close()

@@ -21,8 +21,10 @@ from ..states import Replica
 from ..states import TaskState as T
 from .reactor import BufferedWriter, Timer
 
-Reply = Callable[[dict], None]
-Sink = Callable[[list], Any]  # called with a turn's events
+Doc = dict[str, Any]  # a JSON object: a command's arguments, a reply, a task's row
+Reply = Callable[[Doc], None]
+Event = tuple[str, Any, Any, "str | None"]  # (kind, ref, data, task id): TaskTable's module docstring
+Sink = Callable[[list[Event]], Any]  # called with a turn's events
 OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
 
 
@@ -50,9 +52,9 @@ class Task:
     slot: int = 0  # its cancel word in its worker (taskwire.WORDS)
     asked_back: bool = False  # its worker was asked to give it back (another is idle): no answer yet
     stopping: bool = False  # it ended while a worker held it: "stopped" is told once that worker is done
-    waiters: list = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
+    waiters: list[tuple[Reply, Any]] = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
 
-    def record(self) -> dict:
+    def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
         ``worker``: the replica that runs it or ran it (none while it is QUEUED, even after an
         attempt: that worker is not its any more); ``last_worker``: the latest that did."""
@@ -79,7 +81,7 @@ class Worker:
     word_fd: int = -1  # the memfd behind ``word``
     ready: bool = False
     version: int = 1  # its wire version (HELLO): 2 can give a held task back
-    tasks: collections.deque = field(default_factory=collections.deque)  # sent, not answered: [0] runs
+    tasks: collections.deque[Task] = field(default_factory=collections.deque)  # sent, not answered: [0] runs
     sent: int = 0  # TASK frames sent (a version 1 worker: the k-th uses cancel word k % WORDS)
     next_slot: int = 0  # version 2: the cancel word of the next task sent
     asks: int = 0  # held tasks asked back so far (the ask's number, in its word)
@@ -99,11 +101,11 @@ class Worker:
 @dataclass(eq=False)
 class ExecPool:
     name: str
-    options: dict
+    options: Doc
     init: bytes
-    queue: collections.deque = field(default_factory=collections.deque)
-    idle: collections.deque = field(default_factory=collections.deque)  # workers with no task
-    single: collections.deque = field(default_factory=collections.deque)  # workers that may take a second
+    queue: collections.deque[Task] = field(default_factory=collections.deque)
+    idle: collections.deque[Worker] = field(default_factory=collections.deque)  # workers with no task
+    single: collections.deque[Worker] = field(default_factory=collections.deque)  # workers that may take a second
     workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
     holders: set[Worker] = field(default_factory=set)  # workers that hold a task behind the one they run
     next_n: int = 1
@@ -113,7 +115,7 @@ class ExecPool:
     said: str | None = None  # the last worker's complaint (its initializer failed)
     closing: bool = False
     on_quiet: Callable[[], None] | None = None  # closing: called once no worker is busy
-    ended: collections.Counter = field(default_factory=collections.Counter)  # state -> tasks ended since the start
+    ended: collections.Counter[str] = field(default_factory=collections.Counter)  # state -> tasks ended since the start
 
     @property
     def max_tasks(self) -> int:
@@ -134,16 +136,16 @@ class Session:
     name: str
     sink: Sink | None
     tasks: dict[Any, Task] = field(default_factory=dict)  # ref -> task, until it ended
-    events: collections.deque = field(default_factory=collections.deque)  # (seq, event)
+    events: collections.deque[tuple[int, list[Any]]] = field(default_factory=collections.deque)  # (seq, event)
     seq: int = 0
     held: int = 0  # bytes of the events waiting
-    outbox: list = field(default_factory=list)  # a sink's events of this turn, handed over at its end
+    outbox: list[Event] = field(default_factory=list)  # a sink's events of this turn, handed over at its end
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
     idle_timer: Timer | None = None
 
 
-def parse_options(raw: Any) -> dict:
+def parse_options(raw: Any) -> Doc:
     """An executor's options from the wire or a config file, checked (InvalidSpec, one
     line); the defaults filled in."""
     if raw is None:
@@ -177,7 +179,7 @@ def parse_options(raw: Any) -> dict:
     return out
 
 
-def target_payload(one: dict) -> bytes:
+def target_payload(one: Doc) -> bytes:
     """A task given as ``module:function`` and JSON arguments (``submit --target``): the
     worker imports the target itself, from the submitter's PYTHONPATH and cwd."""
     target = one.get("target")
@@ -193,12 +195,12 @@ def target_payload(one: dict) -> bytes:
         raise InvalidSpec(f"the task's arguments are not JSON: {err}") from None
 
 
-def listing(row: dict) -> dict:
+def listing(row: Doc) -> Doc:
     """A task's record as ``tasks`` shows it: no payload, no result bytes."""
     return {k: v for k, v in row.items() if k not in ("payload", "result", "retire_key")}
 
 
-def outcome(row: dict) -> dict:
+def outcome(row: Doc) -> Doc:
     """What ``result`` answers for a task record."""
     return {"id": row["id"], "state": row["state"], "kind": row.get("kind"), "result": as_text(row.get("result")),
             "reason": row.get("reason"), "timeout": row.get("timeout")}
@@ -220,6 +222,25 @@ def as_text(data: Any) -> Any:
     return base64.b64encode(data).decode("ascii") if isinstance(data, bytes) else data
 
 
+def ended_kind(task: Task) -> str:
+    """How an ended task ended, as its end event says it (a row of an earlier version may
+    not say: its state does)."""
+    if task.kind:
+        return task.kind
+    return {T.DONE: "result", T.CANCELLED: "cancelled", T.TIMED_OUT: "timeout"}.get(
+        task.state, "raised" if task.result else "lost")
+
+
+def ended_data(task: Task) -> Any:
+    """What an ended task's end event carries (TaskTable.end): the result's or the
+    exception's bytes, [line, limit] for a timeout, else the reason."""
+    if task.kind in ("result", "raised"):
+        return task.result
+    if task.kind == "timeout":
+        return [task.reason, task.timeout]
+    return task.reason
+
+
 def how_it_ended(rep: Replica) -> str:
     """A worker's end as WorkerLost says it: ``exited with 3``, ``killed by SIGKILL``,
     ``OOM-killed``."""
@@ -236,7 +257,7 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def received_fds(anc: list) -> list[int]:
+def received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
     out: list[int] = []
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

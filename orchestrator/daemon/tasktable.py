@@ -21,9 +21,15 @@ Workers connect to one listener (``$ORCHESTRATOR_TASK_SOCKET``, an abstract sock
 a path is given); a connection is accepted only from the main process of a live replica
 of an executor pool (SO_PEERCRED), once. The loop never unpickles a task or a result: it
 moves opaque bytes between the submitting session and the worker. What a session hears
-(``sink``, called with a list of them once per turn): ``(kind, ref, data, task id)`` with
-kind one of started, result, raised, error (data: a line), cancelled, timeout, lost,
+(``sink``, called with a list of them once per turn; a client of the daemon polls them):
+``(kind, ref, data, task id)`` with kind a ``taskwire.TaskEvent`` (started, stopping,
+stopped) or its end: result, raised, error (data: a line), cancelled, timeout, lost,
 unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task short).
+
+This table is the one owner of the tasks, the workers' connections and the sessions; its
+collaborators, the commands (taskcommands.py) and what carries across a restart or an
+upgrade (taskcarry.py), hold it and use its public API (the class docstring), never its
+records' containers. It asks the engine for what it needs through ``Table``.
 """
 
 from __future__ import annotations
@@ -39,17 +45,22 @@ import os
 import secrets
 import socket
 import struct
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Iterable, Mapping, Protocol
 
 from .. import protocol, signals
 from .. import taskwire as w
-from ..errors import InvalidSpec
+from ..taskwire import TaskEvent
+from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
 from ..states import TaskState as T
+from .containment import Tree
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
-from .taskrecords import ExecPool, Reply, Session, Task, Worker, as_text, how_it_ended, outcome, received_fds, size_text
+from .taskrecords import (
+    Doc, ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
+    size_text,
+)
 
 log = logging.getLogger("orchestrator")
 WORKER_TARGET = "orchestrator.taskworker:main"
@@ -66,32 +77,109 @@ LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far sho
 COPY_MAX = 1 << 20  # a TASK frame's payload below this is copied behind its header: one write
 
 
+class Clock(Protocol):
+    """The engine's clocks (osapi.OSApi): a task's times are wall clock, timers monotonic."""
+
+    def time(self) -> float: ...
+    def monotonic(self) -> float: ...
+
+
+class Proc(Tree, Protocol):
+    """A replica's process as the engine holds it (engine.Proc): its tree, and whose it is."""
+
+    replica: Replica
+
+
+class Containment(Protocol):
+    """What the table asks of containment.py: may memory_max be the cgroup's, and the kill
+    of a worker's whole tree."""
+
+    def check_limits(self, limits: dict[str, Any]) -> None: ...
+    def kill_after_grace(self, tree: Tree) -> None: ...
+
+
+class Supervisor(Protocol):
+    """What the table and its commands ask of supervision.Supervisor: an executor pool is a
+    pool like any other."""
+
+    def renew(self, rep: Replica, reason: str, *, now: bool = False) -> None: ...
+    def open_pool(self, name: str, spec: Doc, policy: Doc, size: int) -> tuple[Pool, list[str]]: ...
+    def declare(self, name: str, spec: Doc, policy: Doc, size: int) -> str: ...
+    def delete_pool(self, name: str) -> list[str]: ...
+
+
+class TaskStore(Protocol):
+    """The store's task rows (store.Store)."""
+
+    def save_task(self, rec: Doc) -> None: ...
+    def tasks(self, *, pool: str | None = None, include_terminal: bool = False,
+              task_id: str | None = None) -> list[Doc]: ...
+    def task_numbers(self) -> dict[str, int]: ...
+
+
+class Journal(Protocol):
+    """The engine's writes to the store (journal.Journal): a task's row, its events."""
+
+    @property
+    def store(self) -> TaskStore | None: ...
+    def event(self, kind: str, data: Doc) -> None: ...
+
+
+class Metrics(Protocol):
+    """The task counters of metrics.Metrics."""
+
+    def task_started(self, pool: str, waited: float) -> None: ...
+    def task_ended(self, pool: str, state: str, ran: float | None) -> None: ...
+
+
 class Table(Protocol):
-    """What the task table asks of the replica table (engine.Engine)."""
+    """What the task table and its collaborators ask of the replica table (engine.Engine)."""
 
-    reactor: Reactor
-    os: Any
-    containment: Any
-    supervisor: Any
-    journal: Any
-    metrics: Any
-    closing: bool
+    @property
+    def reactor(self) -> Reactor: ...
+    @property
+    def os(self) -> Clock: ...
+    @property
+    def containment(self) -> Containment: ...
+    @property
+    def supervisor(self) -> Supervisor: ...
+    @property
+    def journal(self) -> Journal: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def closing(self) -> bool: ...
 
-    def pool(self, name: Any) -> Pool | None: ...
+    def pool(self, name: str) -> Pool | None: ...
     def replica(self, rid: str) -> Replica | None: ...
     def save_pool(self, pool: Pool) -> None: ...
-    def proc_by_pid(self, pid: int) -> Any: ...
-    def proc_of(self, rep: Replica) -> Any: ...
+    def proc_by_pid(self, pid: int) -> Proc | None: ...
+    def proc_of(self, rep: Replica) -> Proc | None: ...
     def changed(self) -> None: ...
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
-    def wait_for(self, ids: Any, until: str, reply: Reply, cmd_id: Any, timeout: float) -> Any: ...
+    def reply(self, reply: Reply, msg: Doc, durable: bool) -> None: ...
+    def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: object, timeout: float) -> object: ...
 
 
 class TaskTable:
-    """See the module docstring. Its commands: taskcommands.TaskCommands; what carries across a
-    restart or an upgrade: tasks.Tasks."""
+    """The one owner of the executor pools' tasks, workers and sessions (see the module
+    docstring). Its collaborators (taskcommands.TaskCommands, taskcarry.TaskCarry) read its
+    records through the read-only views below and change them only through its methods:
 
-    def __init__(self, table: Table, *, address: str | None = None, token: str | None = None,
+    views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
+                ``listener_fd``; ``task(id)``
+    pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
+                ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
+                ``run_queues``
+    tasks       ``submit``, ``add``/``enqueue`` (restored ones), ``cancel``, ``shut_down``,
+                ``requeue``, ``end``, ``arm_timeout``, ``wait_result``
+    sessions    ``open_session``, ``session``, ``attach``, ``poll``, ``resume_session``,
+                ``drop_session``, ``answer_waiting``
+    workers     ``spawned``, ``worker_ended``, ``take_parked``, ``take_listener``,
+                ``take_unidentified``, ``resume_worker``
+    the engine  ``settle``, ``close``
+    """
+
+    def __init__(self, table: Table, *, address: str | None = None,
                  stop_reason: str = "interrupted: the executor shut down",
                  result_max_bytes: int | None = None) -> None:
         """``address``: the workers' listener (None: an abstract socket of this process);
@@ -121,7 +209,44 @@ class TaskTable:
         """Where this loop's executor workers connect (``$ORCHESTRATOR_TASK_SOCKET``)."""
         return self._address
 
-    def _listen(self) -> None:
+    # -- what the collaborators read (changed only by the methods below) -----------------
+
+    @property
+    def pools(self) -> Mapping[str, ExecPool]:
+        """The executor pools by name (a closing one stays until its workers are gone)."""
+        return self._pools
+
+    @property
+    def live(self) -> Mapping[str, Task]:
+        """The unfinished tasks by id, oldest first."""
+        return self._live
+
+    @property
+    def ended(self) -> Mapping[str, Task]:
+        """The latest ended tasks by id (KEEP_ENDED of them; the store keeps more)."""
+        return self._ended
+
+    @property
+    def sessions(self) -> Mapping[str, Session]:
+        """The open sessions by name."""
+        return self._sessions
+
+    @property
+    def unidentified(self) -> Collection[Worker]:
+        """Connections accepted that have not said who they are (HELLO) yet."""
+        return self._accepted
+
+    @property
+    def listener_fd(self) -> int | None:
+        """The workers' listener, once it listens."""
+        return self._listener.fileno() if self._listener is not None else None
+
+    def task(self, task_id: str) -> Task | None:
+        """The task of ``task_id`` in memory (unfinished, or among the latest ended)."""
+        return self._live.get(task_id) or self._ended.get(task_id)
+
+    def listen(self) -> None:
+        """Bind the workers' listener at ``address``, once (the first executor pool)."""
         if self._listener is not None:
             return
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
@@ -184,6 +309,40 @@ class TaskTable:
             timer.cancel()
             self._take(conn)
 
+    def take_listener(self, address: str, fd: int) -> None:
+        """The workers' listener the image before this one handed over (an upgrade)."""
+        self._address = address
+        self._listener = socket.socket(fileno=fd)
+        os.set_inheritable(fd, False)
+        self.table.reactor.add_reader(fd, self._accept)
+
+    def take_unidentified(self, worker: Worker) -> None:
+        """A connection handed over before it said who it is: it says HELLO to this image."""
+        self._accepted.add(worker)
+        self._watch(worker)
+        self.table.reactor.call_later(HELLO_TIMEOUT, functools.partial(self._hello_timeout, worker))
+
+    def resume_worker(self, worker: Worker, kill_in: float | None) -> None:
+        """An identified worker handed over (an upgrade), its ``pool``, ``replica`` and the
+        tasks it holds filled in: it goes on here as it did there; ``kill_in``: its tree's
+        kill after a stop's grace was due in that many seconds."""
+        xp, rep = worker.pool, worker.replica
+        assert xp is not None and rep is not None
+        self._watch(worker)
+        if len(worker.tasks) > 1:
+            xp.holders.add(worker)
+        xp.workers[rep.id] = worker
+        if kill_in is not None and worker.tasks:
+            task = worker.tasks[0]
+            what = "cancel" if task.state is T.CANCELLED else "timeout"
+            worker.kill_timer = self.table.reactor.call_later(
+                kill_in, lambda: self._kill(worker, f"task {task.id} did not stop after its {what}", renew=True))
+        if worker.ready and not xp.closing:
+            if not worker.tasks:
+                xp.idle.append(worker)
+            elif len(worker.tasks) == 1 and self._room(xp, worker):
+                xp.single.append(worker)
+
     def _unpark(self, pid: int, known: bool) -> None:
         conn, timer = self._parked.pop(pid, (None, None))
         if conn is None or timer is None:
@@ -238,9 +397,12 @@ class TaskTable:
             return False
         return True
 
-    def _adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1) -> ExecPool:
-        """``pool`` is an executor pool from now on (made, or restored from the store)."""
-        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0)
+    def adopt(self, pool: Pool, options: Doc, init: bytes, *, next_n: int = 1, said: str | None = None,
+              ended: Mapping[str, int] | None = None) -> ExecPool:
+        """``pool`` is an executor pool from now on (made, restored from the store, or carried
+        across an upgrade: ``said`` and ``ended`` as the image before had them)."""
+        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0, said=said)
+        xp.ended.update(ended or {})
         pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
         self._reserve(xp, pool)
         self._watch_memory(xp)
@@ -259,6 +421,47 @@ class TaskTable:
         pool.executor["next_task"] = xp.reserved
         self.table.save_pool(pool)
 
+    def prepare(self, spec: Doc, policy: Doc, options: Doc) -> tuple[Doc, Doc]:
+        """An executor pool's spec and policy as the supervisor is to run them: its workers
+        told where the listener is (it listens from now on), its ``memory_max`` given to the
+        cgroup where a memory controller enforces it (else it is polled: taskmemory.py)."""
+        self.listen()
+        spec = {**spec, "env": {**(spec.get("env") or {}), w.SOCKET_ENV: self._address}}
+        policy = dict(policy)
+        if options.get("memory_max") is not None and self._cgroup_memory(options["memory_max"]):
+            policy["memory_max"] = options["memory_max"]
+        return spec, policy
+
+    def set_options(self, xp: ExecPool, options: Doc) -> None:
+        """``xp``'s options (checked: taskrecords.parse_options) in force for the tasks
+        handed out from now on (a config reload)."""
+        xp.options = options
+        self._watch_memory(xp)
+
+    def grant(self, xp: ExecPool, count: int) -> list[int]:
+        """A block of ``count`` task numbers of ``xp``, [first, count], recorded in this
+        turn's commit, before the reply that hands them out."""
+        first = xp.next_n
+        xp.next_n += count
+        self._reserve(xp)
+        return [first, count]
+
+    def give_back(self, xp: ExecPool, first: int, end: int) -> bool:
+        """The unused end of the latest block, [first, end), taken back if no number was
+        handed out after it and no task has one of them."""
+        # (Checked against the tasks held, not number by number: a block may be very large.)
+        if 0 < first < end == xp.next_n and not any(t.pool is xp and t.n >= first
+                                                      for t in (*self._live.values(), *self._ended.values())):
+            xp.next_n = first
+            self._reserve(xp)
+            return True
+        return False
+
+    def run_queues(self) -> None:
+        """Hand out what every pool has queued (tasks and workers taken over)."""
+        for xp in self._pools.values():
+            self._dispatch(xp)
+
     # -- tasks ----------------------------------------------------------------------------
 
     def cancel(self, task: Task) -> bool:
@@ -270,7 +473,7 @@ class TaskTable:
         if task.state.terminal:
             return False
         worker = task.worker
-        self._end(task, T.CANCELLED, "cancelled", "cancelled")
+        self.end(task, T.CANCELLED, "cancelled", "cancelled")
         if worker is not None:
             self._interrupt(worker, task, w.CANCEL)
         return True
@@ -281,8 +484,56 @@ class TaskTable:
         if task.state is not T.RUNNING or worker is None or worker.task is not task:
             self.cancel(task)
             return
-        self._end(task, T.CANCELLED, "cancelled", "cancelled")
+        self.end(task, T.CANCELLED, "cancelled", "cancelled")
         self._interrupt(worker, task, w.SHUTDOWN)
+
+    def submit(self, xp: ExecPool, task: Task) -> Task:
+        """Queue a task just made (``task.n`` 0: not numbered by its session, the next
+        number), and hand it out if a worker is free; a pool that no longer replaces its
+        workers fails it at once."""
+        if not task.n:  # the next number, recorded with this turn
+            task.n = xp.next_n
+            xp.next_n += 1
+            self._reserve(xp)
+        task.id = f"{xp.name}/{task.n}"
+        task.queued_at = self.table.os.time()
+        self.add(task)
+        xp.queue.append(task)
+        self._save(task, None)
+        self._dispatch(xp)
+        if task.state is T.QUEUED:
+            self._hopeless(xp)
+        return task
+
+    def add(self, task: Task) -> None:
+        """An unfinished task is the table's (submitted, restored from the store, carried
+        across an upgrade): kept by id, and by its session under its ref."""
+        if task.session is not None and task.ref is not None:
+            task.session.tasks[task.ref] = task
+        self._live[task.id] = task
+
+    def enqueue(self, task: Task) -> None:
+        """A QUEUED task already the table's (``add``) waits last in its pool's queue; it is
+        handed out with the next dispatch (``run_queues``, or a worker's READY)."""
+        task.pool.queue.append(task)
+
+    def arm_timeout(self, task: Task, delay: float) -> None:
+        """``task``, RUNNING, times out in ``delay`` seconds (its clock carried across an
+        upgrade)."""
+        task.timer = self.table.reactor.call_later(delay, functools.partial(self._timed_out, task))
+
+    def wait_result(self, task: Task, reply: Reply, cmd_id: Any, timeout: float) -> None:
+        """``reply`` gets ``task``'s outcome once it has ended, or at ``timeout`` its state
+        then."""
+        entry = (reply, cmd_id)
+        task.waiters.append(entry)
+
+        def expire() -> None:
+            if entry in task.waiters:
+                task.waiters.remove(entry)
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
+
+        self.table.reactor.call_later(timeout, expire)
 
     def _dispatch(self, xp: ExecPool) -> None:
         """Hand queued tasks out: to idle workers first, then one more to each busy worker,
@@ -422,8 +673,8 @@ class TaskTable:
         self._save(task, T.QUEUED)
         self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at)
         if task.timeout is not None:
-            task.timer = self.table.reactor.call_later(task.timeout, functools.partial(self._timed_out, task))
-        self._tell(task, "started", task.id)
+            self.arm_timeout(task, task.timeout)
+        self._tell(task, TaskEvent.STARTED, task.id)
 
     @staticmethod
     def _what(task: Task) -> str:
@@ -433,7 +684,7 @@ class TaskTable:
         worker = task.worker
         if task.state is not T.RUNNING or worker is None:
             return
-        self._end(task, T.TIMED_OUT, "timeout", [f"task {task.id} ran past its timeout of {task.timeout:g} s",
+        self.end(task, T.TIMED_OUT, "timeout", [f"task {task.id} ran past its timeout of {task.timeout:g} s",
                                                  task.timeout])
         self._interrupt(worker, task, w.TIMEOUT)
 
@@ -471,7 +722,7 @@ class TaskTable:
             self.table.supervisor.renew(worker.replica, why, now=True)
         self.table.containment.kill_after_grace(proc)
 
-    def _end(self, task: Task, state: T, kind: str, data: Any) -> None:
+    def end(self, task: Task, state: T, kind: str, data: Any) -> None:
         """``task`` ended ``state``; ``data``: the result's or exception's bytes (kind result,
         raised), else the reason (a line; for a timeout, [line, limit])."""
         old = task.state
@@ -483,7 +734,7 @@ class TaskTable:
         worker = task.worker
         if worker is not None and worker.task is task:  # it runs: the worker answers for it when it stops
             task.stopping = True
-            self._tell(task, "stopping", None)
+            self._tell(task, TaskEvent.STOPPING, None)
         task.worker = None
         task.kind = kind
         task.payload = None
@@ -552,8 +803,8 @@ class TaskTable:
         session.flushing = False
         events, session.outbox = session.outbox, []
         if len(events) > 1:  # a task that started and ended in the same turn: its end says both
-            ended = {e[1] for e in events if e[0] != "started"}
-            events = [e for e in events if e[0] != "started" or e[1] not in ended]
+            ended = {e[1] for e in events if e[0] != TaskEvent.STARTED}
+            events = [e for e in events if e[0] != TaskEvent.STARTED or e[1] not in ended]
         if events and session.sink is not None:
             try:
                 session.sink(events)
@@ -569,6 +820,110 @@ class TaskTable:
         timer.cancel()
         self.table.reply(reply, protocol.ok(cmd_id, {"events": [e for _, e in session.events], "next": session.seq}),
                          False)
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def open_session(self, name: str, sink: Sink | None, *, after: int = 0) -> Session:
+        """The session ``name``, made if it is new (its events counted from ``after``: a
+        client that comes back reads on from where it was), alive again; a ``sink`` given
+        replaces its own."""
+        session = self._sessions.get(name)
+        if session is None:
+            session = self._sessions[name] = Session(name, sink, seq=after)
+        elif sink is not None:
+            session.sink = sink
+        self._touch(session)
+        return session
+
+    def session(self, name: Any) -> Session:
+        """A command's session, alive again (UnknownSession: its client registers it again)."""
+        session = self._sessions.get(str(name))
+        if session is None:
+            raise UnknownSession(f"unknown session {name!r} (the daemon restarted, or it was idle too long, or closed)")
+        self._touch(session)
+        return session
+
+    def _touch(self, session: Session) -> None:
+        """A polling session is alive: its idle clock starts over."""
+        if session.sink is not None:
+            return
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self.drop_session(session))
+
+    def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list[Any]]]) -> Session:
+        """A polling session carried across an upgrade, with the events it had not read."""
+        session = self.open_session(name, None)
+        session.seq = seq
+        for number, event in events:
+            session.events.append((number, event))
+            session.held += len(event[2]) if isinstance(event[2], str) else 0
+        return session
+
+    def drop_session(self, session: Session) -> None:
+        """The session ends (closed, or idle too long): a poll waiting is answered, its tasks
+        run on (any client can fetch their results)."""
+        if self._sessions.get(session.name) is session:
+            del self._sessions[session.name]
+        if session.idle_timer is not None:
+            session.idle_timer.cancel()
+        self._answer_poll(session)
+        for task in session.tasks.values():
+            task.session = None
+        session.tasks.clear()
+
+    def _answer_poll(self, session: Session) -> None:
+        """A poll of ``session`` that waits is answered now, empty."""
+        if session.poll is not None:
+            reply, cmd_id, timer = session.poll
+            timer.cancel()
+            session.poll = None
+            self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+
+    def attach(self, session: Session | None, ref: Any, task: Task) -> None:
+        """``task`` is ``session``'s, under ``ref``: what it does from now on is told there,
+        and what it did already (started, or its end) is told at once."""
+        if session is None or ref is None:
+            return
+        if task.state.terminal:
+            task.session, task.ref = session, ref
+            self._tell(task, ended_kind(task), ended_data(task))
+            return
+        if task.session is not None and task.session is not session:
+            task.session.tasks.pop(task.ref, None)
+        task.session, task.ref = session, ref
+        session.tasks[ref] = task
+        if task.state is T.RUNNING:
+            self._tell(task, TaskEvent.STARTED, task.id)
+
+    def poll(self, session: Session, after: int, timeout: float, reply: Reply, cmd_id: Any) -> Any:
+        """What a polling session's tasks did since its event ``after`` (those before are
+        forgotten): at once if there is something, else (DEFERRED) when there is, or after
+        ``timeout`` (at most 30 s), empty. An older poll of the session is answered empty."""
+        while session.events and session.events[0][0] <= after:
+            _, done = session.events.popleft()
+            session.held -= len(done[2]) if isinstance(done[2], str) else 0
+        if session.events:
+            return {"events": [e for _, e in session.events], "next": session.seq}
+        self._answer_poll(session)
+
+        def expire() -> None:
+            if session.poll is not None and session.poll[0] is reply:
+                session.poll = None
+                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+
+        session.poll = (reply, cmd_id, self.table.reactor.call_later(min(timeout, 30.0), expire))
+        return protocol.DEFERRED
+
+    def answer_waiting(self) -> None:
+        """Answer what waits on the loop (a session's poll, a ``result --wait``) now, with
+        what there is (an upgrade: both ask again, and the next image answers)."""
+        for session in self._sessions.values():
+            self._answer_poll(session)
+        for task in self._live.values():
+            for reply, cmd_id in task.waiters:
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
+            task.waiters.clear()
 
     # -- workers --------------------------------------------------------------------------
 
@@ -708,17 +1063,17 @@ class TaskTable:
             worker.kill_timer = None
         if task.state is T.RUNNING:
             if kind == w.RESULT:
-                self._end(task, T.DONE, "result", payload)
+                self.end(task, T.DONE, "result", payload)
             elif kind == w.RAISED:
                 try:
                     task.reason, payload = w.split_raised(payload)
                 except struct.error:
                     task.reason = "raised an exception (its summary was unreadable)"
-                self._end(task, T.FAILED, "raised", payload)
+                self.end(task, T.FAILED, "raised", payload)
             elif kind == w.UNPICKLABLE:
-                self._end(task, T.FAILED, "error", f"task {task.id}: " + payload.decode("utf-8", "replace"))
+                self.end(task, T.FAILED, "error", f"task {task.id}: " + payload.decode("utf-8", "replace"))
             else:  # STOPPED for a task we did not stop: cannot be; as a cancel
-                self._end(task, T.CANCELLED, "cancelled", None)
+                self.end(task, T.CANCELLED, "cancelled", None)
         worker.done += 1
         if worker.tasks:
             self._head(worker)
@@ -763,7 +1118,7 @@ class TaskTable:
         cancel, a timeout, a shutdown) is told ``stopped`` (``TaskFuture.wait_stopped``)."""
         if task.stopping:
             task.stopping = False
-            self._tell(task, "stopped", None)
+            self._tell(task, TaskEvent.STOPPED, None)
 
     def _check_quiet(self, xp: ExecPool) -> None:
         """A closing pool whose workers have all answered for their tasks (or are gone):
@@ -791,10 +1146,10 @@ class TaskTable:
             if cancel:
                 self.shut_down(task)
             elif task.id in running and worker is not None:
-                self._end(task, T.FAILED, "interrupted", self.stop_reason)
+                self.end(task, T.FAILED, "interrupted", self.stop_reason)
                 self._interrupt(worker, task, w.SHUTDOWN)
             else:
-                self._end(task, T.FAILED, "unrun", self.stop_reason)
+                self.end(task, T.FAILED, "unrun", self.stop_reason)
         xp.on_quiet = then
         self._check_quiet(xp)
 
@@ -863,12 +1218,14 @@ class TaskTable:
                 # start, if the daemon is stopping), the attempt counted.
                 self.requeue(task, f"its worker {rep.id} was lost ({reason})")
             else:  # a stop of the loop is no loss of the worker: its own kind (TaskInterrupted)
-                self._end(task, T.FAILED, "interrupted" if self.table.closing else "lost", reason)
+                self.end(task, T.FAILED, "interrupted" if self.table.closing else "lost", reason)
         self._dispatch(xp)
         self._check_quiet(xp)
         self.table.changed()
 
     def requeue(self, task: Task, why: str) -> None:
+        """``task``, cut short by something not its own doing (its worker lost, the daemon
+        died), is queued again, first in its pool's queue, the attempt counted."""
         old = task.state
         task.state = task_transition(task.id, task.state, T.QUEUED)
         if task.timer is not None:
@@ -909,7 +1266,7 @@ class TaskTable:
         while xp.queue:
             task = xp.queue.popleft()
             if task.state is T.QUEUED:
-                self._end(task, T.FAILED, "unrun", why)
+                self.end(task, T.FAILED, "unrun", why)
 
     # -- memory_max without a memory controller (taskmemory.py) -----------------------------
 
@@ -967,13 +1324,16 @@ class TaskTable:
             return f"memory limit {size_text(limit)} exceeded"
         return None
 
-    def _proc(self, worker: Worker) -> Any:
+    def _proc(self, worker: Worker) -> Proc | None:
         rep = worker.replica
         proc = self.table.proc_of(rep) if rep is not None else None
         return proc if proc is not None and not proc.reaped else None
 
     def close(self) -> None:
-        """Release the listener and every connection (the loop is closing)."""
+        """End every session (a poll waiting is answered before the loop goes), release the
+        listener and every connection (the loop is closing)."""
+        for session in list(self._sessions.values()):
+            self.drop_session(session)
         for xp in self._pools.values():
             for worker in xp.workers.values():
                 self._close(worker)
