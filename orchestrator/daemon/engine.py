@@ -144,7 +144,7 @@ class Engine:
         # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
         self.extra_commands: dict[str, Callable[[dict], Any]] = {}
         self._commands: dict[str, Handler] = {
-            "terminate": self._cmd_terminate, "status": self._cmd_status, "wait": self._cmd_wait,
+            "status": self._cmd_status, "wait": self._cmd_wait,
             "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands()}
         self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
@@ -240,7 +240,7 @@ class Engine:
                 wait = self._stop_deadline - now
             members = set(names)
             for rep in [r for name in names for r in self._pools[name].live.values()]:
-                self.stop(rep, reason="shutdown", lower_desired=False)
+                self.stop(rep, reason="shutdown")
             self.reactor.run_until(lambda: not any(p.replica.pool in members for p in
                                                    (*self._procs.values(), *self._draining.values())), wait)
         done = lambda: not self._procs and not self._draining  # noqa: E731
@@ -361,15 +361,6 @@ class Engine:
 
     # -- commands -------------------------------------------------------------------
 
-    def _cmd_terminate(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        ids = protocol.replica_ids(args.get("ids"), "terminate", one_is_enough=True)
-        timeout = protocol.wait_timeout(args) if args.get("wait") else None
-        reps = [self.lookup(i) for i in ids]  # all or nothing: an unknown id changes nothing
-        stopped = [r.id for r in reps if r is not None and self.stop(r, reason="terminated")]
-        if timeout is not None:
-            return self.wait_for(tuple(ids), "ended", reply, cmd_id, timeout)
-        return stopped
-
     def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
         if args.get("all"):
             rows = {r.id: r.to_dict() for r in self._replicas.values()}
@@ -404,26 +395,22 @@ class Engine:
     def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
         return "pong"
 
-    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]:
+    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None) -> list[str]:
         """``count`` new replicas in the lowest free slots (or in ``slots``: replacements),
-        PENDING until spawning.py starts them; ``grow``: they add to the pool's desired size
-        (a replacement takes a place it has)."""
+        PENDING until spawning.py starts them. The pool's size is the supervisor's to
+        change (a replacement takes a place the pool has; a launch adds to it)."""
         ids = []
         now = self.os.time()
         assert pool.runtime is not None, "launch from a pool with a usable spec"
         for slot in slots if slots is not None else pool.free_slots(count):
-            pool.failed.pop(slot, None)  # filled again: no longer a failure for its dependents
-            n = pool.next_n
-            pool.next_n += 1
+            n = pool.take_number()
             rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
                           restarts=pool.slot_restarts.get(slot, 0), made_from=(pool.runtime, pool.policy))
             self._replicas[rep.id] = rep
-            pool.live[rep.id] = rep
+            pool.add(rep)
             self.spawning.add(rep, pool.runtime)
             self.journal.transition(rep, None)
             ids.append(rep.id)
-        if grow:
-            pool.desired += len(ids)
         if ids:
             self.metrics.launched(pool.name, len(ids))
         self.spawning.schedule()
@@ -460,7 +447,7 @@ class Engine:
         rep.made_from = (pool.runtime, pool.policy)
         self._replicas[rep.id] = rep
         if not rep.state.terminal:  # a replica interrupted while starting is not the pool's any more
-            pool.live[rep.id] = rep
+            pool.add(rep)
         proc = Proc(rep.pid or 0, pidfd, -1 if ready_fd is None else ready_fd, rep, killed=killed, escaped=escaped,
                     cleanup=cleanup, cgroup=cgroup)
         self._procs[proc.pid] = proc
@@ -478,7 +465,7 @@ class Engine:
         assert pool.runtime is not None, "a pending replica's pool has a usable spec"
         rep.made_from = (pool.runtime, pool.policy)
         self._replicas[rep.id] = rep
-        pool.live[rep.id] = rep
+        pool.add(rep)
         self.spawning.add(rep, pool.runtime)
         self.spawning.schedule()
 
@@ -571,8 +558,9 @@ class Engine:
             self.journal.replica(rep)  # terminal already: only the pid is gone
         self.tasks.worker_ended(rep)
 
-    def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool:
-        """Terminate one replica; a no-op (False) when it is ending or ended already."""
+    def stop(self, rep: Replica, *, reason: str) -> bool:
+        """Terminate one replica; a no-op (False) when it is ending or ended already. Its
+        pool keeps its size: lowering it is the caller's (the supervisor's) decision."""
         state = rep.state
         if state is S.PENDING:
             self.transition(rep, S.INTERRUPTED, reason)
@@ -584,10 +572,6 @@ class Engine:
             self.signal_and_arm(rep)
         else:
             return False
-        if lower_desired:
-            pool = self._pools[rep.pool]
-            pool.desired -= 1
-            self.save_pool(pool)
         return True
 
     def _grace(self, rep: Replica) -> float:
@@ -623,7 +607,7 @@ class Engine:
             self.metrics.exited(rep.pool, _exit_kind(rep))
             pool = self._pools.get(rep.pool)
             if pool is not None:
-                pool.live.pop(rep.id, None)
+                pool.remove(rep)
             self._ended.append(rep.id)
         self.journal.transition(rep, old)
 

@@ -43,7 +43,7 @@ class Tasks(TaskCommands):
         queued. Ids continue where they stopped."""
         numbers = store.task_numbers() if store is not None else {}
         for pool in pools:
-            ex = pool.executor
+            ex = pool.stored_executor
             if not ex or pool.deleted:
                 continue
             try:
@@ -76,7 +76,7 @@ class Tasks(TaskCommands):
     def _keep_about(self, pool: Any, stored: dict) -> None:
         """What the pool's row said of its initializer (a joiner's conflict names it) stays."""
         if stored.get("about") and pool.executor is not None:
-            pool.executor["about"] = stored["about"]
+            self._pools[pool.name].about = str(stored["about"])
             self.table.save_pool(pool)
 
     # -- an upgrade (handover.py) ----------------------------------------------------------
@@ -150,7 +150,7 @@ class Tasks(TaskCommands):
             reactor.add_reader(self._listener.fileno(), self._accept)
         for carried in doc.get("pools", []):
             pool = self.table.pool(carried["name"])
-            ex = pool.executor if pool is not None else None
+            ex = pool.stored_executor if pool is not None else None
             if pool is None or not ex:
                 continue
             xp: ExecPool | None = self._adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),

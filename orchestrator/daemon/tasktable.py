@@ -28,7 +28,6 @@ unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task 
 
 from __future__ import annotations
 
-import base64
 import collections
 import errno
 import functools
@@ -241,7 +240,7 @@ class TaskTable:
     def _adopt(self, pool: Pool, options: dict, init: bytes, *, next_n: int = 1) -> ExecPool:
         """``pool`` is an executor pool from now on (made, or restored from the store)."""
         xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0)
-        pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
+        pool.make_executor(xp)
         self._reserve(xp, pool)
         self._watch_memory(xp)
         return xp
@@ -253,10 +252,9 @@ class TaskTable:
         if xp.next_n == xp.reserved:
             return
         pool = pool or self.table.pool(xp.name)
-        if pool is None or pool.executor is None:
+        if pool is None or pool.executor is not xp:
             return
-        xp.reserved = xp.next_n
-        pool.executor["next_task"] = xp.reserved
+        xp.reserved = xp.next_n  # in the pool's row: ExecPool.stored()
         self.table.save_pool(pool)
 
     # -- tasks ----------------------------------------------------------------------------
