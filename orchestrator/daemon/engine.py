@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .. import protocol
 from ..errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
@@ -49,10 +49,14 @@ from .supervision import Supervisor
 from .tasks import Tasks
 from .waiters import Waiter, Waiters
 
+if TYPE_CHECKING:
+    from .limits import Limits
+    from .logcapture import LogCapture
+
 log = logging.getLogger("orchestrator")
 
-Reply = Callable[[dict], None]
-Handler = Callable[[dict, Reply, Any], Any]
+Reply = Callable[[dict[str, Any]], None]
+Handler = Callable[[dict[str, Any], Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
 COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
 SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
@@ -71,6 +75,24 @@ class EngineConfig:
     task_stop_reason: str = "interrupted: the executor shut down"  # a task cut short by a shutdown
     result_max_bytes: int | None = None  # a task result larger than this fails its task
     inherited_sockets: tuple[tuple[str, int], ...] = ()  # (name, fd) systemd passed the daemon (sockets.py)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the process that runs a loop adds to its engine, given at construction (the
+    daemon's, through loop.py; an embedded loop adds none)."""
+
+    status: Callable[[], dict[str, Any]] | None = None  # merged into every `status` reply
+    # op -> handler(args) -> result: commands of the daemon (health, metrics, reload)
+    commands: Mapping[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
+    # op -> handler(args, reply, cmd_id): a command whose reply may wait (protocol.DEFERRED: upgrade)
+    deferred: Mapping[str, Handler] = field(default_factory=dict)
+    # launches that would take the fds and pids the daemon's control plane keeps are
+    # refused (room_for). None: no such check.
+    limits: "Limits | None" = None
+    log_capture: "LogCapture | None" = None  # replicas' stdout/stderr to files; a replica's go with its record
+    reopen_store: Callable[[], Any] | None = None  # the journal's store file vanished: a new one
+    turn_end: tuple[Callable[[], None], ...] = ()  # run at the end of every turn, after the engine's settle
 
 
 @dataclass(eq=False, slots=True)
@@ -102,13 +124,18 @@ class Engine:
         watchdog: Any = None,
         reactor: Reactor | None = None,
         containment: Cgroups | ProcessGroups | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
+        hooks = hooks or Hooks()
         self.config = config or EngineConfig()
         protocol.seconds(self.config.grace, "grace")  # a NaN grace would never SIGKILL
         self.os = os_api or OSApi()
         self.reactor = reactor or Reactor(self.os.monotonic)
         self.journal = Journal(store, self.os.time)
         self.journal.rebuild = self._save_everything
+        self.journal.reopen = hooks.reopen_store
+        if hooks.log_capture is not None:
+            self.journal.forgotten = hooks.log_capture.forget  # a replica's logs go with its record
         self.watchdog = watchdog  # the watchdog's ledger feed (WatchdogLink), if any
         # A cgroup per replica, or process groups (containment.py); the default keeps the
         # engine off the cgroupfs (the fake-OS tests, the embedded API unless asked).
@@ -116,7 +143,7 @@ class Engine:
         self.containment.attach(self.reactor, self.os, watchdog)
         base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
-        self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.log_capture = hooks.log_capture
         self.listeners = Listeners(self.reactor, self._sockets_in_use, self.config.inherited_sockets)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
@@ -124,7 +151,7 @@ class Engine:
         self.spawners = self.spawning.spawners
         self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
                            stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
-        self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
+        self._inbox: collections.deque[tuple[dict[str, Any], Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._drain_asked = False  # a _drain_inbox is scheduled and has not begun
         self._pools: dict[str, Pool] = {}
@@ -136,16 +163,13 @@ class Engine:
         # (reply, message, durable): a durable reply says "applied"; if this turn's commit
         # fails it says so still, with the journal's fault beside it ("unsaved"): the
         # command was applied all the same. Read-only commands never depend on the disk.
-        self._outbox: list[tuple[Reply, dict, bool]] = []
-        self.extra_status: Callable[[], dict] | None = None
-        # limits.Limits, set by the daemon: launches that would take the fds and pids its
-        # control plane keeps are refused (room_for). None: no such check (embedded, tests).
-        self.limits: Any = None
-        # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
-        self.extra_commands: dict[str, Callable[[dict], Any]] = {}
+        self._outbox: list[tuple[Reply, dict[str, Any], bool]] = []
+        self.extra_status = hooks.status
+        self.limits = hooks.limits
+        self.extra_commands: dict[str, Callable[[dict[str, Any]], Any]] = dict(hooks.commands)
         self._commands: dict[str, Handler] = {
             "status": self._cmd_status, "wait": self._cmd_wait,
-            "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands()}
+            "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands(), **hooks.deferred}
         self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
         self._store_warned = -1e9
@@ -154,10 +178,12 @@ class Engine:
         self.closing = False
         self.closed = False
         self.reactor.at_turn_end(self.settle)
+        for callback in hooks.turn_end:
+            self.reactor.at_turn_end(callback)
 
     # -- the public face ------------------------------------------------------------
 
-    def submit(self, cmd: dict, reply: Reply) -> None:
+    def submit(self, cmd: dict[str, Any], reply: Reply) -> None:
         """Queue a command from any thread; ``reply`` is called once, from the loop."""
         with self._submit_lock:  # against close(): a command is either run or refused
             if self.closed:
@@ -243,7 +269,9 @@ class Engine:
                 self.stop(rep, reason="shutdown")
             self.reactor.run_until(lambda: not any(p.replica.pool in members for p in
                                                    (*self._procs.values(), *self._draining.values())), wait)
-        done = lambda: not self._procs and not self._draining  # noqa: E731
+        def done() -> bool:
+            return not self._procs and not self._draining
+
         if not done():
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
@@ -299,8 +327,9 @@ class Engine:
         """Our children that are not replicas (the spawners)."""
         return self.spawning.pids()
 
-    def status(self, include_terminal: bool = False) -> dict:
-        return self._cmd_status({"all": include_terminal}, None, None)
+    def status(self, include_terminal: bool = False) -> dict[str, Any]:
+        status: dict[str, Any] = self._cmd_status({"all": include_terminal}, None, None)
+        return status
 
     # -- the table, as the supervisor and the spawning see it (supervision.Table) ------
 
@@ -339,7 +368,7 @@ class Engine:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
         return proc if proc is not None and proc.replica is rep else None
 
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None:
+    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None:
         """Send ``msg`` after this turn's commit (``durable``: an ok reply carries the
         journal's fault, ``unsaved``, if that commit fails)."""
         self._outbox.append((reply, msg, durable))
@@ -361,7 +390,7 @@ class Engine:
 
     # -- commands -------------------------------------------------------------------
 
-    def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
+    def _cmd_status(self, args: dict[str, Any], reply: Reply | None, cmd_id: Any) -> Any:
         if args.get("all"):
             rows = {r.id: r.to_dict() for r in self._replicas.values()}
             if self.store is not None:  # older history, and replicas of earlier daemons
@@ -382,7 +411,7 @@ class Engine:
             result.update(self.extra_status())
         return result
 
-    def _cmd_wait(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_wait(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         ids = protocol.replica_ids(args.get("ids"), "wait")
         until = args.get("until", "running")
         if until not in ("running", "ended"):
@@ -392,7 +421,7 @@ class Engine:
             self.lookup(i)
         return self.wait_for(tuple(ids), until, reply, cmd_id, timeout, durable=False)
 
-    def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_ping(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         return "pong"
 
     def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None) -> list[str]:
@@ -417,10 +446,6 @@ class Engine:
         return ids
 
     # -- an upgrade (handover.py): what is carried, and taken over -----------------------
-
-    def add_command(self, op: str, handler: Handler) -> None:
-        """A command whose reply may wait (protocol.DEFERRED): the daemon's ``upgrade``."""
-        self._commands[op] = handler
 
     def procs(self) -> list[Proc]:
         """The live processes of replicas, unreaped."""

@@ -161,6 +161,8 @@ class Pool:
 
     def delete(self) -> None:
         """Deleted: size 0, no replacement scheduled; its name (and ids) kept."""
+        if self.deleted:
+            raise PoolError(f"pool {self.name!r} is deleted already")
         self.cancel_replacements()
         self.desired = 0
         self.deleted = True

@@ -39,7 +39,7 @@ from .rollout import Rollout
 from .sockets import Listeners
 
 log = logging.getLogger("orchestrator")
-Reply = Callable[[dict], None]
+Reply = Callable[[dict[str, Any]], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)
 _NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
 
@@ -70,7 +70,7 @@ class Table(Protocol):
     def signal(self, rep: Replica, sig: int) -> bool: ...
     def signal_and_arm(self, rep: Replica) -> None: ...
     def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
+    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None: ...
     def changed(self) -> None: ...
     def room_for(self, more: int) -> None: ...  # OrchestratorError: that would take the control plane's reserve
     def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
@@ -92,7 +92,7 @@ class Supervisor:
         self.readiness = Readiness(table, self, token)  # exec -> RUNNING, and liveness after
         self.order = Order(table, self._leaving)  # which pools start after which
 
-    def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
+    def commands(self) -> dict[str, Callable[[dict[str, Any], Reply, Any], Any]]:
         """The commands it answers: op -> handler(args, reply, cmd_id)."""
         return {"launch": self._cmd_launch, "scale": self._cmd_scale, "restart": self._cmd_restart,
                 "delete": self._cmd_delete, "signal": self._cmd_signal, "terminate": self._cmd_terminate}
@@ -198,7 +198,7 @@ class Supervisor:
             check_templates(runtime, pol, size)
         return runtime, pol
 
-    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
+    def restore(self, pools: Iterable[dict[str, Any]], *, relaunch: bool = True) -> None:
         """Recreate pools from the store at start-up (their ids continue where they
         stopped) and, with ``relaunch``, bring each back to its desired size."""
         for row in pools:
@@ -234,7 +234,7 @@ class Supervisor:
 
     # -- commands -------------------------------------------------------------------
 
-    def _cmd_launch(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_launch(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         name = protocol.pool_name(args.get("pool"))
         replace = bool(args.get("replace"))
         count = protocol.count(args["count"], low=0 if replace else 1) if "count" in args else None
@@ -295,7 +295,7 @@ class Supervisor:
             return self.table.wait_for(tuple(ids), "ended", reply, cmd_id, timeout)
         return stopped
 
-    def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_scale(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         name = args.get("pool")
         n = protocol.count(args.get("n"), low=0, what="size")
         pool = self._known_pool(name)
@@ -330,7 +330,7 @@ class Supervisor:
     def _live(self, pool: Pool) -> list[Replica]:
         return [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
 
-    def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_restart(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Replace replicas with new ones (new ids, same slots): a rolling restart."""
         timeout = protocol.wait_timeout(args)
         if args.get("pool") is not None:
@@ -358,7 +358,7 @@ class Supervisor:
         (pool_name, olds), = by_pool.items()
         return self._start_rollout(self._pool(pool_name), olds, len(olds), reply, cmd_id, timeout)
 
-    def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_delete(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Terminate a pool's replicas and forget the pool (it does not come back on start).
         Refused while another pool starts after it: its dependents go first."""
         pool = self._pool(args.get("pool"))
@@ -368,7 +368,7 @@ class Supervisor:
                               f"{'that' if len(needed_by) == 1 else 'those'} first, or launch --replace without it")
         return self._delete(pool)
 
-    def _delete(self, pool: Pool, *, stop: bool = True) -> dict:
+    def _delete(self, pool: Pool, *, stop: bool = True) -> dict[str, Any]:
         """Forget ``pool``; ``stop``: its replicas are terminated now (else the caller does)."""
         pool.delete()
         stopped = [r.id for r in list(pool.live.values()) if self.table.stop(r, reason="pool deleted")] if stop else []
@@ -376,7 +376,7 @@ class Supervisor:
         self.table.listeners.changed()  # closed if no other pool uses them
         return {"pool": pool.name, "terminated": stopped}
 
-    def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_signal(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Send a signal to replicas' process trees (e.g. HUP to make a worker reload)."""
         sig = signal_number(args.get("signal"), "signal")
         if args.get("pool") is not None:
@@ -404,7 +404,7 @@ class Supervisor:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int,
+    def declare(self, name: str, spec: dict[str, Any], policy: dict[str, Any], size: int,
                 prepared: tuple[Runtime, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
@@ -456,7 +456,7 @@ class Supervisor:
         # the slots emptied already are filled first, then the stale replicas are rolled
         olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
 
-        def logged(msg: dict) -> None:
+        def logged(msg: dict[str, Any]) -> None:
             if not msg.get("ok"):
                 log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
 
@@ -543,7 +543,7 @@ class Supervisor:
 
     def _start_rollout(self, pool: Pool, olds: list[str], width: int, reply: Reply, cmd_id: Any,
                        timeout: float, *, then_scale: int | None = None) -> Any:
-        def done(result: dict | None, error: str | None) -> None:
+        def done(result: dict[str, Any] | None, error: str | None) -> None:
             self._rollouts.remove(rollout)
             timer.cancel()
             alone = not pool.deleted and not any(r.pool is pool for r in self._rollouts)
@@ -644,11 +644,11 @@ class Supervisor:
         self._replacing.add(rep.id)
         self.table.stop(rep, reason="liveness probe failed")
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """What an upgrade carries of the supervisor: the replicas stopping to be replaced."""
         return {"replacing": sorted(self._replacing), "renewing": dict(self._renewing)}
 
-    def take_over(self, carried: dict) -> None:
+    def take_over(self, carried: dict[str, Any]) -> None:
         self._replacing = set(carried.get("replacing", ()))
         self._renewing = dict(carried.get("renewing", {}))
 
