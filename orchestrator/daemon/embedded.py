@@ -8,7 +8,8 @@
     # here every replica has been terminated and reaped (with the descendants that left
     # its process group: SIGKILLed after the grace and gone), and the watchdog has exited
 
-The loop runs in one background thread, the only owner of the replica table; the methods
+The loop is built as the daemon's is (loop.py), without the daemon's additions, and runs
+in one background thread, the only owner of the replica table; the methods
 below send it commands (the same plain-data commands the daemon's channel carries) and
 wait, bounded, for the reply. Any thread may call them.
 """

@@ -1,4 +1,5 @@
-"""The replica table: commands in, transitions out. The one owner of every Replica and Pool.
+"""The replica table: commands in, transitions out. The one owner of every Replica and of
+the process table; it holds the pools (by name) but does not decide for them.
 
     commands (any thread: submit)     worker processes            timers
         │                               │ pidfd readable: exited    │ grace over: SIGKILL
@@ -10,15 +11,18 @@
     │ timers                       settle: waiters, ONE store commit, then replies│
     └─────────────────────────────────────────────────────────────────────────────┘
 
-Run by the daemon's loop thread (and the embedded ``Orchestrator``'s). Nothing but that
+Run by the daemon's loop thread (and the embedded ``Orchestrator``'s), both built by
+loop.py, which hands it the daemon's additions (``Hooks``) at construction. Nothing but that
 thread reads or writes a Replica, a Pool or the process table, so there is no lock, and a
 terminate can never race a reap: both are events, applied one after the other, and
 whichever comes second finds a state that tells it what is left to do. Every state change
 goes through ``states.transition()``; a process is signalled only while it is our unreaped
 child (its zombie pins the pid and the process group), and forgotten only after it is
 reaped. What differs between a cgroup and a process group is decided in containment.py;
-what a pool should hold (readiness, restarts, rollouts, the commands that shape pools) in
-supervision.py, which acts on the table only through its ``Table`` interface; process
+what a pool should hold (readiness, restarts, rollouts, its size, the commands that shape
+pools, ``terminate`` among them) in supervision.py, which acts on the table only through
+its ``Table`` interface. A Pool writes its own fields (pools.py): the engine only numbers a
+pool's replicas and keeps its ``live`` as they begin and end; process
 syscalls go through ``OSApi`` (osapi.py), store writes through ``Journal`` (journal.py).
 The system children (watchdog, manager) are not the engine's.
 """

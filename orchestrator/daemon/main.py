@@ -280,8 +280,7 @@ class Daemon:
         before that answer abandons the take-over (``_abandon``)."""
         carried = doc["daemon"]
         self._prepare(notify=carried.get("notify"), nofile=carried.get("nofile"))
-        token = carried["token"]
-        # the manager serves the socket with the key it has
+        token = carried["token"]  # and no new key: the manager serves the socket with the one it has
         self.started_at = float(carried["started_at"])
         self.inherited_sockets = [(name, fd) for name, fd in doc["listeners"].get("inherited", [])]
         self.store = self._open_store()

@@ -6,7 +6,8 @@ readiness.py's, the order of pools ordering.py's (both held here: ``readiness``,
 The daemon's loop thread runs it, beside the engine (engine.py) and apart from it: the
 engine owns the replica table and the processes (forks, exits, signals, transitions, one
 commit per turn); the ``Supervisor`` decides, and acts on the table only through ``Table``
-below. The engine tells it what happened through its hooks: ``ended_on_its_own``,
+below. It alone decides what a pool runs, its size and its restart state, each through a
+method of the Pool (pools.py), which is the one writer of its fields. The engine tells it what happened through its hooks: ``ended_on_its_own``,
 ``stopped`` (ended after a stop was asked), ``settle``; spawning.py reports a
 ``bad_template``.
 
