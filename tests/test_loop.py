@@ -4,6 +4,7 @@ construction (its commands, status, limits, log files, turn ends), none for the 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -81,3 +82,51 @@ def test_the_embedded_loop_is_the_daemons_without_its_additions(fake: Any, tmp_p
     finally:
         _close(embedded)
         _close(daemon)
+
+
+# -- nothing is set on a built engine ----------------------------------------------------
+
+DAEMON = Path(__file__).resolve().parent.parent / "orchestrator" / "daemon"
+# Set while the loop runs, by design: the lag is measured once a start is over (a long
+# restore is no lag of the loop), and a reload changes the grace of the stops after it.
+_RUNTIME_SETTINGS = {("metrics", "lag"), ("config", "grace")}
+_POKES = {"at_turn_end", "add_command", "update"}
+
+
+def _engine_chain(node: ast.expr) -> list[str] | None:
+    """``engine.a.b`` / ``self._engine.a.b`` / ``self.engine.a.b`` as [a, b], else None."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        if node.attr in ("engine", "_engine") and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return names[::-1]
+        names.append(node.attr)
+        node = node.value
+    return names[::-1] if isinstance(node, ast.Name) and node.id == "engine" else None
+
+
+def _pokes(tree: ast.AST) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for tgt in node.targets for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _POKES:
+            chain = _engine_chain(node.func)
+            if chain:
+                found.append(".".join(chain))
+        for target in targets:
+            chain = _engine_chain(target)
+            if chain and tuple(chain[-2:]) not in _RUNTIME_SETTINGS:
+                found.append(".".join(chain))
+    return found
+
+
+def test_the_scan_finds_an_attribute_set_on_a_built_engine() -> None:
+    code = ("engine.limits = x\nself._engine.journal.reopen = f\nengine.reactor.at_turn_end(g)\n"
+            "engine.extra_commands.update(a=b)\nengine.metrics.lag = m\nself.engine = e\nn = engine.limits\n")
+    assert _pokes(ast.parse(code)) == ["limits", "journal.reopen", "reactor.at_turn_end", "extra_commands.update"]
+
+
+def test_the_daemon_and_the_embedded_loop_set_nothing_on_a_built_engine() -> None:
+    found = {name: _pokes(ast.parse((DAEMON / name).read_text())) for name in ("main.py", "embedded.py")}
+    assert found == {"main.py": [], "embedded.py": []}
