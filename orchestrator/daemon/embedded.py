@@ -8,7 +8,8 @@
     # here every replica has been terminated and reaped (with the descendants that left
     # its process group: SIGKILLed after the grace and gone), and the watchdog has exited
 
-The loop runs in one background thread, the only owner of the replica table; the methods
+The loop is built as the daemon's is (loop.py), without the daemon's additions, and runs
+in one background thread, the only owner of the replica table; the methods
 below send it commands (the same plain-data commands the daemon's channel carries) and
 wait, bounded, for the reply. Any thread may call them.
 """
@@ -29,6 +30,7 @@ from ..protocol import command, raise_reply
 from ..verbs import Verbs
 from .children import WatchdogChild
 from .engine import Engine, EngineConfig
+from .loop import build_loop
 from .osapi import OSApi
 from .recovery import recover_leftovers
 
@@ -64,7 +66,7 @@ class Orchestrator(Verbs):
         spawn_batch: int = 64,
         call_timeout: float = 60.0,
         state_dir: str | None = None,
-        db: str | os.PathLike | None = None,
+        db: str | os.PathLike[str] | None = None,
         cgroup: str | None = None,
         inherit_output: bool = False,
     ) -> None:
@@ -129,10 +131,8 @@ class Orchestrator(Verbs):
                                       name=f"orchestrator-embedded-{os.getpid()}-{self._token[:8]}")
             if link is not None:
                 link.cgroup_subtree = self.containment.path  # killed and removed if this process dies
-        self._engine = Engine(self._config, os_api=os_api, watchdog=link, store=store,
-                              containment=self.containment)
-        if link is not None:
-            self._watchdog = WatchdogChild(link, self._engine.reactor, os_api)
+        loop = build_loop(self._config, os_api=os_api, store=store, link=link, containment=self.containment)
+        self._engine, self._watchdog = loop.engine, loop.watchdog
         if store is not None:
             recover_leftovers(store, os_api, grace=min(self._config.grace, 1.0))  # a killed earlier run
             self._engine.supervisor.restore(store.load()[0], relaunch=False)  # ids continue, never reused
@@ -189,15 +189,15 @@ class Orchestrator(Verbs):
 
     # -- commands ---------------------------------------------------------------------
 
-    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """Send one command to the loop and wait (bounded) for its reply."""
         engine = self._engine
         if engine is None or self._thread is None or self._stop or engine.closing:
             raise ShuttingDown("the orchestrator is not running")
         done = threading.Event()
-        box: list[dict] = []
+        box: list[dict[str, Any]] = []
 
-        def reply(msg: dict) -> None:
+        def reply(msg: dict[str, Any]) -> None:
             box.append(msg)
             done.set()
 
@@ -207,7 +207,7 @@ class Orchestrator(Verbs):
             raise ChannelError(f"{op}: no reply from the control loop within {limit:g} s")
         return raise_reply(box[0])
 
-    def send(self, op: str, args: dict | None, on_reply: Callable[[dict], None]) -> None:
+    def send(self, op: str, args: dict[str, Any] | None, on_reply: Callable[[dict[str, Any]], None]) -> None:
         """Send one command without waiting: ``on_reply(msg)`` is called once, from the
         loop's thread, so it must be quick and must not call back into this object."""
         engine = self._engine

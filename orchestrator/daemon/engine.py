@@ -1,4 +1,5 @@
-"""The replica table: commands in, transitions out. The one owner of every Replica and Pool.
+"""The replica table: commands in, transitions out. The one owner of every Replica and of
+the process table; it holds the pools (by name) but does not decide for them.
 
     commands (any thread: submit)     worker processes            timers
         │                               │ pidfd readable: exited    │ grace over: SIGKILL
@@ -10,15 +11,18 @@
     │ timers                       settle: waiters, ONE store commit, then replies│
     └─────────────────────────────────────────────────────────────────────────────┘
 
-Run by the daemon's loop thread (and the embedded ``Orchestrator``'s). Nothing but that
+Run by the daemon's loop thread (and the embedded ``Orchestrator``'s), both built by
+loop.py, which hands it the daemon's additions (``Hooks``) at construction. Nothing but that
 thread reads or writes a Replica, a Pool or the process table, so there is no lock, and a
 terminate can never race a reap: both are events, applied one after the other, and
 whichever comes second finds a state that tells it what is left to do. Every state change
 goes through ``states.transition()``; a process is signalled only while it is our unreaped
 child (its zombie pins the pid and the process group), and forgotten only after it is
 reaped. What differs between a cgroup and a process group is decided in containment.py;
-what a pool should hold (readiness, restarts, rollouts, the commands that shape pools) in
-supervision.py, which acts on the table only through its ``Table`` interface; process
+what a pool should hold (readiness, restarts, rollouts, its size, the commands that shape
+pools, ``terminate`` among them) in supervision.py, which acts on the table only through
+its ``Table`` interface. A Pool writes its own fields (pools.py): the engine only numbers a
+pool's replicas and keeps its ``live`` as they begin and end; process
 syscalls go through ``OSApi`` (osapi.py), store writes through ``Journal`` (journal.py).
 The system children (watchdog, manager) are not the engine's.
 """
@@ -31,7 +35,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .. import protocol
 from ..errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
@@ -49,10 +53,14 @@ from .supervision import Supervisor
 from .tasks import Tasks
 from .waiters import Waiter, Waiters
 
+if TYPE_CHECKING:
+    from .limits import Limits
+    from .logcapture import LogCapture
+
 log = logging.getLogger("orchestrator")
 
-Reply = Callable[[dict], None]
-Handler = Callable[[dict, Reply, Any], Any]
+Reply = Callable[[dict[str, Any]], None]
+Handler = Callable[[dict[str, Any], Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
 COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
 SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
@@ -71,6 +79,24 @@ class EngineConfig:
     task_stop_reason: str = "interrupted: the executor shut down"  # a task cut short by a shutdown
     result_max_bytes: int | None = None  # a task result larger than this fails its task
     inherited_sockets: tuple[tuple[str, int], ...] = ()  # (name, fd) systemd passed the daemon (sockets.py)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the process that runs a loop adds to its engine, given at construction (the
+    daemon's, through loop.py; an embedded loop adds none)."""
+
+    status: Callable[[], dict[str, Any]] | None = None  # merged into every `status` reply
+    # op -> handler(args) -> result: commands of the daemon (health, metrics, reload)
+    commands: Mapping[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
+    # op -> handler(args, reply, cmd_id): a command whose reply may wait (protocol.DEFERRED: upgrade)
+    deferred: Mapping[str, Handler] = field(default_factory=dict)
+    # launches that would take the fds and pids the daemon's control plane keeps are
+    # refused (room_for). None: no such check.
+    limits: "Limits | None" = None
+    log_capture: "LogCapture | None" = None  # replicas' stdout/stderr to files; a replica's go with its record
+    reopen_store: Callable[[], Any] | None = None  # the journal's store file vanished: a new one
+    turn_end: tuple[Callable[[], None], ...] = ()  # run at the end of every turn, after the engine's settle
 
 
 @dataclass(eq=False, slots=True)
@@ -102,13 +128,18 @@ class Engine:
         watchdog: Any = None,
         reactor: Reactor | None = None,
         containment: Cgroups | ProcessGroups | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
+        hooks = hooks or Hooks()
         self.config = config or EngineConfig()
         protocol.seconds(self.config.grace, "grace")  # a NaN grace would never SIGKILL
         self.os = os_api or OSApi()
         self.reactor = reactor or Reactor(self.os.monotonic)
         self.journal = Journal(store, self.os.time)
         self.journal.rebuild = self._save_everything
+        self.journal.reopen = hooks.reopen_store
+        if hooks.log_capture is not None:
+            self.journal.forgotten = hooks.log_capture.forget  # a replica's logs go with its record
         self.watchdog = watchdog  # the watchdog's ledger feed (WatchdogLink), if any
         # A cgroup per replica, or process groups (containment.py); the default keeps the
         # engine off the cgroupfs (the fake-OS tests, the embedded API unless asked).
@@ -116,7 +147,7 @@ class Engine:
         self.containment.attach(self.reactor, self.os, watchdog)
         base_env = dict(self.config.env if self.config.env is not None else os.environ)
         self.metrics = Metrics(clock=self.os.monotonic, wall=self.os.time)
-        self.log_capture: Any = None  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+        self.log_capture = hooks.log_capture
         self.listeners = Listeners(self.reactor, self._sockets_in_use, self.config.inherited_sockets)
         self.supervisor = Supervisor(self, base_env=base_env, token=self.config.token)
         self.spawning = Spawning(self, self.supervisor, base_env, batch=self.config.spawn_batch,
@@ -124,7 +155,7 @@ class Engine:
         self.spawners = self.spawning.spawners
         self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
                            stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
-        self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
+        self._inbox: collections.deque[tuple[dict[str, Any], Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._drain_asked = False  # a _drain_inbox is scheduled and has not begun
         self._pools: dict[str, Pool] = {}
@@ -136,16 +167,13 @@ class Engine:
         # (reply, message, durable): a durable reply says "applied"; if this turn's commit
         # fails it says so still, with the journal's fault beside it ("unsaved"): the
         # command was applied all the same. Read-only commands never depend on the disk.
-        self._outbox: list[tuple[Reply, dict, bool]] = []
-        self.extra_status: Callable[[], dict] | None = None
-        # limits.Limits, set by the daemon: launches that would take the fds and pids its
-        # control plane keeps are refused (room_for). None: no such check (embedded, tests).
-        self.limits: Any = None
-        # Commands the daemon adds (health, metrics, reload): op -> handler(args) -> result.
-        self.extra_commands: dict[str, Callable[[dict], Any]] = {}
+        self._outbox: list[tuple[Reply, dict[str, Any], bool]] = []
+        self.extra_status = hooks.status
+        self.limits = hooks.limits
+        self.extra_commands: dict[str, Callable[[dict[str, Any]], Any]] = dict(hooks.commands)
         self._commands: dict[str, Handler] = {
-            "terminate": self._cmd_terminate, "status": self._cmd_status, "wait": self._cmd_wait,
-            "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands()}
+            "status": self._cmd_status, "wait": self._cmd_wait,
+            "ping": self._cmd_ping, **self.supervisor.commands(), **self.tasks.commands(), **hooks.deferred}
         self._stop_deadline: float | None = None  # shutdown against a budget: graces are cut to it
         self._dirty = False
         self._store_warned = -1e9
@@ -154,10 +182,12 @@ class Engine:
         self.closing = False
         self.closed = False
         self.reactor.at_turn_end(self.settle)
+        for callback in hooks.turn_end:
+            self.reactor.at_turn_end(callback)
 
     # -- the public face ------------------------------------------------------------
 
-    def submit(self, cmd: dict, reply: Reply) -> None:
+    def submit(self, cmd: dict[str, Any], reply: Reply) -> None:
         """Queue a command from any thread; ``reply`` is called once, from the loop."""
         with self._submit_lock:  # against close(): a command is either run or refused
             if self.closed:
@@ -240,10 +270,12 @@ class Engine:
                 wait = self._stop_deadline - now
             members = set(names)
             for rep in [r for name in names for r in self._pools[name].live.values()]:
-                self.stop(rep, reason="shutdown", lower_desired=False)
+                self.stop(rep, reason="shutdown")
             self.reactor.run_until(lambda: not any(p.replica.pool in members for p in
                                                    (*self._procs.values(), *self._draining.values())), wait)
-        done = lambda: not self._procs and not self._draining  # noqa: E731
+        def done() -> bool:
+            return not self._procs and not self._draining
+
         if not done():
             for proc in list(self._procs.values()):
                 self.containment.kill_tree(proc)
@@ -299,8 +331,9 @@ class Engine:
         """Our children that are not replicas (the spawners)."""
         return self.spawning.pids()
 
-    def status(self, include_terminal: bool = False) -> dict:
-        return self._cmd_status({"all": include_terminal}, None, None)
+    def status(self, include_terminal: bool = False) -> dict[str, Any]:
+        status: dict[str, Any] = self._cmd_status({"all": include_terminal}, None, None)
+        return status
 
     # -- the table, as the supervisor and the spawning see it (supervision.Table) ------
 
@@ -339,7 +372,7 @@ class Engine:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
         return proc if proc is not None and proc.replica is rep else None
 
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None:
+    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None:
         """Send ``msg`` after this turn's commit (``durable``: an ok reply carries the
         journal's fault, ``unsaved``, if that commit fails)."""
         self._outbox.append((reply, msg, durable))
@@ -361,16 +394,7 @@ class Engine:
 
     # -- commands -------------------------------------------------------------------
 
-    def _cmd_terminate(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
-        ids = protocol.replica_ids(args.get("ids"), "terminate", one_is_enough=True)
-        timeout = protocol.wait_timeout(args) if args.get("wait") else None
-        reps = [self.lookup(i) for i in ids]  # all or nothing: an unknown id changes nothing
-        stopped = [r.id for r in reps if r is not None and self.stop(r, reason="terminated")]
-        if timeout is not None:
-            return self.wait_for(tuple(ids), "ended", reply, cmd_id, timeout)
-        return stopped
-
-    def _cmd_status(self, args: dict, reply: Reply | None, cmd_id: Any) -> Any:
+    def _cmd_status(self, args: dict[str, Any], reply: Reply | None, cmd_id: Any) -> Any:
         if args.get("all"):
             rows = {r.id: r.to_dict() for r in self._replicas.values()}
             if self.store is not None:  # older history, and replicas of earlier daemons
@@ -391,7 +415,7 @@ class Engine:
             result.update(self.extra_status())
         return result
 
-    def _cmd_wait(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_wait(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         ids = protocol.replica_ids(args.get("ids"), "wait")
         until = args.get("until", "running")
         if until not in ("running", "ended"):
@@ -401,39 +425,31 @@ class Engine:
             self.lookup(i)
         return self.wait_for(tuple(ids), until, reply, cmd_id, timeout, durable=False)
 
-    def _cmd_ping(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_ping(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         return "pong"
 
-    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]:
+    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None) -> list[str]:
         """``count`` new replicas in the lowest free slots (or in ``slots``: replacements),
-        PENDING until spawning.py starts them; ``grow``: they add to the pool's desired size
-        (a replacement takes a place it has)."""
+        PENDING until spawning.py starts them. The pool's size is the supervisor's to
+        change (a replacement takes a place the pool has; a launch adds to it)."""
         ids = []
         now = self.os.time()
         assert pool.runtime is not None, "launch from a pool with a usable spec"
         for slot in slots if slots is not None else pool.free_slots(count):
-            pool.failed.pop(slot, None)  # filled again: no longer a failure for its dependents
-            n = pool.next_n
-            pool.next_n += 1
+            n = pool.take_number()
             rep = Replica(f"{pool.name}-{n}", pool.name, n, created_at=now, slot=slot,
                           restarts=pool.slot_restarts.get(slot, 0), made_from=(pool.runtime, pool.policy))
             self._replicas[rep.id] = rep
-            pool.live[rep.id] = rep
+            pool.add(rep)
             self.spawning.add(rep, pool.runtime)
             self.journal.transition(rep, None)
             ids.append(rep.id)
-        if grow:
-            pool.desired += len(ids)
         if ids:
             self.metrics.launched(pool.name, len(ids))
         self.spawning.schedule()
         return ids
 
     # -- an upgrade (handover.py): what is carried, and taken over -----------------------
-
-    def add_command(self, op: str, handler: Handler) -> None:
-        """A command whose reply may wait (protocol.DEFERRED): the daemon's ``upgrade``."""
-        self._commands[op] = handler
 
     def procs(self) -> list[Proc]:
         """The live processes of replicas, unreaped."""
@@ -460,7 +476,7 @@ class Engine:
         rep.made_from = (pool.runtime, pool.policy)
         self._replicas[rep.id] = rep
         if not rep.state.terminal:  # a replica interrupted while starting is not the pool's any more
-            pool.live[rep.id] = rep
+            pool.add(rep)
         proc = Proc(rep.pid or 0, pidfd, -1 if ready_fd is None else ready_fd, rep, killed=killed, escaped=escaped,
                     cleanup=cleanup, cgroup=cgroup)
         self._procs[proc.pid] = proc
@@ -478,7 +494,7 @@ class Engine:
         assert pool.runtime is not None, "a pending replica's pool has a usable spec"
         rep.made_from = (pool.runtime, pool.policy)
         self._replicas[rep.id] = rep
-        pool.live[rep.id] = rep
+        pool.add(rep)
         self.spawning.add(rep, pool.runtime)
         self.spawning.schedule()
 
@@ -571,8 +587,9 @@ class Engine:
             self.journal.replica(rep)  # terminal already: only the pid is gone
         self.tasks.worker_ended(rep)
 
-    def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool:
-        """Terminate one replica; a no-op (False) when it is ending or ended already."""
+    def stop(self, rep: Replica, *, reason: str) -> bool:
+        """Terminate one replica; a no-op (False) when it is ending or ended already. Its
+        pool keeps its size: lowering it is the caller's (the supervisor's) decision."""
         state = rep.state
         if state is S.PENDING:
             self.transition(rep, S.INTERRUPTED, reason)
@@ -584,10 +601,6 @@ class Engine:
             self.signal_and_arm(rep)
         else:
             return False
-        if lower_desired:
-            pool = self._pools[rep.pool]
-            pool.desired -= 1
-            self.save_pool(pool)
         return True
 
     def _grace(self, rep: Replica) -> float:
@@ -623,7 +636,7 @@ class Engine:
             self.metrics.exited(rep.pool, _exit_kind(rep))
             pool = self._pools.get(rep.pool)
             if pool is not None:
-                pool.live.pop(rep.id, None)
+                pool.remove(rep)
             self._ended.append(rep.id)
         self.journal.transition(rep, old)
 

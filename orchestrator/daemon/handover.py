@@ -93,7 +93,7 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"))
 
 
-def write_document(doc: dict) -> int:
+def write_document(doc: dict[str, Any]) -> int:
     """The document in an inheritable memfd, rewound; its fd."""
     fd = os.memfd_create("orchestrator-handover", 0)  # no MFD_CLOEXEC: it is for the next image
     try:
@@ -105,7 +105,7 @@ def write_document(doc: dict) -> int:
     return fd
 
 
-def read_document(fd: int) -> dict:
+def read_document(fd: int) -> dict[str, Any]:
     """The hand-over document of ``fd`` (closed here); ValueError if it cannot be read."""
     try:
         chunks = []
@@ -240,7 +240,7 @@ class Upgrade:
     """One ``upgrade`` in the old image: the check, the quiesce, the exec. The daemon calls
     ``execute()`` between two turns once ``quiesced``."""
 
-    def __init__(self, daemon: Any, reply: Callable[[dict], None], cmd_id: Any) -> None:
+    def __init__(self, daemon: Any, reply: Callable[[dict[str, Any]], None], cmd_id: Any) -> None:
         self.daemon = daemon
         self.engine = daemon.engine
         self.reply = reply
@@ -248,7 +248,7 @@ class Upgrade:
         self.quiesced = False
         self._waiting = False
         self._deadline: Any = None
-        self._readiness: dict[int, dict | None] = {}  # pid -> what readiness handed over (for a failed exec)
+        self._readiness: dict[int, dict[str, Any] | None] = {}  # pid -> what readiness handed over (for a failed exec)
         why = self._refusal()
         if why is not None:
             self._refused(why, answered=False)
@@ -386,7 +386,7 @@ class Upgrade:
         engine.start_spawners()
         self._refused(why)
 
-    def document(self) -> dict:
+    def document(self) -> dict[str, Any]:
         """The hand-over: every fd that carries over (made inheritable here) and what the
         store does not hold."""
         daemon, engine = self.daemon, self.engine
@@ -440,7 +440,7 @@ class Upgrade:
 # -- the new image -------------------------------------------------------------------------
 
 
-def containment_of(carried: dict) -> Any:
+def containment_of(carried: dict[str, Any]) -> Any:
     """The containment the earlier image ran under: its subtree opened, or process groups."""
     from watchdog.cgroup import CgroupUnavailable, Subtree
 
@@ -455,14 +455,14 @@ def containment_of(carried: dict) -> Any:
     return containment.Cgroups(subtree, str(carried.get("reason")), moved_self=bool(carried.get("moved_self", True)))
 
 
-def metrics_listener(doc: dict) -> Any:
+def metrics_listener(doc: dict[str, Any]) -> Any:
     import socket
 
     fd = doc.get("metrics_fd")
     return socket.socket(fileno=int(fd)) if fd is not None else None
 
 
-def take_over(daemon: Any, doc: dict) -> None:
+def take_over(daemon: Any, doc: dict[str, Any]) -> None:
     """The pools (from the store, with what the hand-over adds), then every replica:
     PENDING ones queued, live ones watched again with their logs, probes and deadlines."""
     from ..states import Replica
@@ -507,7 +507,7 @@ def take_over(daemon: Any, doc: dict) -> None:
     engine.changed()
 
 
-def answer(daemon: Any, doc: dict) -> None:
+def answer(daemon: Any, doc: dict[str, Any]) -> None:
     """The upgrade command's reply, from the new image, and the waits it carried."""
     engine = daemon.engine
     reply = daemon.manager.reply_to()

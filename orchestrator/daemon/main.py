@@ -53,7 +53,7 @@ from . import containment, handover, logsink, probes
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .httpserver import MetricsServer
-from .logcapture import LogCapture
+from .loop import DaemonParts, build_loop
 from .metrics import LagMonitor, health
 from .limits import FdReserve, Limits, fd_limit, raise_fd_limit, reserve_size
 from .osapi import OSApi, set_child_subreaper
@@ -66,7 +66,7 @@ REPORTS_KEPT = 5  # watchdog-report.json.1 .. .5
 WATCHDOG_SWEEP_WAIT = 30.0  # a sweep takes its grace plus milliseconds; this is the bound
 
 
-def _policy_of(decl: config_file.PoolDecl) -> dict:
+def _policy_of(decl: config_file.PoolDecl) -> dict[str, Any]:
     """A config pool's policy, its cgroup limits included (they are policy keys on launch)."""
     return {**decl.policy, **{k: v for k in LIMIT_KEYS if (v := getattr(decl, k)) is not None}}
 
@@ -75,10 +75,10 @@ class Daemon:
     """Runs in the foreground of its process until SIGTERM/SIGINT; see the module doc."""
 
     def __init__(self, paths: Paths, *, grace: float | None = None, ready_fd: int | None = None,
-                 retention: dict | None = None, config_path: str | None = None,
+                 retention: dict[str, Any] | None = None, config_path: str | None = None,
                  stop_budget: float | None = None, metrics_port: int | None = None,
                  cgroup: str | None = None, result_max_bytes: int | None = None,
-                 handover: dict | None = None) -> None:
+                 handover: dict[str, Any] | None = None) -> None:
         """``handover``: the document of an upgrade (handover.py): take over from the earlier
         image of this process instead of starting."""
         self.paths = paths
@@ -177,7 +177,7 @@ class Daemon:
         finally:
             self._remove_runtime_files()
 
-    def _run_taken_over(self, doc: dict) -> int:
+    def _run_taken_over(self, doc: dict[str, Any]) -> int:
         """run() after an upgrade's exec: the lock, the state dir and systemd's sockets are
         ours already; the signals blocked across the exec are delivered once handled."""
         from .handover import BLOCKED
@@ -229,122 +229,74 @@ class Daemon:
                               "keep_seconds": d.keep_days * 86400}
 
     def _serve(self) -> int:
+        """Serve until stopped: a fresh start, or an upgrade's take-over of the earlier image."""
+        if self.handover is not None:
+            return self._serve_taken_over(self.handover)
+        return self._serve_fresh()
+
+    def _serve_fresh(self) -> int:
+        """Start: leftovers of an unclean end recovered, the watchdog, the spawners, the pools
+        of the store and of the config file, then the manager and its channel."""
         paths = self.paths
-        doc = self.handover
-        carried = doc["daemon"] if doc is not None else {}
-        if self.config_path is not None:
-            self._load_config(self.config_path)  # an invalid file: one line, and nothing started
         # systemd's notify socket is ours (Type=notify), not the replicas'.
-        self._systemd_notify = os.environ.pop("NOTIFY_SOCKET", None) if doc is None else carried.get("notify")
-        set_child_subreaper()  # kept across an exec already; said again, it costs nothing
-        # As servers do: the soft fd limit up to the hard one (the daemon holds fds per
-        # replica); replicas get the limits we were started with, which an upgrade carries
-        # (the new image finds the soft limit raised already).
-        raised = raise_fd_limit()
-        before = carried.get("nofile") if doc is not None else None
-        self.nofile_before = (int(before[0]), int(before[1])) if before else raised
-        self.os = OSApi(nofile=self.nofile_before)
-        # Opened now, so with low numbers: what a lowered or filled fd table leaves the
-        # control plane (limits.py).
-        self.fd_reserve = FdReserve(reserve_size(fd_limit()))
-        self.limits = Limits(self.fd_reserve)
-        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8) if doc is None else carried["token"]
-        if doc is None:  # after an upgrade the manager serves the socket with the key it has
-            paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
-            self._write_authkey()
-        else:
-            self.started_at = float(carried["started_at"])
-            self.inherited_sockets = [(name, fd) for name, fd in doc["listeners"].get("inherited", [])]
+        self._prepare(notify=os.environ.pop("NOTIFY_SOCKET", None), nofile=None)
+        token = os.environ.get(TOKEN_ENV) or secrets.token_hex(8)
+        paths.socket.unlink(missing_ok=True)  # we hold the lock: whatever is there is stale
+        self._write_authkey()
         self.store = self._open_store()
-        if doc is None:
-            self._keep_watchdog_report()
-        link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
-                            remove_files=[str(paths.socket), str(paths.tasks_socket), str(paths.pidfile)], lock_file=str(paths.pidfile))
-        # Executor workers connect to a socket in the state dir (0700): only the daemon's user
-        # reaches it, and nobody can bind its name first.
-        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=str(paths.tasks_socket),
-                              task_stop_reason="interrupted: the daemon stopped",
-                              result_max_bytes=self.result_max_bytes,
-                              inherited_sockets=tuple(self.inherited_sockets))
+        self._keep_watchdog_report()
         # Before the watchdog and the manager start: they are born in the subtree's daemon/.
         previous_cgroup = containment.previous(paths)
-        if doc is None:
-            self.containment = containment.detect(
-                self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
-        else:  # the subtree we run in: opened, not made (that would nest a new one in daemon/)
-            self.containment = handover.containment_of(carried["containment"])
-        log.info("containment: %s (%s)", self.containment.mode, self.containment.reason)
-        link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
-        engine = self.engine = Engine(config, os_api=self.os, store=self.store, watchdog=link,
-                                      containment=self.containment)
-        engine.journal.reopen = self._reopen_store
-        engine.limits = self.limits
-        engine.reactor.at_turn_end(self.fd_reserve.turn_end)
-        engine.extra_status = self._daemon_status
-        engine.extra_commands.update(health=self._cmd_health, metrics=self._cmd_metrics, reload=self._cmd_reload)
-        engine.add_command("upgrade", self._cmd_upgrade)
-        engine.reactor.at_turn_end(lambda: self.upgrade.look() if self.upgrade is not None else None)
-        reactor = engine.reactor
-        reactor.add_reader(self._sig_r, self._on_signal_wakeup)
-        if self.log_sink is not None:
-            reactor.add_writer(self.log_sink)
-        settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
-        if self.log_sink is not None:  # daemon.log (when it is our stderr) is bounded like a replica's logs
-            self.log_sink.rotate_file(paths.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
-        self.log_capture = engine.log_capture = LogCapture(
-            paths.logs, reactor, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
-        engine.journal.forgotten = self.log_capture.forget  # a replica's logs go with its record
-        self.watchdog = WatchdogChild(link, reactor, self.os, reserve=self.fd_reserve)
-        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
-                                     journal=engine.journal, reserve=self.fd_reserve)
-        taking_over = doc is not None
+        self.containment = containment.detect(
+            self.cgroup or (self.config.daemon.cgroup if self.config is not None else "auto"), paths.state_dir)
+        engine = self._build_loop(token)
+        assert self.watchdog is not None and self.manager is not None and self.store is not None
         try:
-            if doc is not None:
-                self._take_over(doc)
-            else:
-                recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
-                                  cgroups=[previous_cgroup, self.containment.path])
-                containment.drop_previous(previous_cgroup, self.containment)
-                containment.record(paths, self.containment)
-                self._prune_logs()
-                self.watchdog.start()
-                engine.start_spawners()  # until one is ready, replicas are forked here
-                # Pools first, then the channel: no command may see a half-restored table.
-                engine.supervisor.restore(self.store.load()[0])
-                engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
-                if self.config is not None:
-                    self._apply(self.config)
-            engine.settle()
-            self.lag = LagMonitor(reactor, interval=1.0)
-            engine.metrics.lag = self.lag
-            if self.metrics_port is not None:
-                listener = handover.metrics_listener(doc) if doc is not None else None
-                try:
-                    self.metrics_server = MetricsServer(
-                        reactor, self.metrics_port, self._render_metrics, self._healthz,
-                        on_outcome=engine.metrics.http_request, sock=listener)
-                except OSError as err:
-                    raise OrchestratorError(str(err)) from None
-            if doc is not None:
-                self.manager.take_over(doc.get("manager"))
-                handover.answer(self, doc)  # the upgrade command, and the waits it carried
-                taking_over = False
-            else:
-                self.manager.start()
-            deadline = time.monotonic() + 30
-            while not self.manager.ready:
-                if time.monotonic() > deadline:
-                    raise OrchestratorError("the manager server did not start within 30 s")
-                self._turn(1.0)
-            self.limits.measure_base(len(engine.procs()))
-            log.info("daemon %d %s on %s", os.getpid(), "upgraded" if doc is not None else "ready", paths.state_dir)
-            self._notify(f"READY {os.getpid()}")
-            if self._systemd_notify:
-                sd_notify(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
-            if self.ready_fd is None and sys.stdout.isatty():
-                print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
-            while True:
-                self._turn(None)
+            recover_leftovers(self.store, self.os, grace=min(self.grace, 1.0),
+                              cgroups=[previous_cgroup, self.containment.path])
+            containment.drop_previous(previous_cgroup, self.containment)
+            containment.record(paths, self.containment)
+            self._prune_logs()
+            self.watchdog.start()
+            engine.start_spawners()  # until one is ready, replicas are forked here
+            # Pools first, then the channel: no command may see a half-restored table.
+            engine.supervisor.restore(self.store.load()[0])
+            engine.tasks.restore(engine.pools(), self.store)  # their queued tasks, and those cut short
+            if self.config is not None:
+                self._apply(self.config)
+            self._serve_metrics(listener=None)
+            self.manager.start()
+            self._ready("ready")
+            self._run()
+        except ShutdownRequested as req:
+            log.info("%s: shutting down", signal.Signals(req.signum).name)
+        finally:
+            self._shutdown(engine)
+        return 0
+
+    def _serve_taken_over(self, doc: dict[str, Any]) -> int:
+        """After an upgrade's exec: the earlier image's settings, subtree, system children and
+        replicas taken over (``_take_over``), then its upgrade command answered. A failure
+        before that answer abandons the take-over (``_abandon``)."""
+        carried = doc["daemon"]
+        self._prepare(notify=carried.get("notify"), nofile=carried.get("nofile"))
+        token = carried["token"]  # and no new key: the manager serves the socket with the one it has
+        self.started_at = float(carried["started_at"])
+        self.inherited_sockets = [(name, fd) for name, fd in doc["listeners"].get("inherited", [])]
+        self.store = self._open_store()
+        # the subtree we run in: opened, not made (that would nest a new one in daemon/)
+        self.containment = handover.containment_of(carried["containment"])
+        engine = self._build_loop(token)
+        assert self.manager is not None
+        taking_over = True
+        try:
+            self._take_over(doc)
+            self._serve_metrics(listener=handover.metrics_listener(doc))
+            self.manager.take_over(doc.get("manager"))
+            handover.answer(self, doc)  # the upgrade command, and the waits it carried
+            taking_over = False
+            self._ready("upgraded")
+            self._run()
         except ShutdownRequested as req:
             log.info("%s: shutting down", signal.Signals(req.signum).name)
         finally:
@@ -352,6 +304,101 @@ class Daemon:
                 self._abandon()
             self._shutdown(engine)
         return 0
+
+    # -- the steps both share ---------------------------------------------------------
+
+    def _prepare(self, *, notify: str | None, nofile: list[int] | None) -> None:
+        """The config file, the process's settings and its fd budget. ``nofile``: the fd
+        limits we were started with, as an upgrade carries them (None: those of now)."""
+        if self.config_path is not None:
+            self._load_config(self.config_path)  # an invalid file: one line, and nothing started
+        self._systemd_notify = notify
+        set_child_subreaper()  # kept across an exec already; said again, it costs nothing
+        # As servers do: the soft fd limit up to the hard one (the daemon holds fds per
+        # replica); replicas get the limits we were started with, which an upgrade carries
+        # (the new image finds the soft limit raised already).
+        raised = raise_fd_limit()
+        self.nofile_before = (int(nofile[0]), int(nofile[1])) if nofile else raised
+        self.os = OSApi(nofile=self.nofile_before)
+        # Opened now, so with low numbers: what a lowered or filled fd table leaves the
+        # control plane (limits.py).
+        self.fd_reserve = FdReserve(reserve_size(fd_limit()))
+        self.limits = Limits(self.fd_reserve)
+
+    def _build_loop(self, token: str) -> Engine:
+        """The loop (loop.py, as the embedded one is built, with the daemon's parts), its
+        watchdog child and the manager's bridge; nothing started yet."""
+        paths = self.paths
+        assert self.fd_reserve is not None and self.limits is not None and self.containment is not None
+        log.info("containment: %s (%s)", self.containment.mode, self.containment.reason)
+        link = WatchdogLink(str(paths.state_dir), token=token, batch=True,
+                            remove_files=[str(paths.socket), str(paths.tasks_socket), str(paths.pidfile)],
+                            lock_file=str(paths.pidfile))
+        link.cgroup_subtree = self.containment.path  # the watchdog kills all of replicas/, then removes it
+        # Executor workers connect to a socket in the state dir (0700): only the daemon's user
+        # reaches it, and nobody can bind its name first.
+        config = EngineConfig(grace=self.grace, token=token, spawners=True, task_socket=str(paths.tasks_socket),
+                              task_stop_reason="interrupted: the daemon stopped",
+                              result_max_bytes=self.result_max_bytes,
+                              inherited_sockets=tuple(self.inherited_sockets))
+        settings = self.config.daemon if self.config is not None else config_file.DaemonSettings()
+        parts = DaemonParts(
+            logs=paths.logs, log_max_bytes=settings.log_max_bytes, log_backups=settings.log_backups,
+            status=self._daemon_status,
+            commands={"health": self._cmd_health, "metrics": self._cmd_metrics, "reload": self._cmd_reload},
+            deferred={"upgrade": self._cmd_upgrade}, limits=self.limits, reserve=self.fd_reserve,
+            reopen_store=self._reopen_store,
+            turn_end=(self.fd_reserve.turn_end, lambda: self.upgrade.look() if self.upgrade is not None else None))
+        loop = build_loop(config, os_api=self.os, store=self.store, link=link, containment=self.containment,
+                          daemon=parts)
+        engine = self.engine = loop.engine
+        self.log_capture, self.watchdog = loop.log_capture, loop.watchdog
+        reactor = loop.reactor
+        reactor.add_reader(self._sig_r, self._on_signal_wakeup)
+        if self.log_sink is not None:
+            reactor.add_writer(self.log_sink)
+            # daemon.log (when it is our stderr) is bounded like a replica's logs
+            self.log_sink.rotate_file(paths.log, max_bytes=settings.log_max_bytes, backups=settings.log_backups)
+        self.manager = ManagerBridge(paths.state_dir, reactor, self.os, engine.handle, watchdog=link,
+                                     journal=engine.journal, reserve=self.fd_reserve)
+        return engine
+
+    def _serve_metrics(self, listener: Any) -> None:
+        """This start's changes committed; the loop-lag monitor and, with a metrics port, its
+        HTTP server (on the ``listener`` an upgrade carried, else a new one)."""
+        engine = self._engine
+        engine.settle()
+        self.lag = LagMonitor(engine.reactor, interval=1.0)
+        engine.metrics.lag = self.lag  # measured from here: a long start is no lag of the loop
+        if self.metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(
+                    engine.reactor, self.metrics_port, self._render_metrics, self._healthz,
+                    on_outcome=engine.metrics.http_request, sock=listener)
+            except OSError as err:
+                raise OrchestratorError(str(err)) from None
+
+    def _ready(self, how: str) -> None:
+        """Once the manager serves the channel: READY to `start` (and systemd)."""
+        engine = self._engine
+        assert self.manager is not None and self.limits is not None
+        deadline = time.monotonic() + 30
+        while not self.manager.ready:
+            if time.monotonic() > deadline:
+                raise OrchestratorError("the manager server did not start within 30 s")
+            self._turn(1.0)
+        self.limits.measure_base(len(engine.procs()))
+        log.info("daemon %d %s on %s", os.getpid(), how, self.paths.state_dir)
+        self._notify(f"READY {os.getpid()}")
+        if self._systemd_notify:
+            sd_notify(self._systemd_notify, STATUS=f"{len(engine.status()['replicas'])} replicas")
+        if self.ready_fd is None and sys.stdout.isatty():
+            print(f"orchestrator: daemon running (pid {os.getpid()})", flush=True)
+
+    def _run(self) -> None:
+        """Turn until a stop signal (ShutdownRequested)."""
+        while True:
+            self._turn(None)
 
     def _turn(self, timeout: float | None) -> None:
         """One turn of the loop; a shutdown signal is acted on between turns, never inside,
@@ -362,7 +409,7 @@ class Daemon:
         if self.upgrade is not None and self.upgrade.quiesced:
             self.upgrade.execute()
 
-    def _cmd_upgrade(self, args: dict, reply: Any, cmd_id: Any) -> Any:
+    def _cmd_upgrade(self, args: dict[str, Any], reply: Any, cmd_id: Any) -> Any:
         """`upgrade`: re-execute on the code installed now (handover.py); answered by the
         new image, or with the one-line reason it was refused."""
         if self.upgrade is not None:
@@ -370,7 +417,7 @@ class Daemon:
         self.upgrade = handover.Upgrade(self, reply, cmd_id)
         return DEFERRED
 
-    def _take_over(self, doc: dict) -> None:
+    def _take_over(self, doc: dict[str, Any]) -> None:
         """After an upgrade's exec: the table, the system children and the replicas of the
         earlier image, as the hand-over and the store say (handover.take_over)."""
         engine = self._engine
@@ -435,7 +482,7 @@ class Daemon:
                 older.replace(report.with_name(f"{report.name}.{n + 1}"))
         report.replace(report.with_name(f"{report.name}.1"))
 
-    def _daemon_status(self) -> dict:
+    def _daemon_status(self) -> dict[str, Any]:
         return {"daemon": {
             "running": True, "pid": os.getpid(),
             "watchdog_pid": self.watchdog.pid if self.watchdog is not None else None,
@@ -451,7 +498,7 @@ class Daemon:
             "limits": self.limits.describe() if self.limits is not None else None,
         }}
 
-    def _journal_state(self) -> dict:
+    def _journal_state(self) -> dict[str, Any]:
         """{"ok": true}, or the journal's fault: why, since when, how many changes wait."""
         fault = self.engine.journal.fault_info() if self.engine is not None else None
         return {"ok": True} if fault is None else {"ok": False, **fault}
@@ -504,7 +551,7 @@ class Daemon:
 
     # -- operations: config, health, metrics --------------------------------------------
 
-    def _apply(self, new: config_file.Config, prepared: dict[str, Any] | None = None) -> dict:
+    def _apply(self, new: config_file.Config, prepared: dict[str, Any] | None = None) -> dict[str, Any]:
         """Make the table what the file declares: pools an earlier file declared and this
         one does not deleted, changed ones rolled, resized ones scaled, new pools started.
 
@@ -564,7 +611,7 @@ class Daemon:
         if stale:
             remove_logs(self.paths.logs, stale)
 
-    def _cmd_reload(self, args: dict) -> dict:
+    def _cmd_reload(self, args: dict[str, Any]) -> dict[str, Any]:
         if self.config_path is None:
             raise OrchestratorError("this daemon was started without a config file (start --config FILE)")
         new = config_file.load(self.config_path)  # ConfigError: one line, and the running config stays
@@ -589,17 +636,17 @@ class Daemon:
             done["restart_needed"] = [k for k in later if k not in ("grace", "stop_budget")]
         return done
 
-    def _daemon_parts(self) -> dict:
+    def _daemon_parts(self) -> dict[str, Any]:
         return {"started_at": self.started_at, "daemon_alive": True,
                 "watchdog_alive": self.watchdog is not None and self.watchdog.pid is not None,
                 "manager_alive": self.manager is not None and self.manager.pid is not None,
                 "journal": self._journal_state(),
                 "version": __version__}
 
-    def _healthz(self) -> tuple[bool, dict]:
+    def _healthz(self) -> tuple[bool, dict[str, Any]]:
         return health(self._daemon_parts(), self.lag.current() if self.lag else 0.0)
 
-    def _cmd_health(self, args: dict) -> dict:
+    def _cmd_health(self, args: dict[str, Any]) -> dict[str, Any]:
         return self._healthz()[1]
 
     def _render_metrics(self) -> str:
@@ -609,7 +656,7 @@ class Daemon:
             engine.metrics.set_log_totals(totals["bytes"], totals["dropped"])
         return engine.metrics.render(engine.status(), self._daemon_parts())
 
-    def _cmd_metrics(self, args: dict) -> str:
+    def _cmd_metrics(self, args: dict[str, Any]) -> str:
         return self._render_metrics()
 
     # -- shutdown -------------------------------------------------------------------

@@ -46,7 +46,7 @@ class _Step:
 
 class Rollout:
     def __init__(self, ops: Ops, pool: Any, olds: list[str], max_unavailable: int, *,
-                 on_done: Callable[[dict | None, str | None], None], then_scale: int | None = None) -> None:
+                 on_done: Callable[[dict[str, Any] | None, str | None], None], then_scale: int | None = None) -> None:
         self.ops = ops
         # The pool's size once every slot is replaced (None: it keeps its size); a later
         # resize while it runs changes it, so the size that is applied last is the latest.

@@ -227,7 +227,7 @@ class Spawning:
                 fds, names = table.listeners.fds(pool.policy.sockets, pool.name)
                 plan = dataclasses.replace(plan, listen_fds=tuple(fds))
                 plan.env.update(env_for(fds, names))
-            if pool.executor is not None:  # the listener of this run (a stored spec may name an older one)
+            if pool.is_executor:  # the listener of this run (a stored spec may name an older one)
                 plan.env[TASK_SOCKET_ENV] = table.tasks.address
             if pool.policy.ready == "notify":
                 req.notify = self.supervisor.readiness.notify_socket(rep)

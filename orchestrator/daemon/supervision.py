@@ -1,12 +1,13 @@
 """Keeping pools alive: what each pool should hold and keeping it so. The restart policy,
 crash loops, rolling restarts, pools declared by the config file, and the commands that
-shape pools (launch, scale, restart, delete, signal); readiness and liveness are
+shape pools (launch, scale, terminate, restart, delete, signal); readiness and liveness are
 readiness.py's, the order of pools ordering.py's (both held here: ``readiness``, ``order``).
 
 The daemon's loop thread runs it, beside the engine (engine.py) and apart from it: the
 engine owns the replica table and the processes (forks, exits, signals, transitions, one
 commit per turn); the ``Supervisor`` decides, and acts on the table only through ``Table``
-below. The engine tells it what happened through its hooks: ``ended_on_its_own``,
+below. It alone decides what a pool runs, its size and its restart state, each through a
+method of the Pool (pools.py), which is the one writer of its fields. The engine tells it what happened through its hooks: ``ended_on_its_own``,
 ``stopped`` (ended after a stop was asked), ``settle``; spawning.py reports a
 ``bad_template``.
 
@@ -39,7 +40,7 @@ from .rollout import Rollout
 from .sockets import Listeners
 
 log = logging.getLogger("orchestrator")
-Reply = Callable[[dict], None]
+Reply = Callable[[dict[str, Any]], None]
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)
 _NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
 
@@ -65,12 +66,12 @@ class Table(Protocol):
     def replica(self, rid: str) -> Replica | None: ...
     def lookup(self, rid: str) -> Replica | None: ...  # UnknownReplica; None: ended long ago
     def proc_of(self, rep: Replica) -> Proc | None: ...
-    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None, grow: bool = True) -> list[str]: ...
-    def stop(self, rep: Replica, *, reason: str, lower_desired: bool = True) -> bool: ...
+    def launch(self, pool: Pool, count: int, *, slots: list[int] | None = None) -> list[str]: ...
+    def stop(self, rep: Replica, *, reason: str) -> bool: ...
     def signal(self, rep: Replica, sig: int) -> bool: ...
     def signal_and_arm(self, rep: Replica) -> None: ...
     def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None: ...
+    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None: ...
     def changed(self) -> None: ...
     def room_for(self, more: int) -> None: ...  # OrchestratorError: that would take the control plane's reserve
     def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
@@ -92,10 +93,10 @@ class Supervisor:
         self.readiness = Readiness(table, self, token)  # exec -> RUNNING, and liveness after
         self.order = Order(table, self._leaving)  # which pools start after which
 
-    def commands(self) -> dict[str, Callable[[dict, Reply, Any], Any]]:
+    def commands(self) -> dict[str, Callable[[dict[str, Any], Reply, Any], Any]]:
         """The commands it answers: op -> handler(args, reply, cmd_id)."""
         return {"launch": self._cmd_launch, "scale": self._cmd_scale, "restart": self._cmd_restart,
-                "delete": self._cmd_delete, "signal": self._cmd_signal}
+                "delete": self._cmd_delete, "signal": self._cmd_signal, "terminate": self._cmd_terminate}
 
     # -- hooks the engine calls ---------------------------------------------------------
 
@@ -132,11 +133,9 @@ class Supervisor:
             self._replace(rep, reason=renewed, backoff=False)
             return
         if self.table.closing or rep.slot is None or not pool.wants_replacement(failed) or pool.state == CRASHLOOP:
-            pool.desired -= 1
+            pool.lower()
             if failed and not self.table.closing and rep.slot is not None:
-                # the pools that start after this one wait, with this reason, until the
-                # slot is filled again or an operator acts
-                pool.failed[rep.slot] = f"{rep.id} {rep.state.value} ({rep.reason})"
+                pool.left_failed(rep.slot, f"{rep.id} {rep.state.value} ({rep.reason})")
             self.table.save_pool(pool)
             return
         self._replace(rep, reason=rep.reason or "ended", backoff=True)
@@ -149,8 +148,8 @@ class Supervisor:
         so a process per task does not wait for each exit."""
         pool = self._pool_of(rep)
         if now and rep.slot is not None and not self.table.closing and not pool.deleted:
-            self.table.launch(pool, 1, slots=[rep.slot], grow=False)
-            pool.slot_restarts[rep.slot] = pool.slot_restarts.get(rep.slot, 0) + 1
+            self.table.launch(pool, 1, slots=[rep.slot])
+            pool.count_restart(rep.slot)
             self.table.metrics.restarted(pool.name)
             return  # when it ends, the new one holds its slot: nothing more to do
         self._renewing[rep.id] = reason
@@ -173,8 +172,8 @@ class Supervisor:
         if pool is None:
             pool = Pool(name, runtime, pol)
             self.table.add_pool(pool)
-        pool.deleted, pool.runtime, pool.policy = False, runtime, pol
-        pool.clear()
+        else:
+            pool.reopen(runtime, pol)
         self._converge(pool, size)
         return pool, [r.id for r in pool.live.values()]
 
@@ -200,7 +199,7 @@ class Supervisor:
             check_templates(runtime, pol, size)
         return runtime, pol
 
-    def restore(self, pools: Iterable[dict], *, relaunch: bool = True) -> None:
+    def restore(self, pools: Iterable[dict[str, Any]], *, relaunch: bool = True) -> None:
         """Recreate pools from the store at start-up (their ids continue where they
         stopped) and, with ``relaunch``, bring each back to its desired size."""
         for row in pools:
@@ -219,33 +218,24 @@ class Supervisor:
                     self.table.listeners.open(policy.sockets)
             except InvalidSpec as err:
                 problem = f"{_NOT_RESTORED}{err}"
-            pool = Pool(row["name"], runtime, policy, desired=0, next_n=int(row["next_n"]))
-            pool.deleted = deleted
-            pool.declared = bool(extra.get("declared"))
-            pool.executor = extra.get("executor")
+            pool = Pool.restored(row["name"], runtime, policy, next_n=int(row["next_n"]), extra=extra)
             if extra.get("crashloop") and not str(extra["crashloop"]).startswith(_NOT_RESTORED):
                 pool.crashloop(extra["crashloop"])  # (one of an earlier restore is judged anew)
-            failed = extra.get("failed")
-            if isinstance(failed, dict):
-                pool.failed = {int(k): str(v) for k, v in failed.items() if isinstance(k, str) and k.isdigit()}
             self.table.add_pool(pool)
             if problem is not None:
                 # Kept as stored (its size too: a later start tries again, say once a
                 # missing executable is back) and shown as a crash loop with the reason;
                 # an operator scales, replaces or deletes it.
-                pool.runtime, pool.policy = None, Policy()
-                pool.unresolved = (wire, policy_wire if policy_wire is not None else {})
-                pool.desired = 0 if deleted else desired
+                pool.unresolvable(wire, policy_wire, 0 if deleted else desired, None if deleted else problem)
                 if not deleted:
-                    pool.crashloop(problem)
                     log.error("pool %s: %s", pool.name, problem)
             elif relaunch and runtime is not None and not deleted:
-                self.table.launch(pool, desired)
+                pool.grow(len(self.table.launch(pool, desired)))
             self.table.save_pool(pool)
 
     # -- commands -------------------------------------------------------------------
 
-    def _cmd_launch(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_launch(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         name = protocol.pool_name(args.get("pool"))
         replace = bool(args.get("replace"))
         count = protocol.count(args["count"], low=0 if replace else 1) if "count" in args else None
@@ -268,13 +258,12 @@ class Supervisor:
             runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy)
         self.table.room_for(1 if rolls or count is None else count)  # a rollout adds one at a time
         if pool is not None and pool.deleted:  # a deleted pool's name again: ids still continue
-            pool.deleted, pool.runtime, pool.policy = False, runtime, policy
-            pool.clear()
+            pool.reopen(runtime, policy)
         if pool is None:
             pool = Pool(name, runtime, policy)
             self.table.add_pool(pool)
         elif runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy:
-            pool.runtime, pool.policy = runtime, policy
+            pool.respec(runtime, policy)
             pool.clear()
             olds = sorted(pool.live.values(), key=lambda r: r.slot if r.slot is not None else -1)
             target = len(olds) if count is None else count
@@ -285,12 +274,29 @@ class Supervisor:
         if replace:
             pool.clear()
         ids = self.table.launch(pool, 1 if count is None else count)
+        pool.grow(len(ids))
         self.table.save_pool(pool)
         if timeout is not None:
             return self.table.wait_for(ids, "running", reply, cmd_id, timeout)
         return ids
 
-    def _cmd_scale(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_terminate(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        """Stop replicas; each pool's size follows them out (they are not replaced)."""
+        ids = protocol.replica_ids(args.get("ids"), "terminate", one_is_enough=True)
+        timeout = protocol.wait_timeout(args) if args.get("wait") else None
+        reps = [self.table.lookup(i) for i in ids]  # all or nothing: an unknown id changes nothing
+        stopped: list[str] = []
+        for rep in reps:
+            if rep is not None and self.table.stop(rep, reason="terminated"):
+                pool = self._pool_of(rep)
+                pool.lower()
+                self.table.save_pool(pool)
+                stopped.append(rep.id)
+        if timeout is not None:
+            return self.table.wait_for(tuple(ids), "ended", reply, cmd_id, timeout)
+        return stopped
+
+    def _cmd_scale(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         name = args.get("pool")
         n = protocol.count(args.get("n"), low=0, what="size")
         pool = self._known_pool(name)
@@ -301,11 +307,13 @@ class Supervisor:
             if pool is None:
                 gone = self.table.pool(protocol.pool_name(name))
                 if gone is not None and gone.deleted:  # a deleted pool's name again: ids still continue
-                    pool, gone.deleted, gone.policy = gone, False, Policy.from_wire(None)
+                    pool = gone
+                    pool.reopen(runtime, Policy.from_wire(None))
                 else:
                     pool = Pool(protocol.pool_name(name), runtime)
                     self.table.add_pool(pool)
-            pool.runtime = runtime
+            else:
+                pool.respec(runtime, pool.policy)
         elif pool is not None:
             check_templates(pool.runtime, pool.policy, n)
         if pool is None:
@@ -323,7 +331,7 @@ class Supervisor:
     def _live(self, pool: Pool) -> list[Replica]:
         return [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
 
-    def _cmd_restart(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_restart(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Replace replicas with new ones (new ids, same slots): a rolling restart."""
         timeout = protocol.wait_timeout(args)
         if args.get("pool") is not None:
@@ -333,7 +341,7 @@ class Supervisor:
                                   "launch --replace, or delete it")
             unavailable = protocol.count(args.get("max_unavailable", 1), what="max_unavailable")
             pool.clear()
-            self._cancel_replacements(pool)
+            pool.cancel_replacements()
             in_order = sorted((r for r in pool.live.values() if not self._leaving(r)),
                               key=lambda r: r.slot if r.slot is not None else -1)
             return self._start_rollout(pool, [r.id for r in in_order], unavailable, reply, cmd_id, timeout)
@@ -351,7 +359,7 @@ class Supervisor:
         (pool_name, olds), = by_pool.items()
         return self._start_rollout(self._pool(pool_name), olds, len(olds), reply, cmd_id, timeout)
 
-    def _cmd_delete(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_delete(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Terminate a pool's replicas and forget the pool (it does not come back on start).
         Refused while another pool starts after it: its dependents go first."""
         pool = self._pool(args.get("pool"))
@@ -361,17 +369,15 @@ class Supervisor:
                               f"{'that' if len(needed_by) == 1 else 'those'} first, or launch --replace without it")
         return self._delete(pool)
 
-    def _delete(self, pool: Pool, *, stop: bool = True) -> dict:
+    def _delete(self, pool: Pool, *, stop: bool = True) -> dict[str, Any]:
         """Forget ``pool``; ``stop``: its replicas are terminated now (else the caller does)."""
-        self._cancel_replacements(pool)
+        pool.delete()
         stopped = [r.id for r in list(pool.live.values()) if self.table.stop(r, reason="pool deleted")] if stop else []
-        pool.desired = 0
-        pool.deleted = True
         self.table.save_pool(pool)
         self.table.listeners.changed()  # closed if no other pool uses them
         return {"pool": pool.name, "terminated": stopped}
 
-    def _cmd_signal(self, args: dict, reply: Reply, cmd_id: Any) -> Any:
+    def _cmd_signal(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """Send a signal to replicas' process trees (e.g. HUP to make a worker reload)."""
         sig = signal_number(args.get("signal"), "signal")
         if args.get("pool") is not None:
@@ -399,7 +405,7 @@ class Supervisor:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int,
+    def declare(self, name: str, spec: dict[str, Any], policy: dict[str, Any], size: int,
                 prepared: tuple[Runtime, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
@@ -418,15 +424,15 @@ class Supervisor:
             if pool is None:
                 pool = Pool(name, runtime, pol)
                 self.table.add_pool(pool)
-            pool.deleted, pool.runtime, pool.policy = False, runtime, pol
-            pool.declared = True
-            pool.clear()
+            else:
+                pool.reopen(runtime, pol)
+            pool.mark_declared()
             self._converge(pool, size)
             return "added"
-        was_declared, pool.declared = pool.declared, True
+        was_declared = pool.mark_declared()
         changed = runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy
         if changed:
-            pool.runtime, pool.policy = runtime, pol
+            pool.respec(runtime, pol)
         stale = [r for r in pool.live.values()
                  if r.state in _LIVE and not self._leaving(r) and not self._runs_declared(pool, r)]
         rolling = [r for r in self._rollouts if r.pool is pool]
@@ -451,7 +457,7 @@ class Supervisor:
         # the slots emptied already are filled first, then the stale replicas are rolled
         olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
 
-        def logged(msg: dict) -> None:
+        def logged(msg: dict[str, Any]) -> None:
             if not msg.get("ok"):
                 log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
 
@@ -481,7 +487,7 @@ class Supervisor:
             keep = reps if slot is None else [] if slot in current else reps[:1]
             olds.extend(keep)
             for rep in reps[len(keep):]:
-                self.table.stop(rep, reason="superseded by a reload", lower_desired=False)
+                self.table.stop(rep, reason="superseded by a reload")
         return sorted(olds, key=lambda r: (r.slot if r.slot is not None else -1, r.n))
 
     def undeclare_missing(self, names: set[str]) -> list[str]:
@@ -510,7 +516,7 @@ class Supervisor:
                 if not pool.deleted:
                     continue  # launched again meanwhile: it is a new pool of that name
                 for rep in list(pool.live.values()):
-                    self.table.stop(rep, reason="pool deleted", lower_desired=False)
+                    self.table.stop(rep, reason="pool deleted")
             self._stop_in_order(layers[1:])
 
         self.when_ended(ids, next_layer, bound)
@@ -538,14 +544,14 @@ class Supervisor:
 
     def _start_rollout(self, pool: Pool, olds: list[str], width: int, reply: Reply, cmd_id: Any,
                        timeout: float, *, then_scale: int | None = None) -> Any:
-        def done(result: dict | None, error: str | None) -> None:
+        def done(result: dict[str, Any] | None, error: str | None) -> None:
             self._rollouts.remove(rollout)
             timer.cancel()
             alone = not pool.deleted and not any(r.pool is pool for r in self._rollouts)
             size = rollout.then_scale
             if size is not None and error is None:
                 if alone:  # a slot held twice by overlapping operations goes first
-                    pool.desired = size
+                    pool.scale_to(size)
                     self._trim_surplus(pool)
                 self._converge(pool, size)
                 result = {**(result or {}), "ids": [r.id for r in pool.live.values() if not self._leaving(r)]}
@@ -569,14 +575,14 @@ class Supervisor:
         return self.table.replica(rid)
 
     def launch_into(self, pool: Pool, slot: int | None) -> str:
-        (rid,) = self.table.launch(pool, 1, slots=[slot if slot is not None else pool.free_slots(1)[0]], grow=False)
+        (rid,) = self.table.launch(pool, 1, slots=[slot if slot is not None else pool.free_slots(1)[0]])
         self.table.save_pool(pool)
         return rid
 
     def stop_for_rollout(self, rid: str) -> None:
         rep = self.table.replica(rid)
         if rep is not None:
-            self.table.stop(rep, reason="restarted", lower_desired=False)
+            self.table.stop(rep, reason="restarted")
 
     def _trim_surplus(self, pool: Pool) -> None:
         """Stop what holds more than the pool's size once its rollouts are over: operations
@@ -593,7 +599,7 @@ class Supervisor:
         rest = sorted((r for r in live if r not in doubled),
                       key=lambda r: (r.slot if r.slot is not None else -1, r.n), reverse=True)
         for rep in (doubled + rest)[:extra]:
-            self.table.stop(rep, reason="over the pool's size", lower_desired=False)
+            self.table.stop(rep, reason="over the pool's size")
         pool.settle_state()
         self.table.save_pool(pool)
 
@@ -606,13 +612,13 @@ class Supervisor:
         held.sort(key=lambda h: (h[0], h[1]), reverse=True)
         for slot, _, rep in held[: max(0, len(held) - n)]:
             if rep is None:
-                pool.pending.pop(slot).cancel()
+                pool.cancel_replacement(slot)
             else:
-                self.table.stop(rep, reason="scaled down", lower_desired=False)
+                self.table.stop(rep, reason="scaled down")
         if len(held) < n:
-            self.table.launch(pool, n - len(held), grow=False)
+            self.table.launch(pool, n - len(held))
         pool.settle_state()
-        pool.desired = n
+        pool.scale_to(n)
         self.table.save_pool(pool)
 
     # -- a template that does not expand, and an upgrade ------------------------------
@@ -637,13 +643,13 @@ class Supervisor:
         """Its liveness probe failed (readiness.py): stopped, and replaced once it has ended."""
         log.warning("%s: liveness probe failed (%s); replacing it", rep.id, why)
         self._replacing.add(rep.id)
-        self.table.stop(rep, reason="liveness probe failed", lower_desired=False)
+        self.table.stop(rep, reason="liveness probe failed")
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """What an upgrade carries of the supervisor: the replicas stopping to be replaced."""
         return {"replacing": sorted(self._replacing), "renewing": dict(self._renewing)}
 
-    def take_over(self, carried: dict) -> None:
+    def take_over(self, carried: dict[str, Any]) -> None:
         self._replacing = set(carried.get("replacing", ()))
         self._renewing = dict(carried.get("renewing", {}))
 
@@ -666,13 +672,13 @@ class Supervisor:
         if backoff and not pool.admit_replacement(self.table.os.monotonic()):
             limit, window = pool.policy.max_restarts
             pool.crashloop(f"{limit} restarts within {window:g} s; last: {rep.id} {reason}")
-            pool.desired -= 1
+            pool.lower()
             self.table.save_pool(pool)
             log.error("pool %s: crash loop (%s); not replacing %s until an operator acts", pool.name, pool.reason, rep.id)
             journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
             metrics.crashloop(pool.name)
             return
-        pool.slot_restarts[slot] = pool.slot_restarts.get(slot, 0) + 1
+        pool.count_restart(slot)
         metrics.restarted(pool.name)
         delay = pool.next_delay(slot) if backoff else 0.0
         journal.event("restart", {"pool": pool.name, "replica": rep.id, "slot": slot, "delay": round(delay, 3),
@@ -684,24 +690,18 @@ class Supervisor:
         upgrade carried)."""
 
         def launch() -> None:
-            if pool.pending.pop(slot, None) is None or self.table.closing or pool.deleted:
+            if pool.take_scheduled(slot) is None or self.table.closing or pool.deleted:
                 return
-            pool.settle_state()
             if self._slot_taken(pool, slot):
                 return
-            self.table.launch(pool, 1, slots=[slot], grow=False)
+            self.table.launch(pool, 1, slots=[slot])
             self.table.save_pool(pool)
 
-        pool.pending[slot] = self.table.reactor.call_at(deadline, launch)
-        pool.settle_state()
+        pool.schedule(slot, self.table.reactor.call_at(deadline, launch))
         self.table.save_pool(pool)
 
     def _leaving(self, rep: Replica) -> bool:
         """Asked to stop for a replacement (it still runs, but no longer counts)."""
         return rep.id in self._replacing and rep.state is S.STOPPING and self.table.proc_of(rep) is not None
 
-    def _cancel_replacements(self, pool: Pool) -> None:
-        for timer in pool.pending.values():
-            timer.cancel()
-        pool.pending.clear()
-        pool.settle_state()
+

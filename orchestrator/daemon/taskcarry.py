@@ -22,7 +22,7 @@ from ..errors import InvalidSpec
 from ..states import TaskState as T
 from .pools import Pool
 from .reactor import BufferedWriter, Timer
-from .taskrecords import Doc, Task, Worker, as_bytes, as_text, parse_options
+from .taskrecords import Doc, ExecPool, Task, Worker, as_bytes, as_text, parse_options
 from .tasktable import Table, TaskTable, log
 
 
@@ -44,7 +44,7 @@ class TaskCarry:
         tasks = self.tasks
         numbers = store.task_numbers() if store is not None else {}
         for pool in pools:
-            ex = pool.executor
+            ex = pool.stored_executor
             if not ex or pool.deleted:
                 continue
             try:
@@ -57,7 +57,7 @@ class TaskCarry:
             next_n = max(int(ex.get("next_task") or 1), numbers.get(pool.name, 0) + 1)
             tasks.listen()
             xp = tasks.adopt(pool, options, init, next_n=next_n)
-            self._keep_about(pool, ex)
+            self._keep_about(pool, xp, ex)
             if store is None:
                 continue
             for row in store.tasks(pool=pool.name):
@@ -74,10 +74,10 @@ class TaskCarry:
                 else:
                     tasks.enqueue(task)
 
-    def _keep_about(self, pool: Pool, stored: Doc) -> None:
+    def _keep_about(self, pool: Pool, xp: ExecPool, stored: Doc) -> None:
         """What the pool's row said of its initializer (a joiner's conflict names it) stays."""
-        if stored.get("about") and pool.executor is not None:
-            pool.executor["about"] = stored["about"]
+        if stored.get("about"):
+            xp.about = str(stored["about"])
             self.table.save_pool(pool)
 
     # -- an upgrade (handover.py) ----------------------------------------------------------
@@ -141,13 +141,13 @@ class TaskCarry:
             tasks.take_listener(doc["address"], int(doc["listener"]))
         for carried in doc.get("pools", []):
             pool = self.table.pool(carried["name"])
-            ex = pool.executor if pool is not None else None
+            ex = pool.stored_executor if pool is not None else None
             if pool is None or not ex:
                 continue
-            tasks.adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
-                        next_n=int(carried["next_n"]), said=carried.get("said"),  # the next number: recorded
-                        ended={str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
-            self._keep_about(pool, ex)
+            adopted = tasks.adopt(pool, parse_options(ex.get("options")), base64.b64decode(ex.get("init") or ""),
+                                  next_n=int(carried["next_n"]), said=carried.get("said"),  # the next number: recorded
+                                  ended={str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
+            self._keep_about(pool, adopted, ex)
         for ss in doc.get("sessions", []):
             tasks.resume_session(ss["name"], int(ss["seq"]), ((int(seq), event) for seq, event in ss["events"]))
         now = self.table.os.monotonic()

@@ -94,8 +94,8 @@ class TaskCommands:
             pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
             if xp is None or xp.closing:
                 xp = self.tasks.adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
-                if about and pool.executor is not None:
-                    pool.executor["about"] = str(about)[:200]  # named in a joiner's conflict
+                if about:
+                    xp.about = str(about)[:200]  # named in a joiner's conflict
                     self.table.save_pool(pool)
         fresh = False
         session = args.get("session")
@@ -115,7 +115,7 @@ class TaskCommands:
                for key in ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max")
                if xp.options.get(key) != options.get(key)]
         if xp.init != init:
-            runs = (pool.executor or {}).get("about") or ("another initializer" if xp.init else "none")
+            runs = xp.about or ("another initializer" if xp.init else "none")
             out.append(f"initializer={runs}, not {about or 'another one' if init else 'none'}")
         wire = pool.runtime.wire if pool.runtime is not None else {}
         have_env, want_env = dict(wire.get("env") or {}), dict(spec.get("env") or {})
@@ -156,9 +156,7 @@ class TaskCommands:
             self.tasks.adopt(pool, options, b"", next_n=xp.next_n if xp is not None else 1)
         elif xp.options != options:
             self.tasks.set_options(xp, options)
-            if pool.executor is not None:
-                pool.executor["options"] = options
-            self.table.save_pool(pool)
+            self.table.save_pool(pool)  # the row stores xp's options
             what = "changed" if what == "unchanged" else what
         return what
 

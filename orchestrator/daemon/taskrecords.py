@@ -100,6 +100,9 @@ class Worker:
 
 @dataclass(eq=False)
 class ExecPool:
+    """An executor pool's record in the task table, and the one home of its options and
+    initializer: its pool's row stores them (``stored``, pools.ExecutorRow)."""
+
     name: str
     options: Doc
     init: bytes
@@ -116,6 +119,15 @@ class ExecPool:
     closing: bool = False
     on_quiet: Callable[[], None] | None = None  # closing: called once no worker is busy
     ended: collections.Counter[str] = field(default_factory=collections.Counter)  # state -> tasks ended since the start
+    about: str | None = None  # what its initializer is, as its first session named it (a joiner's conflict says)
+
+    def stored(self) -> dict[str, Any]:
+        """Its part of the pool's row: options, initializer, the next task number recorded."""
+        row: dict[str, Any] = {"options": self.options, "init": base64.b64encode(self.init).decode("ascii"),
+                               "next_task": self.reserved}
+        if self.about:
+            row["about"] = self.about
+        return row
 
     @property
     def max_tasks(self) -> int:

@@ -403,7 +403,7 @@ class TaskTable:
         across an upgrade: ``said`` and ``ended`` as the image before had them)."""
         xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0, said=said)
         xp.ended.update(ended or {})
-        pool.executor = {"options": options, "init": base64.b64encode(init).decode("ascii")}
+        pool.make_executor(xp)
         self._reserve(xp, pool)
         self._watch_memory(xp)
         return xp
@@ -415,10 +415,9 @@ class TaskTable:
         if xp.next_n == xp.reserved:
             return
         pool = pool or self.table.pool(xp.name)
-        if pool is None or pool.executor is None:
+        if pool is None or pool.executor is not xp:
             return
-        xp.reserved = xp.next_n
-        pool.executor["next_task"] = xp.reserved
+        xp.reserved = xp.next_n  # in the pool's row: ExecPool.stored()
         self.table.save_pool(pool)
 
     def prepare(self, spec: Doc, policy: Doc, options: Doc) -> tuple[Doc, Doc]:
