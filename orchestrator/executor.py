@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from . import taskwire as w
 from .errors import (
-    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
-    UnknownReplica, WorkerLost,
+    ChannelError, DaemonNotRunning, InvalidSpec, NotFound, OrchestratorError, ShuttingDown, TaskInterrupted,
+    TaskTimeoutError, WorkerLost,
 )
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
 from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
@@ -309,7 +309,7 @@ class Executor(futures_base.Executor):
                 # outlives its clients (until `delete`): only this session ends.
                 self._backend.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": cancel,
                                                       "delete": remote is None}, timeout=None, retry=False)
-            except (ShuttingDown, ChannelError, DaemonNotRunning, UnknownReplica):
+            except (ShuttingDown, ChannelError, DaemonNotRunning, NotFound):  # its pool or session is gone already
                 pass
             finally:
                 self._stopping = True

@@ -59,12 +59,12 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import (
-    AWAY, ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
+    AWAY, ChannelError, DaemonNotRunning, FrameTooLarge, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
 )
 from ..paths import (
     AUTHKEY_NAME, SOCKET_NAME, Paths, check_file, check_state_dir, read_private, running_pid, user_name,
 )
-from ..protocol import FrameTooLarge, command, encode_frame, raise_reply
+from ..protocol import command, encode_frame, raise_reply
 from ..verbs import Verbs
 
 SERIALIZER = "orchestrator"
@@ -355,7 +355,7 @@ class Client(Verbs):
     def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> Any:
         """A handle on task ``task_id`` (``<pool>/<n>``, as ``fut.task_id`` and ``submit``
         give it) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
-        ``future()``, ``info()``. UnknownReplica if the daemon has no such task. Its calls
+        ``future()``, ``info()``. UnknownTask if the daemon has no such task. Its calls
         wait through a restart of the daemon for up to ``reconnect_timeout`` seconds."""
         from .taskhandle import TaskHandle
 
@@ -459,8 +459,8 @@ class Client(Verbs):
         cmd = command(op, args, uuid.uuid4().hex)
         try:  # what the manager server could only refuse is refused here, before it is sent
             encode_frame(cmd, f"the {op} command")
-        except FrameTooLarge as err:
-            raise InvalidSpec(str(err)) from None
+        except FrameTooLarge:  # an InvalidSpec, as the manager server's refusal would be
+            raise
         except (TypeError, ValueError):
             pass  # not plain data, or NaN: the manager server answers that, with its words
         try:

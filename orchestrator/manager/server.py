@@ -34,7 +34,8 @@ from multiprocess import connection, process, util
 from ..client.channel import SERIALIZER, read_authkey, set_timeouts, socket_address
 from ..errors import OrchestratorError
 from ..paths import Paths, check_state_dir
-from ..protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
+from ..errors import FrameTooLarge
+from ..protocol import FrameReader, encode_frame, error, is_plain
 from ..spawn.childsetup import set_pdeathsig
 from .channelserver import ChannelManager, use_plain_pickling
 
@@ -93,7 +94,7 @@ def _forward(commands: queue.Queue, board: ReplyBoard, cmd_fd: int) -> None:
         try:
             frame = encode_frame(cmd, "the command")
         except FrameTooLarge as err:  # the daemon could only drop it: say so now
-            board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": str(err)})
+            board.post(error(cmd_id, err))  # its own code: the client raises a FrameTooLarge
             continue
         except ValueError as err:  # NaN and friends
             board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": f"malformed command: {err}"})
