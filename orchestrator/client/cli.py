@@ -197,7 +197,7 @@ _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_se
                  "probe_timeout", "sockets")
 
 
-def _policy(args: argparse.Namespace) -> dict:
+def _policy(args: argparse.Namespace) -> dict[str, Any]:
     from ..policy import Policy, parse_pair
 
     wire: dict[str, Any] = {k: getattr(args, k) for k in _POLICY_FLAGS if getattr(args, k) is not None}
@@ -446,7 +446,7 @@ def _watch(args: argparse.Namespace, paths: Any) -> int:
     return redraw(args.interval, frame)
 
 
-def _health_line(paths: Any, data: dict) -> str:
+def _health_line(paths: Any, data: dict[str, Any]) -> str:
     if not data["daemon"]["running"]:
         return "health: daemon not running"
     from .display import format_health
@@ -459,7 +459,7 @@ def _health_line(paths: Any, data: dict) -> str:
     return "health: " + format_health(bool(info.get("healthy")), info)
 
 
-def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
+def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict[str, Any]]:
     from ..paths import running_pid
     from .display import stored_status
 
