@@ -7,7 +7,7 @@
 
 Where the parts are: this module is the submitting side (futures, pickling, one thread
 that turns what the loop reports into future states); the control loop keeps the queue and
-hands each task to a worker (daemon/tasks.py): an embedded ``Orchestrator`` with its
+hands each task to a worker (daemon/tasktable.py): an embedded ``Orchestrator`` with its
 watchdog (``_Embedded``), or a running daemon reached over its channel (``Remote``, with
 ``state_dir``); each worker is a replica running ``orchestrator.taskworker``. Tasks and
 results cross as pickled bytes that only this side and the worker load.

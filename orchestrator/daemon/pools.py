@@ -56,7 +56,7 @@ class Pool:
     # resolve): written back as they were, so that a later start can try them again.
     unresolved: tuple[Any, Any] | None = None
     slot_restarts: dict[int, int] = field(default_factory=dict)
-    # An executor pool's options (daemon/tasks.py): stored with the pool, so that a restart
+    # An executor pool's options (daemon/taskrecords.py checks them): stored with the pool, so that a restart
     # makes it an executor pool again with its unfinished tasks.
     executor: dict | None = None
     # slot -> how its last replica failed, when it was not replaced: a dependency that failed
