@@ -78,7 +78,7 @@ class Executor(futures_base.Executor):
     exact, the kernel never lets the tree pass it. Elsewhere it is a poll of the tree's
     resident memory, every 20 ms while a task runs (every second while the pool is idle):
     an allocation faster than that passes the limit by up to its rate x 20 ms before the
-    kill (measured: up to 53 MiB past it at ~2 GiB/s), and pages the tree's processes
+    kill (measured: benchmarks/README.md), and pages the tree's processes
     share count once for each.
     Either way the worker is killed with its tree and its task fails with
     ``WorkerLost("memory limit N MiB exceeded")``. ``env``, ``cwd``: the workers'

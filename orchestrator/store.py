@@ -85,7 +85,7 @@ file system when a large part of the file is free. ``wal_autocheckpoint`` and
 ``journal_size_limit`` keep the -wal file at about 1 MB as long as no reader keeps a read
 transaction open forever (readers here always fetch everything and end their statement).
 At the default limits (20,000 events, 5,000 ended replicas, 7 days) the database settles at
-~2.4 MB plus ~1 MB of -wal; see benchmarks/bench_store.py.
+a size that benchmarks/bench_store.py measures (figures in benchmarks/README.md).
 """
 
 from __future__ import annotations

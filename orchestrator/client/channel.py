@@ -14,8 +14,8 @@ Why the Manager server is a process of its own, not threads in the daemon: the d
 stay single-threaded so that it can fork workers safely and fast (see osapi.py), and a
 Manager queue cannot be selected on, so whoever consumes it needs a blocked thread. Those
 threads live in the Manager server; the daemon sees two pipes in its epoll set. Cost: one
-extra pipe hop each way, ~30 µs against a ~0.5 ms Manager round trip
-(benchmarks/bench_channel.py).
+extra pipe hop each way, small beside the Manager's own round trip
+(benchmarks/bench_channel.py; figures in benchmarks/README.md).
 
 Commands and replies are plain data (dict, list, str, int, float, bool, None): the Manager
 server unpickles whatever a client sends, so nothing user-defined is ever in a command;
