@@ -10,7 +10,10 @@ A reply answers one command, by its id::
     {"id": ..., "ok": true, "result": ...}
     {"id": ..., "ok": false, "code": "<error code>", "error": "<one line>"}
 
-Error codes map to the typed errors of ``errors.py`` (``raise_reply``). Between the
+and, where the error has them, ``"data"`` (what a failed command still has to say) and
+``"fields"`` (its ``wire_fields``: ``{"reason": ..., "task": ...}`` of a WorkerLost). Error
+codes map to the typed errors of ``errors.py``, one table both ways (``error`` builds the
+reply, ``raise_reply`` raises the same class again). Between the
 manager server and the daemon, commands and replies travel as length-prefixed JSON frames
 (``encode_frame``/``FrameReader``): JSON cannot carry code, and NaN is refused on the way in.
 
