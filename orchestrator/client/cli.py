@@ -488,12 +488,13 @@ def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
         raise UsageError("give either --target MODULE:FUNCTION or -- CMD ARG..., not both")
     if not args.target and not cmd:
         raise UsageError("nothing to run: give -- CMD ARG... or --target MODULE:FUNCTION")
-    env = _env_file(args.env_file) if args.env_file else {}
-    for item in args.env:
+    given: dict[str, str] = {}
+    for item in args.env:  # checked first: a usage error is told before any file is read
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--env takes KEY=VALUE, got {item!r}")
-        env[key] = value
+        given[key] = value
+    env = {**(_env_file(args.env_file) if args.env_file else {}), **given}  # --env wins over the file
     policy = _policy(args)
     with _client(paths) as client:
         try:
