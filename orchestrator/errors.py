@@ -274,8 +274,9 @@ def from_wire(msg: Mapping[str, Any]) -> OrchestratorError:
             err.code = code  # kept on the instance: the caller still sees what the peer said
     else:
         given = msg.get("fields")
-        fields = {name: given[name] for name in cls.wire_fields
-                  if isinstance(given, dict) and isinstance(given.get(name), _PLAIN)}
+        given = given if isinstance(given, dict) else {}
+        # a field that is None was left out by to_wire: the class's default stands
+        fields = {name: given[name] for name in cls.wire_fields if name in given and isinstance(given[name], _PLAIN)}
         err = cls(text, **fields)
     err.data = msg.get("data")
     return err

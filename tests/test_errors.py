@@ -66,6 +66,10 @@ def test_the_fields_that_cross() -> None:
         raise_reply(json.loads(json.dumps(error(1, config))))
     assert (info.value.source, info.value.line, info.value.key, info.value.problem) == (
         "/etc/o.toml", 3, "pools.web.restart", "must be one of always")
+    bare = ConfigError.at("/etc/o.toml", None, "after", "a cycle")  # no line: a field left out, not sent as None
+    with pytest.raises(ConfigError) as bare_info:
+        raise_reply(json.loads(json.dumps(error(1, bare))))
+    assert (bare_info.value.line, bare_info.value.key, str(bare_info.value)) == (None, "after", str(bare))
     lost = WorkerLost("task jobs/3: its worker was lost: killed by SIGKILL", reason="killed by SIGKILL", task="jobs/3")
     with pytest.raises(WorkerLost) as lost_info:
         raise_reply(json.loads(json.dumps(error(1, lost))))
