@@ -25,7 +25,11 @@ _HOMES = {
     "IllegalTransition": "states",
     "OrchestratorError": "errors",
     "InvalidSpec": "errors",
+    "NotFound": "errors",
     "UnknownReplica": "errors",
+    "UnknownPool": "errors",
+    "UnknownTask": "errors",
+    "UnknownSession": "errors",
     "ShuttingDown": "errors",
     "DaemonNotRunning": "errors",
     "ChannelError": "errors",
@@ -33,6 +37,9 @@ _HOMES = {
     "UnsafeFile": "errors",
     "ConfigError": "errors",
     "StoreError": "errors",
+    "FrameTooLarge": "errors",
+    "WaitTimeout": "errors",
+    "InternalError": "errors",
     "SpawnerLost": "errors",
     "ShutdownRequested": "errors",
     "Terminated": "worker",
@@ -42,6 +49,7 @@ _HOMES = {
     "WorkerLost": "errors",
     "TaskInterrupted": "errors",
     "TaskTimeoutError": "errors",
+    "RemoteTraceback": "taskfutures",
     "TaskState": "states",
 }
 
@@ -64,12 +72,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .daemon.embedded import Orchestrator
     from .errors import (
-        ChannelError, ConfigError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShutdownRequested,
-        ShuttingDown, SpawnerLost, StoreError, TaskInterrupted, TaskTimeoutError, UnknownReplica, UnsafeFile,
-        UnsafeStateDir, WorkerLost,
+        ChannelError, ConfigError, DaemonNotRunning, FrameTooLarge, InternalError, InvalidSpec, NotFound,
+        OrchestratorError, ShutdownRequested, ShuttingDown, SpawnerLost, StoreError, TaskInterrupted,
+        TaskTimeoutError, UnknownPool, UnknownReplica, UnknownSession, UnknownTask, UnsafeFile, UnsafeStateDir,
+        WaitTimeout, WorkerLost,
     )
     from .executor import Client, Executor
     from .spec import WorkerSpec
     from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState, TaskState
+    from .taskfutures import RemoteTraceback
     from .version import __version__
     from .worker import Cancelled, TaskTimeout, Terminated

@@ -1,12 +1,18 @@
 """Typed errors. Each says what happened in one line; the CLI prints ``str(err)``.
 
 Shared by every process (the CLI and clients, the daemon, the spawner): this module
-imports nothing. The public ones are exported by ``orchestrator`` (see its ``__all__``).
+imports nothing of the package. The public ones are exported by ``orchestrator`` (see its
+``__all__``).
+
+Each ``OrchestratorError`` class has a ``code`` of its own: an error reply carries it across
+the command channel, and ``ERROR_TYPES`` (code -> class, one table) turns it back into the
+same class on the other side, with the same message, ``data`` and ``wire_fields``
+(``to_wire`` / ``from_wire``, used by ``protocol.error`` and ``protocol.raise_reply``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 
 class OrchestratorError(Exception):
@@ -15,6 +21,9 @@ class OrchestratorError(Exception):
 
     code = "error"
     data: object = None
+    # keyword arguments of the class's __init__, kept as attributes, that cross the command
+    # channel beside the message (plain values only: str, int, float, bool, None)
+    wire_fields: ClassVar[tuple[str, ...]] = ()
 
 
 class InvalidSpec(OrchestratorError, ValueError):
@@ -23,13 +32,33 @@ class InvalidSpec(OrchestratorError, ValueError):
     code = "invalid"
 
 
-class UnknownReplica(OrchestratorError, KeyError):
+class NotFound(OrchestratorError, KeyError):
+    """A lookup that missed: a replica, pool, task, executor session or log file that is not
+    there. A ``KeyError`` too, whose ``str()`` is the plain message (KeyError's own would be
+    its repr, quotes and all)."""
+
+    code = "not_found"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class UnknownReplica(NotFound):
     """A replica id this daemon has never had."""
 
     code = "unknown_replica"
 
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else "unknown replica"
+
+class UnknownPool(NotFound):
+    """A pool this daemon does not have (never made, or deleted), an executor pool too."""
+
+    code = "unknown_pool"
+
+
+class UnknownTask(NotFound):
+    """A task id this daemon never handed out, or whose record was pruned long ago."""
+
+    code = "unknown_task"
 
 
 class ShuttingDown(OrchestratorError):
@@ -61,14 +90,25 @@ class UnsafeFile(InvalidSpec):
     """A file read on an operator's behalf that is not a regular file of the reader (or
     root) that nobody else can write, or that is too large: refused before it is read."""
 
+    code = "unsafe_file"
+
+
+class FrameTooLarge(InvalidSpec):
+    """A command or reply whose frame on the command channel would exceed its limit (64
+    MiB of JSON): its sender refuses it with this error instead of sending it (the reader
+    could only drop it, and its caller would wait)."""
+
+    code = "frame_too_large"
+
 
 class ConfigError(OrchestratorError):
     """An invalid config file, in one line: ``FILE:LINE: KEY: what is wrong``.
 
-    ``code`` is ``invalid``: refused by the daemon (``reload``), it reaches the client as an
-    InvalidSpec with the same line, and the CLI exits 1."""
+    Refused by the daemon (``reload``), it reaches the client as a ConfigError with the same
+    line, ``source``, ``line``, ``key`` and ``problem``; the CLI exits 1."""
 
-    code = "invalid"
+    code = "config"
+    wire_fields = ("source", "line", "key", "problem")
 
     def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
                  key: str | None = None, problem: str | None = None) -> None:
@@ -88,9 +128,34 @@ class StoreError(OrchestratorError):
     code = "store"
 
 
+class WaitTimeout(OrchestratorError):
+    """A command's wait (``launch --wait``, ``terminate --wait``, ``wait``) ran out before
+    the replicas got there. ``data``: ``{"ids": [...], "late": [...]}``, what the command
+    made or waited on and which of them were late."""
+
+    code = "timeout"
+
+
+class InternalError(OrchestratorError):
+    """A bug in the daemon, met while it handled a command: that command's error (the loop
+    goes on, and the daemon's log has the traceback)."""
+
+    code = "internal"
+
+
+class UsageError(OrchestratorError):
+    """A command line that cannot be right whatever the daemon holds (two things where one
+    is wanted, none where one is needed, a malformed ``--env``), found after argparse: the
+    CLI prints it as argparse does its own, in one line, and exits 2."""
+
+    code = "usage"
+
+
 class _TaskEnd(OrchestratorError):
     """A task of an ``Executor`` that ended without a result of its own: ``reason`` says
     why, ``task`` is its id."""
+
+    wire_fields = ("reason", "task")
 
     def __init__(self, message: str, *, reason: str = "", task: str | None = None) -> None:
         super().__init__(message)
@@ -129,7 +194,7 @@ class TaskInterrupted(_TaskEnd):
     code = "task_interrupted"
 
 
-class UnknownSession(UnknownReplica):
+class UnknownSession(NotFound):
     """A command names an executor session the daemon does not have (it restarted, or the
     session was idle too long): the client registers it again (``Executor`` does that by
     itself) and its tasks are attached to it by their ids."""
@@ -172,6 +237,46 @@ AWAY: tuple[type[OrchestratorError], ...] = (ChannelError, DaemonNotRunning, Shu
 
 ERROR_TYPES: dict[str, type[OrchestratorError]] = {
     cls.code: cls
-    for cls in (OrchestratorError, InvalidSpec, UnknownReplica, ShuttingDown, DaemonNotRunning, ChannelError,
-                UnknownSession)
+    for cls in (OrchestratorError, InvalidSpec, NotFound, UnknownReplica, UnknownPool, UnknownTask, UnknownSession,
+                ShuttingDown, DaemonNotRunning, ChannelError, UnsafeStateDir, UnsafeFile, FrameTooLarge, ConfigError,
+                StoreError, WaitTimeout, InternalError, UsageError, WorkerLost, TaskInterrupted)
 }
+"""Every error code and its class, one table: what an error reply's ``code`` becomes again
+on the other side of the command channel (``from_wire``). A code no class has (a newer
+daemon's) is an OrchestratorError that keeps that ``code``."""
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def to_wire(err: OrchestratorError) -> dict[str, Any]:
+    """The error part of an error reply: ``code``, ``error`` (the one line), and, where the
+    error has them, ``data`` and ``fields`` (its ``wire_fields`` that are set)."""
+    out: dict[str, Any] = {"code": err.code, "error": str(err)}
+    fields = {name: getattr(err, name, None) for name in err.wire_fields}
+    fields = {name: value for name, value in fields.items() if value is not None and isinstance(value, _PLAIN)}
+    if fields:
+        out["fields"] = fields
+    if err.data is not None:
+        out["data"] = err.data
+    return out
+
+
+def from_wire(msg: Mapping[str, Any]) -> OrchestratorError:
+    """The typed error an error reply carries (``to_wire``'s inverse). What a peer sends
+    that this class does not take (an unknown field, a value that is not plain) is left out."""
+    code = msg.get("code")
+    message = msg.get("error")
+    text = message if isinstance(message, str) else "unknown error"
+    cls = ERROR_TYPES.get(code) if isinstance(code, str) else None
+    if cls is None:
+        err = OrchestratorError(text)
+        if isinstance(code, str) and code:
+            err.code = code  # kept on the instance: the caller still sees what the peer said
+    else:
+        given = msg.get("fields")
+        given = given if isinstance(given, dict) else {}
+        # a field that is None was left out by to_wire: the class's default stands
+        fields = {name: given[name] for name in cls.wire_fields if name in given and isinstance(given[name], _PLAIN)}
+        err = cls(text, **fields)
+    err.data = msg.get("data")
+    return err

@@ -7,7 +7,7 @@
 
 Where the parts are: this module is the submitting side (futures, pickling, one thread
 that turns what the loop reports into future states); the control loop keeps the queue and
-hands each task to a worker (daemon/tasks.py): an embedded ``Orchestrator`` with its
+hands each task to a worker (daemon/tasktable.py): an embedded ``Orchestrator`` with its
 watchdog (``_Embedded``), or a running daemon reached over its channel (``Remote``, with
 ``state_dir``); each worker is a replica running ``orchestrator.taskworker``. Tasks and
 results cross as pickled bytes that only this side and the worker load.
@@ -50,8 +50,8 @@ from typing import Any, Callable, Iterator, Sequence
 from . import taskwire as w
 from .client import channel
 from .errors import (
-    ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, TaskInterrupted, TaskTimeoutError,
-    UnknownReplica, WorkerLost,
+    ChannelError, DaemonNotRunning, InvalidSpec, NotFound, OrchestratorError, ShuttingDown, TaskInterrupted,
+    TaskTimeoutError, WorkerLost,
 )
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
 from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
@@ -85,7 +85,7 @@ class Executor(futures_base.Executor):
     exact, the kernel never lets the tree pass it. Elsewhere it is a poll of the tree's
     resident memory, every 20 ms while a task runs (every second while the pool is idle):
     an allocation faster than that passes the limit by up to its rate x 20 ms before the
-    kill (measured: up to 53 MiB past it at ~2 GiB/s), and pages the tree's processes
+    kill (measured: benchmarks/README.md), and pages the tree's processes
     share count once for each.
     Either way the worker is killed with its tree and its task fails with
     ``WorkerLost("memory limit N MiB exceeded")``. ``env``, ``cwd``: the workers'
@@ -316,7 +316,7 @@ class Executor(futures_base.Executor):
                 # outlives its clients (until `delete`): only this session ends.
                 self._backend.call("executor_close", {"pool": self._pool, "session": self._session, "cancel": cancel,
                                                       "delete": remote is None}, timeout=None, retry=False)
-            except (ShuttingDown, ChannelError, DaemonNotRunning, UnknownReplica):
+            except (ShuttingDown, ChannelError, DaemonNotRunning, NotFound):  # its pool or session is gone already
                 pass
             finally:
                 self._stopping = True

@@ -10,7 +10,10 @@ A reply answers one command, by its id::
     {"id": ..., "ok": true, "result": ...}
     {"id": ..., "ok": false, "code": "<error code>", "error": "<one line>"}
 
-Error codes map to the typed errors of ``errors.py`` (``raise_reply``). Between the
+and, where the error has them, ``"data"`` (what a failed command still has to say) and
+``"fields"`` (its ``wire_fields``: ``{"reason": ..., "task": ...}`` of a WorkerLost). Error
+codes map to the typed errors of ``errors.py``, one table both ways (``error`` builds the
+reply, ``raise_reply`` raises the same class again). Between the
 manager server and the daemon, commands and replies travel as length-prefixed JSON frames
 (``encode_frame``/``FrameReader``): JSON cannot carry code, and NaN is refused on the way in.
 
@@ -26,7 +29,7 @@ import re
 import struct
 from typing import Any
 
-from .errors import ERROR_TYPES, InvalidSpec, OrchestratorError
+from .errors import FrameTooLarge, InvalidSpec, OrchestratorError, from_wire, to_wire
 
 MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
 DEFAULT_WAIT = 3600.0  # a wait without a time-out is still bounded
@@ -55,24 +58,24 @@ def ok(cmd_id: Any, result: Any) -> dict:
 
 
 def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> dict:
-    """An error reply; ``data`` is what the caller may still want (the ids a launch made)."""
-    if isinstance(err, OrchestratorError):
-        msg = {"id": cmd_id, "ok": False, "code": code or err.code, "error": str(err)}
-    else:
-        msg = {"id": cmd_id, "ok": False, "code": code or OrchestratorError.code, "error": err}
+    """An error reply; ``data`` is what the caller may still want (the ids a launch made).
+    A typed error keeps its code, data and fields (``errors.to_wire``); a bare line is an
+    OrchestratorError's, or ``code``'s."""
+    if isinstance(err, str):
+        err = OrchestratorError(err)
+    msg = {"id": cmd_id, "ok": False, **to_wire(err)}
+    if code is not None:
+        msg["code"] = code
     if data is not None:
         msg["data"] = data
     return msg
 
 
 def raise_reply(msg: dict) -> Any:
-    """The result of a reply, or the typed error it carries."""
+    """The result of a reply, or the typed error it carries (``errors.from_wire``)."""
     if msg.get("ok"):
         return msg.get("result")
-    cls = ERROR_TYPES.get(msg.get("code", ""), OrchestratorError)
-    err = cls(msg.get("error", "unknown error"))
-    err.data = msg.get("data")
-    raise err
+    raise from_wire(msg)
 
 
 # -- argument checks ----------------------------------------------------------------
@@ -139,13 +142,8 @@ def client_bound(timeout: float | None) -> float | None:
 # -- frames between the manager server and the daemon ---------------------------------
 
 
-class FrameTooLarge(ValueError):
-    """A message whose frame would exceed ``MAX_FRAME``: the sender answers it with an error
-    instead of sending it (the reader could only drop it, and its caller would wait)."""
-
-
 def encode_frame(msg: Any, what: str = "message") -> bytes:
-    """One frame; FrameTooLarge over ``MAX_FRAME``, ValueError for NaN and friends."""
+    """One frame; FrameTooLarge (errors.py) over ``MAX_FRAME``, ValueError for NaN and friends."""
     data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
     if len(data) > MAX_FRAME:
         raise FrameTooLarge(f"{what} is too large: {len(data) / (1 << 20):.1f} MiB as JSON, "

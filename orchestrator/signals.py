@@ -2,7 +2,7 @@
 a process group or a cgroup.
 
 Run by whichever process sends one: the daemon (and the embedded ``Orchestrator``'s loop)
-above all, the spawner process (a stalled or lost request's child), the CLI's ``stop``.
+above all, the spawner process (a stalled or lost request's child), the CLI's ``stop`` and ``demo``.
 So it imports nothing of ``orchestrator``, and ``watchdog`` (stdlib only itself) only inside
 the functions that need it: the CLI, which loads no ``watchdog`` module for its other
 commands, pays for none of it.

@@ -40,7 +40,7 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL) WITHOUT ROWID``
-    The tasks of executor pools (daemon/tasks.py): ``payload`` (the pickled call) is kept
+    The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart; ``result`` once
     it ended. Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
@@ -85,7 +85,7 @@ file system when a large part of the file is free. ``wal_autocheckpoint`` and
 ``journal_size_limit`` keep the -wal file at about 1 MB as long as no reader keeps a read
 transaction open forever (readers here always fetch everything and end their statement).
 At the default limits (20,000 events, 5,000 ended replicas, 7 days) the database settles at
-~2.4 MB plus ~1 MB of -wal; see benchmarks/bench_store.py.
+a size that benchmarks/bench_store.py measures (figures in benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from .errors import AWAY, ChannelError, OrchestratorError, ShuttingDown
+from .protocol import error
 
 FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
 BLOCK_MAX = 1024  # ...up to this
@@ -278,7 +279,7 @@ class Remote(Backend):
                     self.recover(seen, err)
                     request["resend"] = True
         except OrchestratorError as err:  # refused, or the daemon did not come back: each future's error
-            msg = {"ok": False, "error": str(err), "code": getattr(err, "code", "error")}
+            msg = error(None, err)  # the same error again at each future: its class, data and fields
             for _, on_reply in batch:
                 on_reply(msg)
         finally:

@@ -1,7 +1,7 @@
 """The wire between the control loop and an ``Executor``'s workers, and nothing else.
 
 Read by both ends: the task worker (taskworker.py, inside a replica) and the loop's task
-table (daemon/tasks.py). So it imports only the standard library, and no part of either.
+table (daemon/tasktable.py). So it imports only the standard library, and no part of either.
 
 One stream socket per worker, which the worker opens to the loop's listener (its address
 is ``$ORCHESTRATOR_TASK_SOCKET``; the loop accepts only a live replica of an executor pool,

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from helpers import DaemonUnderTest, cli, cli_env, manager_proxies, one_line_error, wait_for
-from orchestrator import Client, InvalidSpec
+from orchestrator import Client, FrameTooLarge
 from orchestrator.protocol import command
 
 pytestmark = pytest.mark.timeout(180)
@@ -246,13 +246,14 @@ BIG = 70 << 20  # over the 64 MiB frame limit
 def test_a_command_over_the_frame_limit_is_answered_at_once(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     pid = daemon.start()
     with Client(daemon.state_dir, timeout=60) as client:
-        with pytest.raises(InvalidSpec, match="too large"):  # refused before it is sent
+        with pytest.raises(FrameTooLarge, match="too large"):  # refused before it is sent (an InvalidSpec)
             client.launch("web", ["sleep", "1000"], env={"BIG": "x" * BIG})
         # A client that sends it anyway gets an error reply, not silence until its time-out.
         _, replies = manager_proxies(daemon.state_dir)
         reply = replies.call(command("launch", {"pool": "web", "spec": {
             "command": ["sleep", "1000"], "env": {"BIG": "x" * BIG}}}, "too-big"), 60)
         assert reply is not None and reply["ok"] is False and "too large" in reply["error"], reply
+        assert reply["code"] == FrameTooLarge.code, reply  # a client raises it as a FrameTooLarge
         assert client.ping() == "pong"
     env_file = tmp_path / "big.env"
     env_file.write_text("BIG=" + "x" * BIG + "\n")

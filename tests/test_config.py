@@ -298,7 +298,7 @@ def test_config_error_is_an_orchestrator_error_that_crosses_the_wire():
     with pytest.raises(ConfigError) as info:
         parse("[daemon]\nstop_budget = -1\n", "/etc/o.toml")
     err = info.value
-    assert isinstance(err, OrchestratorError) and err.code == "invalid"
+    assert isinstance(err, OrchestratorError) and err.code == "config"
     assert str(err) == "/etc/o.toml:2: daemon.stop_budget: must be more than 0, got -1"
     again = pickle.loads(pickle.dumps(err))
     assert str(again) == str(err)

@@ -111,7 +111,6 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
     cases = [
         (("terminate", "nope-1"), "unknown replica"),
         (("terminate", "web-1", "web-99"), "unknown replica"),
-        (("launch", "--pool", "web", "--"), "nothing to run"),
         (("launch", "--pool", "web", "--", ""), "empty command"),
         (("launch", "--pool", "web", "--", "no-such-command-xyz"), "command not found"),
         (("launch", "--pool", "web", "--target", "nocolon"), "MODULE:FUNCTION"),
@@ -120,6 +119,8 @@ def test_bad_input_gets_one_line_and_changes_nothing(daemon: DaemonUnderTest, tm
         (("scale", "nosuchpool", "3"), "unknown pool"),
         (("scale", "web", "-1"), "size must be an integer from 0"),
     ]
+    usage = cli(daemon.state_dir, "launch", "--pool", "web", "--")  # a usage error: 2, as argparse's own
+    assert usage.returncode == 2 and "nothing to run" in usage.stderr and len(usage.stderr.splitlines()) == 1
     for args, message in cases:
         proc = cli(daemon.state_dir, *args)
         assert proc.returncode == 1, (args, proc.stdout, proc.stderr)

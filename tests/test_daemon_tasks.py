@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
-from orchestrator import ChannelError, Client, InvalidSpec, UnknownReplica
+from orchestrator import ChannelError, Client, InvalidSpec, UnknownPool
 from orchestrator.taskwire import loads
 
 JOBS = textwrap.dedent("""
@@ -234,7 +234,7 @@ def test_a_second_client_joins_the_pool_or_is_refused(daemon: DaemonUnderTest, j
         finally:
             first.shutdown()
         assert cli(daemon.state_dir, "delete", "jobs").returncode == 0
-        with pytest.raises(UnknownReplica, match="unknown executor pool"):
+        with pytest.raises(UnknownPool, match="unknown executor pool"):
             client.call("task_submit", {"pool": "jobs", "target": "jobsmod:add", "args": [1, 2]})
 
 
@@ -256,7 +256,7 @@ def test_cancels_right_after_submit_through_the_daemon(daemon: DaemonUnderTest, 
         with client.executor("jobs2", max_workers=1) as ex2:
             assert cli(daemon.state_dir, "delete", "jobs2").returncode == 0
             refused = ex2.submit(jobsmod.add, 1, 2)
-            with pytest.raises(UnknownReplica, match="unknown executor pool"):
+            with pytest.raises(UnknownPool, match="unknown executor pool"):
                 refused.result(timeout=30)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import DaemonUnderTest, cli, wait_for
 from orchestrator import (
-    ChannelError, Client, Executor, InvalidSpec, OrchestratorError, TaskInterrupted, UnknownReplica, WorkerLost,
+    ChannelError, Client, Executor, InvalidSpec, OrchestratorError, TaskInterrupted, UnknownTask, WorkerLost,
 )
 
 JOBS = textwrap.dedent("""
@@ -278,7 +278,7 @@ def test_a_task_found_again_from_another_client(daemon: DaemonUnderTest, jobs: o
             wait_for(waiting.done, 10, "the handle's future to end")
             assert waiting.cancelled()
             assert far.cancel() is True and handle.cancel() is False  # as future.cancel(): ended is False
-            with pytest.raises(UnknownReplica) as unknown:
+            with pytest.raises(UnknownTask) as unknown:
                 other.task("jobs/100000")
             assert len(str(unknown.value).splitlines()) == 1
 

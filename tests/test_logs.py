@@ -30,7 +30,7 @@ import pytest
 from helpers import cli, cli_env, fd_count, wait_for
 from orchestrator.daemon import logcapture
 from orchestrator.client import logcli
-from orchestrator.errors import OrchestratorError, UnknownReplica
+from orchestrator.errors import NotFound, OrchestratorError, UsageError
 from orchestrator.daemon.logcapture import LogCapture
 from orchestrator.logfiles import log_paths, remove
 from orchestrator.client.logread import follow, pool_replicas, tail
@@ -718,12 +718,14 @@ def test_cmd_logs_errors_are_one_line(state: Paths, argv: list[str], message: st
         logcli.cmd_logs(_parse(argv), state)
     assert message in str(info.value) and "\n" not in str(info.value)
     if argv[1:2] == ["web-9"]:
-        assert isinstance(info.value, UnknownReplica)
+        assert isinstance(info.value, NotFound)  # a log file that is not there; the replica may run
+    if argv in (["logs"], ["logs", "web-2", "--pool", "web"]):
+        assert isinstance(info.value, UsageError)  # the CLI exits 2
     assert capsys.readouterr().out == ""
 
 
 def test_cmd_logs_with_no_logs_dir(tmp_path: Path) -> None:
-    with pytest.raises(UnknownReplica):
+    with pytest.raises(NotFound):
         logcli.cmd_logs(_parse(["logs", "web-1"]), Paths(tmp_path / "nothing"))
 
 

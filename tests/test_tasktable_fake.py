@@ -135,7 +135,7 @@ class FakeEngine:
         return self.replicas.get(rid)
 
     def save_pool(self, pool: Pool) -> None:
-        self.saved.append(dict(pool.executor or {}))
+        self.saved.append(pool.executor.stored() if pool.executor is not None else {})
 
     def proc_by_pid(self, pid: int) -> FakeProc | None:
         rep = self.connecting
@@ -543,7 +543,7 @@ def test_granted_numbers_are_recorded_before_the_reply_and_a_restore_continues_a
     # A new start: the pool's row says 61; the store's tasks say less (pruned) or more.
     for numbers, expect in (({}, 61), ({POOL: 70}, 71)):
         engine = FakeEngine()
-        pool = Pool(POOL, None, executor=dict(h.pool.executor or {}))
+        pool = Pool(POOL, None, stored_executor=h.pool.executor.stored() if h.pool.executor is not None else None)
         engine.pools[POOL] = pool
         table = TaskTable(engine)
         TaskCarry(table, engine).restore([pool], FakeStore([], numbers))
@@ -558,7 +558,7 @@ def test_granted_numbers_are_recorded_before_the_reply_and_a_restore_continues_a
 def test_a_restore_requeues_or_loses_what_ran_and_keeps_the_queue(make: Callable[..., Harness]) -> None:
     h = make()
     engine = FakeEngine()
-    pool = Pool(POOL, None, executor=dict(h.pool.executor or {}))
+    pool = Pool(POOL, None, stored_executor=h.pool.executor.stored() if h.pool.executor is not None else None)
     engine.pools[POOL] = pool
 
     def row(n: int, state: T, retries: int, attempts: int) -> Doc:
@@ -658,7 +658,7 @@ def hand_over(h: Harness, *, later: float = 0.0) -> tuple[FakeEngine, TaskTable]
     engine = FakeEngine()
     engine.now = h.engine.now + later  # one host, one monotonic clock
     engine.replicas, engine.procs = h.engine.replicas, h.engine.procs
-    engine.pools[POOL] = Pool(POOL, None, executor=dict(h.pool.executor or {}), live=dict(h.pool.live))
+    engine.pools[POOL] = Pool(POOL, None, stored_executor=h.pool.executor.stored() if h.pool.executor is not None else None, live=dict(h.pool.live))
     table = TaskTable(engine)
     TaskCarry(table, engine).take_over(doc)
     return engine, table

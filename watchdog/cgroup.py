@@ -21,8 +21,8 @@ the mount at a fixed place: hybrid hosts mount cgroup2 at ``/sys/fs/cgroup/unifi
 
 Waiting on ``cgroup.events`` (``events_fd``): the fd of the file itself, polled for
 POLLPRI/EPOLLPRI. Measured on this kernel (6.18) against inotify (IN_MODIFY on
-cgroup.events), both work under epoll and wake equally fast (median 0.25 ms, max 0.6 ms after
-``cgroup.kill``: both are fed by the same kernfs notification). The file's own poll wins
+cgroup.events), both work under epoll and wake equally fast after ``cgroup.kill`` (both are
+fed by the same kernfs notification). The file's own poll wins
 because inotify instances are capped per user (``fs.inotify.max_user_instances``: 128 here,
 shared with everything else the uid runs; the 129th ``inotify_init1`` failed with EMFILE),
 while a daemon holds one fd per replica, thousands of them; and it needs no ctypes. Its
@@ -101,7 +101,7 @@ def _parse_mount(mountinfo_text: str | None = None) -> tuple[str, str] | None:
 
 
 def read_mount() -> tuple[str, str] | None:
-    """``(root, mount point)`` of the cgroup2 mount, from /proc/self/mountinfo (~25 µs):
+    """``(root, mount point)`` of the cgroup2 mount, from /proc/self/mountinfo (one read):
     what ``signal_members`` takes, read once by a caller that signals often."""
     return _parse_mount()
 

@@ -14,8 +14,8 @@ Why the Manager server is a process of its own, not threads in the daemon: the d
 stay single-threaded so that it can fork workers safely and fast (see osapi.py), and a
 Manager queue cannot be selected on, so whoever consumes it needs a blocked thread. Those
 threads live in the Manager server; the daemon sees two pipes in its epoll set. Cost: one
-extra pipe hop each way, ~30 µs against a ~0.5 ms Manager round trip
-(benchmarks/bench_channel.py).
+extra pipe hop each way, small beside the Manager's own round trip
+(benchmarks/bench_channel.py; figures in benchmarks/README.md).
 
 Commands and replies are plain data (dict, list, str, int, float, bool, None): the Manager
 server unpickles whatever a client sends, so nothing user-defined is ever in a command;
@@ -43,10 +43,10 @@ from ..channelwire import (
     socket_address,
 )
 from ..errors import (
-    AWAY, ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
+    AWAY, ChannelError, DaemonNotRunning, FrameTooLarge, OrchestratorError, ShuttingDown, UnknownSession, UnsafeStateDir,
 )
 from ..paths import SOCKET_NAME, Paths, check_file, check_state_dir, running_pid
-from ..protocol import FrameTooLarge, command, encode_frame, raise_reply
+from ..protocol import command, encode_frame, raise_reply
 from ..verbs import Verbs
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class Client(Verbs):
     def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> TaskHandle:
         """A handle on task ``task_id`` (``<pool>/<n>``, as ``fut.task_id`` and ``submit``
         give it) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
-        ``future()``, ``info()``. UnknownReplica if the daemon has no such task. Its calls
+        ``future()``, ``info()``. UnknownTask if the daemon has no such task. Its calls
         wait through a restart of the daemon for up to ``reconnect_timeout`` seconds."""
         from .taskhandle import TaskHandle  # here, not above: a command that makes no handle need not load it
 
@@ -244,8 +244,8 @@ class Client(Verbs):
         cmd = command(op, args, uuid.uuid4().hex)
         try:  # what the manager server could only refuse is refused here, before it is sent
             encode_frame(cmd, f"the {op} command")
-        except FrameTooLarge as err:
-            raise InvalidSpec(str(err)) from None
+        except FrameTooLarge:  # an InvalidSpec, as the manager server's refusal would be
+            raise
         except (TypeError, ValueError):
             pass  # not plain data, or NaN: the manager server answers that, with its words
         try:

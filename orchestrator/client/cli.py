@@ -6,8 +6,10 @@ logcli's parser, taskcli's parsers). What one command needs is imported in that 
 (control.py spawns it, or daemon/main.py runs it in the foreground), ``status`` the channel
 and the table (display.py), ``logs`` its readers, so that ``--version``, ``status`` or ``health`` in a script or an exec probe start fast.
 
-Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 2 a usage error;
-3 the daemon is not running (for commands that need it, and for ``status``/``stop``).
+Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 2 a usage error,
+argparse's or one found after it (``UsageError``: two things where one is wanted, none where one is
+needed), one line either way; 3 the daemon is not running (for commands that need it, and for
+``status``/``stop``).
 ``--json`` output goes to stdout only.
 """
 
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from ..errors import DaemonNotRunning, OrchestratorError, UnknownReplica
+from ..errors import DaemonNotRunning, OrchestratorError, UnknownReplica, UsageError
 from ..paths import Paths, read_env_file
 from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from ..version import __version__
@@ -195,7 +197,7 @@ _POLICY_FLAGS = ("restart", "healthy_after", "ready", "ready_timeout", "start_se
                  "probe_timeout", "sockets")
 
 
-def _policy(args: argparse.Namespace) -> dict:
+def _policy(args: argparse.Namespace) -> dict[str, Any]:
     from ..policy import Policy, parse_pair
 
     wire: dict[str, Any] = {k: getattr(args, k) for k in _POLICY_FLAGS if getattr(args, k) is not None}
@@ -303,6 +305,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except DaemonNotRunning as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_NOT_RUNNING
+    except UsageError as err:  # as argparse says its own (_Parser.error), for this command
+        prog = f"orchestrator {args.command}"
+        print(f"{prog}: error: {err} (see {prog} --help)", file=sys.stderr)
+        return EXIT_USAGE
     except OrchestratorError as err:
         print(f"orchestrator: {err}", file=sys.stderr)
         return EXIT_ERROR
@@ -440,7 +446,7 @@ def _watch(args: argparse.Namespace, paths: Any) -> int:
     return redraw(args.interval, frame)
 
 
-def _health_line(paths: Any, data: dict) -> str:
+def _health_line(paths: Any, data: dict[str, Any]) -> str:
     if not data["daemon"]["running"]:
         return "health: daemon not running"
     from .display import format_health
@@ -453,7 +459,7 @@ def _health_line(paths: Any, data: dict) -> str:
     return "health: " + format_health(bool(info.get("healthy")), info)
 
 
-def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict]:
+def _status(args: argparse.Namespace, paths: Any) -> tuple[int, dict[str, Any]]:
     from ..paths import running_pid
     from .display import stored_status
 
@@ -479,15 +485,16 @@ def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if args.target and cmd:
-        raise OrchestratorError("give either --target MODULE:FUNCTION or -- CMD ARG..., not both")
+        raise UsageError("give either --target MODULE:FUNCTION or -- CMD ARG..., not both")
     if not args.target and not cmd:
-        raise OrchestratorError("nothing to run: give -- CMD ARG... or --target MODULE:FUNCTION")
-    env = _env_file(args.env_file) if args.env_file else {}
-    for item in args.env:
+        raise UsageError("nothing to run: give -- CMD ARG... or --target MODULE:FUNCTION")
+    given: dict[str, str] = {}
+    for item in args.env:  # checked first: a usage error is told before any file is read
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise OrchestratorError(f"--env takes KEY=VALUE, got {item!r}")
-        env[key] = value
+            raise UsageError(f"--env takes KEY=VALUE, got {item!r}")
+        given[key] = value
+    env = {**(_env_file(args.env_file) if args.env_file else {}), **given}  # --env wins over the file
     policy = _policy(args)
     with _client(paths) as client:
         try:
@@ -511,7 +518,7 @@ def cmd_launch(args: argparse.Namespace, paths: Any) -> int:
 
 def cmd_restart(args: argparse.Namespace, paths: Any) -> int:
     if bool(args.ids) == bool(args.pool):
-        raise OrchestratorError("give either replica ids or --pool POOL")
+        raise UsageError("give either replica ids or --pool POOL")
     with _client(paths) as client:
         result = client.restart(*args.ids, pool=args.pool, max_unavailable=args.max_unavailable,
                                 timeout=args.timeout)
@@ -528,7 +535,7 @@ def cmd_delete(args: argparse.Namespace, paths: Any) -> int:
 
 def cmd_signal(args: argparse.Namespace, paths: Any) -> int:
     if bool(args.ids) == bool(args.pool):
-        raise OrchestratorError("give either replica ids or --pool POOL")
+        raise UsageError("give either replica ids or --pool POOL")
     with _client(paths) as client:
         result = client.signal(args.sig, *args.ids, pool=args.pool)
     _emit(args, result, [f"{result['signal']} -> {i}" for i in result["sent"]])

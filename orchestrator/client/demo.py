@@ -6,6 +6,10 @@
 3. kill -9 of the daemon, and the watchdog's clean-up of every worker and grandchild;
 4. a new daemon on the same dir: the lost replicas recorded, the pools brought back;
 5. a clean SIGTERM stop, and a summary. Nothing is left running, whatever happens.
+
+Its signals go through ``orchestrator.signals``, as every signal the package sends: the
+daemon it started is its own unreaped child (``to_child``); what is left at the end is
+found by identity, (pid, start time) recorded when it was seen (``to_verified``).
 """
 
 from __future__ import annotations
@@ -21,13 +25,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+from typing import Any, Callable, TypeVar
 
+import psutil
+from watchdog.identity import is_alive, start_time
+
+from .. import signals
 from ..errors import OrchestratorError
 from ..interpreter import python_argv
 from ..paths import Paths
 from .channel import Client
 from .control import daemon_env, read_until_eof
+
+Ident = tuple[int, int]  # (pid, start time in clock ticks): a process, whatever reuses its pid later
+R = TypeVar("R")
 
 
 def demo_worker() -> None:
@@ -62,28 +73,26 @@ class _Daemon:
             raise OrchestratorError(f"the demo daemon did not start: {msg or 'see ' + str(paths.log)}")
         self.pid = self.proc.pid
 
-    def tree(self) -> list[psutil.Process]:
+    def tree(self) -> list[Ident]:
+        """The daemon and its descendants now, each by its identity."""
         try:
-            root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
+            pids = [self.pid, *(p.pid for p in psutil.Process(self.pid).children(recursive=True))]
         except psutil.NoSuchProcess:
             return []
+        return [(pid, start) for pid in pids if (start := start_time(pid)) is not None]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:  # unreaped: its pid is still ours
+            signals.to_child(self.proc.pid, sig)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self.signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
 
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+def _alive(procs: list[Ident]) -> list[Ident]:
+    """Those still running (not a zombie, not another process that took the pid)."""
+    return [ident for ident in procs if is_alive(*ident)]
 
 
 _last_line = [0.0]
@@ -104,7 +113,7 @@ def _line(text: str) -> None:
 def run_demo(replicas: int = 20, seconds: float = 4.0) -> int:
     tmp = tempfile.mkdtemp(prefix="orchestrator-demo-")
     paths = Paths(Path(tmp) / "state")
-    seen: list[psutil.Process] = []
+    seen: list[Ident] = []
     daemons: list[_Daemon] = []
     try:
         return _run(paths, replicas, seconds, seen, daemons)
@@ -112,18 +121,15 @@ def run_demo(replicas: int = 20, seconds: float = 4.0) -> int:
         for d in daemons:
             seen.extend(d.tree())
             d.kill()
-        for p in _alive(seen):  # last resort; psutil checks the identity (pid + create time)
-            try:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        for ident in _alive(seen):  # last resort, each by its identity
+            signals.to_verified(ident, signal.SIGCONT)
+            signals.to_verified(ident, signal.SIGKILL)
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list) -> int:
+def _run(paths: Paths, replicas: int, seconds: float, seen: list[Ident], daemons: list[_Daemon]) -> int:
     print(f"orchestrator demo: state dir {paths.state_dir}")
     t0 = time.monotonic()
     d = _Daemon(paths)
@@ -134,7 +140,7 @@ def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list)
     launched = terminated = 0
     rnd = random.Random(1)
     with Client(paths.state_dir) as client:
-        def timed(fn, *a, **kw):
+        def timed(fn: Callable[..., R], *a: Any, **kw: Any) -> R:
             t = time.perf_counter()
             out = fn(*a, **kw)
             rtts.append(time.perf_counter() - t)
@@ -173,14 +179,14 @@ def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list)
     print(f"3. kill -9 of the daemon with {len(before['replicas'])} replicas ({workers} worker processes "
           f"including grandchildren and an escaped setsid one)")
     t_kill = time.monotonic()
-    d.proc.kill()  # SIGKILL
+    d.signal(signal.SIGKILL)
     d.proc.wait(timeout=10)
     deadline = t_kill + 10
     while _alive(tree) and time.monotonic() < deadline:
         time.sleep(0.001)
     gone_ms = 1000 * (time.monotonic() - t_kill)
     left = _alive(tree)
-    report = {}
+    report: dict[str, Any] = {}
     for _ in range(200):
         if paths.report.exists():
             report = json.loads(paths.report.read_text())
@@ -208,7 +214,7 @@ def _run(paths: Paths, replicas: int, seconds: float, seen: list, daemons: list)
     print(f"4. new daemon pid {d2.pid} in {1000 * (time.monotonic() - t0):.0f} ms: {lost} replicas recorded LOST, "
           f"pools back to {running} running replicas")
     seen.extend(d2.tree())
-    d2.proc.send_signal(signal.SIGTERM)
+    d2.signal(signal.SIGTERM)
     code = d2.proc.wait(timeout=60)
     left2 = _alive(seen)
     print(f"5. SIGTERM: daemon exited {code}; processes left: {len(left2)}")

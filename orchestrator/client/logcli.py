@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import OrchestratorError, UnknownReplica
+from ..errors import NotFound, UsageError
 from .argtypes import natural
 
 
@@ -72,19 +72,19 @@ def cmd_logs(args: argparse.Namespace, paths: Any) -> int:
     pool = args.pool
     logs_dir = Path(paths.logs)
     if ids and pool is not None:
-        raise OrchestratorError("logs takes replica IDs or --pool P, not both")
+        raise UsageError("logs takes replica IDs or --pool P, not both")
     if pool is not None:
         pool_name(pool)
         ids = pool_replicas(logs_dir, pool, stream)
         if not ids:
-            raise OrchestratorError(f"no logs of pool {pool!r} in {logs_dir}")
+            raise NotFound(f"no logs of pool {pool!r} in {logs_dir}")
     elif not ids:
-        raise OrchestratorError("logs needs a replica ID or --pool P")
+        raise UsageError("logs needs a replica ID or --pool P")
     else:
         for rid in ids:
             if parse_replica_id(rid) is None or not (log_paths(logs_dir, rid, "out")
                                                     or log_paths(logs_dir, rid, "err")):
-                raise UnknownReplica(f"no logs of replica {rid!r} in {logs_dir}")
+                raise NotFound(f"no logs of replica {rid!r} in {logs_dir}")  # it may run and not have written yet
     prefix = pool is not None or len(ids) > 1
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ..errors import ChannelError, DaemonNotRunning, OrchestratorError
+from ..errors import ChannelError, DaemonNotRunning, OrchestratorError, UnknownTask
 from ..paths import Paths, running_pid
 from ..protocol import parse_task_id
 from .argtypes import natural, positive_seconds, seconds
@@ -121,7 +121,7 @@ def _well_formed(task_ids: Sequence[str]) -> None:
     in one line, whether the daemon runs or not."""
     for task_id in task_ids:
         if parse_task_id(task_id) is None:
-            raise OrchestratorError(f"unknown task {task_id!r}: a task id is POOL/N")
+            raise UnknownTask(f"unknown task {task_id!r}: a task id is POOL/N")
 
 
 def cmd_result(args: argparse.Namespace, paths: Paths) -> int:

@@ -42,7 +42,7 @@ WAIT_CHUNK = 30.0  # a wait is a series of bounded waits: a daemon that goes awa
 
 class TaskHandle:
     """See the module docstring. Made by ``Client.task`` (``client``: that ``Client``, as
-    ``_Client`` names what is asked of it: this module does not import channel.py); UnknownReplica (one line) if the
+    ``_Client`` names what is asked of it: this module does not import channel.py); UnknownTask (one line) if the
     daemon has no such task."""
 
     def __init__(self, client: _Client, task_id: str, *, reconnect_timeout: float = 30.0) -> None:

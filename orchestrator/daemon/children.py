@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from watchdog.identity import start_time
 
+from ..errors import FrameTooLarge
 from ..interpreter import python_argv
 from ..protocol import FrameReader, encode_frame, error
 from ..states import exit_reason
@@ -312,7 +313,7 @@ class ManagerBridge:
         try:
             frame = encode_frame(msg, "the reply")
         except ValueError as err:  # too large to send (or NaN): its caller gets why, at once
-            frame = encode_frame(error(msg.get("id"), str(err)))
+            frame = encode_frame(error(msg.get("id"), err if isinstance(err, FrameTooLarge) else str(err)))
         self._reply.write(frame)
 
     def _on_commands(self, fd: int) -> None:

@@ -124,7 +124,7 @@ class PoolDecl:
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
-    executor: dict | None = None  # kind = "executor": the executor's options (daemon/tasks.py)
+    executor: dict | None = None  # kind = "executor": the executor's options (daemon/taskrecords.py)
     line: int = field(default=0, compare=False)  # of its table header, for messages
 
     def key(self) -> str:
@@ -378,7 +378,7 @@ class _Reader:
         return check
 
     def _executor_pool(self, name: str, table: dict) -> PoolDecl:
-        """A ``kind = "executor"`` table: a pool of task workers (daemon/tasks.py)."""
+        """A ``kind = "executor"`` table: a pool of task workers (daemon/tasktable.py)."""
         from .taskrecords import parse_options
         from .tasktable import WORKER_TARGET
 

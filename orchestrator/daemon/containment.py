@@ -3,14 +3,19 @@
     start --cgroup auto|off|PATH ──► detect() ──► Cgroups        one cgroup per replica
                                            └────► ProcessGroups  the process-group design
 
-The engine calls one interface in both modes, and every decision that differs between
-them is taken here, never in the engine: the cgroup ``claim``ed for a replica goes into its
+The engine calls one interface in both modes, and every decision about a replica's own tree
+that differs between them is taken here, never in the engine: the cgroup ``claim``ed for a replica goes into its
 ``LaunchPlan`` (the forked child joins it before anything else) and is registered with the
 watchdog; ``signal_tree`` reaches every member, ``kill_after_grace`` and ``kill_tree`` are one
 ``cgroup.kill``; when its main process exits, ``end_remnants`` kills what is left, and
 ``watch_end`` says the replica has ended once its cgroup holds no process (then it is
 ``release``d), with the OOM evidence. ``ProcessGroups`` does the same to the replica's
 process group and the descendants that left it (``escaped``, killed after the grace too).
+Three other modules take the replica's cgroup (None in process-group mode) and decide for
+what they own: probebox.py and probes.py, where an exec probe's attempt runs (a cgroup of
+its own beside the replica's, or its own process group in the watchdog's ledger);
+notify.py, whose ``READY=1`` counts (a process of the replica's cgroup, or of its group);
+taskmemory.py, what a worker's tree is when it is measured for ``memory_max``.
 
 Descendants that left a stopped replica's group (process groups only: nothing leaves a
 cgroup) outlive its main process's reap until the SIGKILL after its grace. From that reap

@@ -168,7 +168,7 @@ class Spawner:
     def begin(self, plan: LaunchPlan, ready_w: int, pdeathsig: int | None, nofile: tuple[int, int] | None) -> int:
         """Send one request; its answer is ``end(seq)``'s. Requests are pipelined: a batch is
         sent, then its answers read, so the spawner forks while the launcher prepares the
-        next plan (one at a time, each launch waited ~1 ms on two CPUs). SpawnerLost if the
+        next plan (one at a time, each launch waited for the fork). SpawnerLost if the
         spawner is gone; ``ready_w`` may be closed once this returns (the message holds it)."""
         if self.sock is None or not self.ready:
             raise SpawnerLost("not running")

@@ -7,33 +7,15 @@ or down).
 
 Decision: pipes pumped by the control loop (design a), not the log file's fd handed to
 the child (design b). Measured side by side in one run of
-``.venv/bin/python benchmarks/bench_logs.py --orchestrator`` (2 CPUs, Python 3.11.7, ext4
-on a VM disk; figures drift between runs on this shared machine, the ratios held):
-
-    loop, while one child writes      timer p99  echo p99   to files    loop CPU
-    idle                              1.11 ms    0.78 ms    -           1%
-    pipes, paced 20 MB/s              0.94 ms    0.52 ms    20.0 MB/s   3%
-    direct, paced 20 MB/s             0.39 ms    0.11 ms    20.0 MB/s   1%
-    pipes, `yes` (64 MiB/s cap)       0.83 ms    0.41 ms    67.1 MB/s   8%
-    pipes, `yes`, no rate caps        0.78 ms    1.03 ms    1401 MB/s   98%
-    direct, `yes`                     1.09 ms    0.29 ms    393 MB/s    1%  (1567 MiB on disk after 3 s)
-  (timer: lateness of a call_later(0.005) re-armed in the same reactor; echo: a 1-byte round
-  trip through the loop from another process every 5 ms, what a command sees.)
-
-    setup per replica (spawn of `true` + reap)     over no capture   Orchestrator churn
-    pipes, files made by the first output or 1 s   +41 µs            -2.5% (596 -> 582/s)
-    pipes, both files made in open()               +446 µs           -27%
-    direct, both files made and handed over        +398 µs           -24%
-  design (b)'s rotation, copy-truncate of a full 10 MiB file: 10.9 ms each time, and what
-  the child writes between the copy and the truncate is lost.
-
-Both keep the loop within about a millisecond of idle at 20 MB/s; direct fds cost the loop
-nothing, pipes 3% of a CPU. But only pipes give what the contract asks for: exact rotation
-with a bounded total (direct: the file grows, 1.5 GiB in 3 s, until someone copy-truncates
-it, 11 ms a time and losing data); a full disk that drops and counts (direct: the replica's
-own write fails with ENOSPC, and a Python worker may die of the exception); a bound on the
-rate a replica may put on disk; and files made only for replicas that write, which keeps
-churn at -2.5% where making two files per replica costs a quarter of it on this disk.
+``.venv/bin/python benchmarks/bench_logs.py --orchestrator`` (the figures: benchmarks/README.md,
+its "log capture" row): both keep the loop's timers near idle with a writer at 20 MB/s;
+direct fds cost the loop less CPU than pipes. But only pipes give what the contract asks for:
+exact rotation with a bounded total (direct: the file grows until someone copy-truncates it,
+a stall each time that loses what the child writes meanwhile); a full disk that drops and
+counts (direct: the replica's own write fails with ENOSPC, and a Python worker may die of
+the exception); a bound on the rate a replica may put on disk; and files made only for
+replicas that write, which keeps the churn's cost of capture small where making two files
+per replica costs it a large share on a real disk.
 
 How the pump keeps its promises:
   * the child's write end is a plain blocking pipe: when the pipe is full, the CHILD blocks
@@ -45,8 +27,8 @@ How the pump keeps its promises:
     loop, nor can many;
   * rate caps: a stream is pumped at most ``RATE`` bytes/s, all of them ``TOTAL_RATE``
     (token buckets); over it the pipe is taken out of the epoll set for the time its bucket
-    needs, so the replica blocks on its full pipe. Without them `yes` holds the loop at 98%
-    CPU (still bounded per turn) and fills the disk at 1.4 GB/s;
+    needs, so the replica blocks on its full pipe. Without them `yes` holds the loop's CPU
+    (still bounded per turn) and fills the disk as fast as it takes the writes;
   * a pipe found full (a read that filled the whole chunk) is grown to ``PIPE_SIZE`` with
     F_SETPIPE_SZ, best effort; quiet replicas keep the kernel's 64 KiB, which matters for an
     unprivileged daemon: every pipe counts against the per-user pipe-user-pages-soft limit;
@@ -61,8 +43,8 @@ How the pump keeps its promises:
     newline that fits when there is one, so files end on whole lines; ``backups`` old files
     are kept (.1 the newest), so a stream never holds more than (backups + 1) * max_bytes.
     The oldest is unlinked first, so no rename replaces a file: ext4 flushes the source of
-    a replacing rename (auto_da_alloc), which took 8 ms per rotation of a 10 MiB log in the
-    loop; unlink-then-rename takes about 1 ms;
+    a replacing rename (auto_da_alloc), a stall in the loop per rotation of a large log
+    that unlink-then-rename does not have;
   * a write the disk refuses (ENOSPC, EDQUOT, EIO, EFBIG) drops that data and counts it
     (``dropped``, in bytes); the pipe keeps being read, so neither the daemon nor the replica
     stops, and writing resumes by itself once there is room. A file that cannot be
@@ -75,7 +57,7 @@ How the pump keeps its promises:
   * ``finish()`` (the replica was reaped) drains what is left in the pipes, bounded by
     ``DRAIN_LIMIT`` per stream (a descendant that still holds the write end and keeps
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
-    full 1 MiB pipe takes about half a millisecond;
+    full pipe is at most ``PIPE_SIZE`` bytes to write;
   * a replica's files live as long as its record: ``forget(ids)`` (the journal's retention
     deleted those records) queues their files for removal, which the loop works through at
     most ``REMOVE_PER_TURN`` unlinks and ``REMOVE_TURN_TIME`` seconds a turn (an unlink that

@@ -12,8 +12,8 @@ such; while no spawner is ready, by a plain ``os.fork()`` from the control loop'
 (the daemon is single-threaded by construction: the Manager server and its threads live in
 their own process). Either way the child then runs ``_child`` below: ``execve`` for a
 command, the callable for a Python target. Fork is the only start method fast enough here
-(``benchmarks/bench_churn.py --forkserver``: multiprocess's forkserver ~35/s against ~600/s;
-3.11's forkserver re-runs ``__main__`` in every child, gh-98552).
+(``benchmarks/bench_churn.py --forkserver`` runs multiprocess's forkserver beside it, many
+times slower; 3.11's forkserver re-runs ``__main__`` in every child, gh-98552).
 
 What the child does between the fork and the exec or its target: childsetup.py.
 """

@@ -22,7 +22,7 @@ import signal
 from typing import Any, Callable, Iterable, Protocol
 
 from .. import protocol
-from ..errors import InvalidSpec, UnknownReplica
+from ..errors import InvalidSpec, UnknownPool
 from ..policy import Policy, signal_number
 from ..spec import Runtime, prepare
 from ..states import Replica
@@ -317,7 +317,7 @@ class Supervisor:
         elif pool is not None:
             check_templates(pool.runtime, pool.policy, n)
         if pool is None:
-            raise InvalidSpec(f"unknown pool {name!r}: launch a replica into it first")
+            raise UnknownPool(f"unknown pool {name!r}: launch a replica into it first")
         pool.clear()  # an operator acted: a crash loop is forgiven
         live = self._live(pool)
         if len(live) < n and pool.runtime is None:
@@ -392,7 +392,7 @@ class Supervisor:
     def _pool(self, name: Any) -> Pool:
         pool = self._known_pool(name)
         if pool is None:
-            raise UnknownReplica(f"unknown pool {name!r}")
+            raise UnknownPool(f"unknown pool {name!r}")
         return pool
 
     def _known_pool(self, name: Any) -> Pool | None:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from .. import protocol
 from .. import taskwire as w
-from ..errors import InvalidSpec, UnknownReplica
+from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
 from .taskrecords import Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, target_payload
@@ -87,7 +87,7 @@ class TaskCommands:
                                   "join it with the same, or use another pool name")
             ids = [r.id for r in pool.live.values()]
         elif args.get("rejoin"):
-            raise UnknownReplica(f"unknown executor pool {name!r} (deleted while this client was away)")
+            raise UnknownPool(f"unknown executor pool {name!r} (deleted while this client was away)")
         else:
             if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
                 raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
@@ -263,7 +263,7 @@ class TaskCommands:
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
         it is cancelled (now or before), False if it had ended otherwise (its result
-        stands). An id never handed out is UnknownReplica, and nothing is cancelled."""
+        stands). An id never handed out is UnknownTask, and nothing is cancelled."""
         if args.get("ids") is not None:
             ids = args["ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
@@ -278,7 +278,7 @@ class TaskCommands:
                 for ref in args.get("refs") or ()]
 
     def _find(self, task_id: Any) -> Task | None:
-        """The task in memory; None if it ended long ago (in the store only); UnknownReplica
+        """The task in memory; None if it ended long ago (in the store only); UnknownTask
         if no such id was ever handed out."""
         if not isinstance(task_id, str):
             raise InvalidSpec(f"not a task id: {task_id!r}")
@@ -290,7 +290,7 @@ class TaskCommands:
             return None
         if self._stored(task_id) is not None:
             return None
-        raise UnknownReplica(f"unknown task {task_id!r}")
+        raise UnknownTask(f"unknown task {task_id!r}")
 
     def _stored(self, task_id: str) -> Doc | None:
         store = self.table.journal.store
@@ -336,16 +336,16 @@ class TaskCommands:
 
     def _cmd_tasks(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first;
-        with ``id``, that task's alone (UnknownReplica if there is none)."""
+        with ``id``, that task's alone (UnknownTask if there is none)."""
         if args.get("id") is not None:
             task = self._find(args["id"])
             row = task.record() if task is not None else self._stored(args["id"])
             if row is None:
-                raise UnknownReplica(f"task {args['id']!r} ended long ago: its record was pruned")
+                raise UnknownTask(f"task {args['id']!r} ended long ago: its record was pruned")
             return [listing(row)]
         pool = args.get("pool")
         if pool is not None and pool not in self.tasks.pools:
-            raise UnknownReplica(f"unknown executor pool {pool!r}")
+            raise UnknownPool(f"unknown executor pool {pool!r}")
         rows = {t.id: listing(t.record()) for t in self.tasks.live.values() if pool is None or t.pool.name == pool}
         if args.get("all"):
             store = self.table.journal.store
@@ -368,7 +368,7 @@ class TaskCommands:
         if task is None:
             row = self._stored(task_id)
             if row is None:
-                raise UnknownReplica(f"task {task_id!r} ended long ago: its record was pruned")
+                raise UnknownTask(f"task {task_id!r} ended long ago: its record was pruned")
             return outcome(row)
         if task.state.terminal or not args.get("wait"):
             return outcome(task.record())
@@ -379,7 +379,7 @@ class TaskCommands:
         xp = self.tasks.pools.get(name) if isinstance(name, str) else None
         pool = self.table.pool(name) if xp is not None else None
         if xp is None or xp.closing or pool is None or pool.deleted:
-            raise UnknownReplica(f"unknown executor pool {name!r}")
+            raise UnknownPool(f"unknown executor pool {name!r}")
         return xp
 
     def pool_counts(self, name: str) -> Doc | None:

@@ -13,8 +13,8 @@ is a poll: what it can and cannot promise is this.
   * When: every CHECK_INTERVAL (20 ms) while a worker of the pool runs a task, every
     IDLE_INTERVAL (1 s) while all are idle; a task's start brings the next check forward.
     An allocation faster than that overshoots the limit by up to its rate x the interval
-    before the kill (measured: 205-253 MiB reached against 200 MiB by three tasks touching
-    pages at ~2 GiB/s) and may run the host out of memory first if it is faster than the
+    before the kill (measured by ``benchmarks/bench_memory.py``; the figures are in
+    benchmarks/README.md) and may run the host out of memory first if it is faster than the
     host has room for. There is no event to
     wait on instead: without a memory controller the kernel says nothing about one
     cgroup's or one tree's usage (PSI files report stalls, which an unlimited cgroup does
@@ -31,12 +31,12 @@ is a poll: what it can and cannot promise is this.
     left it, identity-checked), its task failed with ``WorkerLost("memory limit N
     exceeded")`` and not run again by ``retries``: it would pass the limit again.
 
-Measured here (2 cores, Python 3.11, ``measure`` of one worker): 9 µs in a cgroup
-(cgroup.procs and a statm read per member), 28 µs for a worker and one child in a process
-group with child lists (a listdir of its threads, a children file per thread, a stat and a
-statm per process), 12 µs with the /proc scan between scans; a scan costs ~10 µs per process
-on the host (1.1 ms for 118), so it runs every ~55 ms there. At CHECK_INTERVAL that is 0.05%
-to 0.15% of a core per busy worker.
+What a check reads: in a cgroup, cgroup.procs and a statm per member; in a process group
+with child lists, a listdir of each process's threads, a children file per thread, a stat
+and a statm per process; without them, the /proc scan's map between two scans (a scan reads
+every process of the host, so it is paced to SCAN_SHARE of the loop). Its cost, and so the
+share of a core a busy worker's checks take at CHECK_INTERVAL: ``benchmarks/bench_memory.py``,
+figures in benchmarks/README.md.
 """
 
 from __future__ import annotations

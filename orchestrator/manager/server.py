@@ -34,8 +34,9 @@ from multiprocess import connection, process, util
 from ..channelwire import SERIALIZER, read_authkey, set_timeouts, socket_address
 from ..errors import OrchestratorError
 from ..paths import Paths, check_state_dir
+from ..errors import FrameTooLarge
 from ..prctl import set_pdeathsig
-from ..protocol import FrameReader, FrameTooLarge, encode_frame, is_plain
+from ..protocol import FrameReader, encode_frame, error, is_plain
 from .channelserver import ChannelManager, use_plain_pickling
 
 REPLY_TTL = 120.0  # a reply nobody took (its client timed out or died) is dropped after this
@@ -93,7 +94,7 @@ def _forward(commands: queue.Queue[Any], board: ReplyBoard, cmd_fd: int) -> None
         try:
             frame = encode_frame(cmd, "the command")
         except FrameTooLarge as err:  # the daemon could only drop it: say so now
-            board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": str(err)})
+            board.post(error(cmd_id, err))  # its own code: the client raises a FrameTooLarge
             continue
         except ValueError as err:  # NaN and friends
             board.post({"id": cmd_id, "ok": False, "code": "invalid", "error": f"malformed command: {err}"})

@@ -10,8 +10,8 @@ What the child does before it runs anything of the user's, in this order and why
   * its own process group (a terminate that comes before the child has set it reaches
     the child alone, see OSApi.signal_group, and the child has forked nothing yet);
   * in cgroup mode, its replica's cgroup (``LaunchPlan.cgroup``): one write of its pid to
-    ``cgroup.procs``, so that everything it will ever fork is born inside (~110 µs here,
-    the kernel's migration; see benchmarks/bench_containment.py);
+    ``cgroup.procs``, so that everything it will ever fork is born inside (the kernel's
+    migration, paid by the child; what cgroups cost the churn: benchmarks/bench_containment.py);
   * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
     third layer against orphans, and the check closes the race where the parent died before
     the signal was armed;

@@ -8,10 +8,11 @@ with what that needs: spec, targets, worker; and watchdog.cgroup for its join) a
 preload asks for; no part of the daemon's loop.
 
 Why: ``fork()`` copies the page tables of whatever forks, so a launcher holding 1 GiB forks
-~25x slower than a small one, and forking a process that runs threads (an embedding
+far slower than a small one (benchmarks/README.md, launch cost against the launcher's
+size), and forking a process that runs threads (an embedding
 program) is the classic fork hazard. The daemon and the embedded API therefore fork
-nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh interpreter of
-~18 MiB started with ``posix_spawn`` (which never copies the launcher's memory), and it
+nothing themselves: they send each ``LaunchPlan`` to a spawner, a fresh, small interpreter
+started with ``posix_spawn`` (which never copies the launcher's memory), and it
 forks the worker. A pool with ``preload`` modules gets a spawner of its own that imported
 them once, so its replicas start warm (gunicorn's ``preload_app``, CPython's
 ``set_forkserver_preload``); the daemon itself never imports them.
@@ -236,9 +237,9 @@ _HUGE = 2 << 20
 def collapse_to_huge_pages() -> int:
     """After a preload: this process's anonymous memory in 2 MiB pages where the kernel
     can (MADV_COLLAPSE, Linux 6.1+), so that each fork copies a page table entry per 2 MiB
-    instead of one per 4 KiB: from a spawner holding 200 MB, a fork took ~11.5 ms, and
-    ~0.5 ms once collapsed (the copy-on-write after the fork still goes by 4 KiB: the kernel
-    splits a huge page a child writes to). Best effort: an older kernel, THP off, or no
+    instead of one per 4 KiB: a fork from a spawner holding 200 MB is many times faster
+    once collapsed (benchmarks/README.md, its 200 MB preload row; the copy-on-write after
+    the fork still goes by 4 KiB: the kernel splits a huge page a child writes to). Best effort: an older kernel, THP off, or no
     memory for huge pages leaves the 4 KiB pages as they were. Returns the bytes collapsed."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
