@@ -30,7 +30,7 @@ from orchestrator.daemon.taskcarry import TaskCarry
 from orchestrator.daemon.taskcommands import TaskCommands
 from orchestrator.daemon.taskrecords import Doc, Event, ExecPool, Reply, Session, Task, parse_options
 from orchestrator.daemon.tasktable import TaskTable
-from orchestrator.errors import InvalidSpec, UnknownReplica
+from orchestrator.errors import InvalidSpec, UnknownTask
 from orchestrator.states import Replica, ReplicaState
 from orchestrator.states import TaskState as T
 from orchestrator.taskwire import TaskEvent
@@ -618,7 +618,7 @@ def test_a_batch_sent_again_is_the_same_tasks_not_a_second_run(make: Callable[..
 def test_a_cancel_naming_an_id_never_handed_out_cancels_nothing(make: Callable[..., Harness]) -> None:
     h = make()
     task = h.submit()
-    with pytest.raises(UnknownReplica, match="unknown task"):
+    with pytest.raises(UnknownTask, match="unknown task"):
         h.commands.commands()["task_cancel"]({"ids": [task.id, f"{POOL}/99"]}, lambda m: None, 1)
     assert task.state is T.QUEUED
     assert h.commands.commands()["task_cancel"]({"ids": [task.id]}, lambda m: None, 2) == [True]
