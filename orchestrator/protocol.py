@@ -24,7 +24,7 @@ import json
 import math
 import re
 import struct
-from typing import Any
+from typing import Any, Callable, Literal, Mapping, NotRequired, TypedDict
 
 from .errors import ERROR_TYPES, InvalidSpec, OrchestratorError
 
@@ -46,16 +46,46 @@ MAX_FRAME = 64 << 20  # a command or reply this large is refused with an error, 
 # -- commands and replies ----------------------------------------------------------
 
 
-def command(op: str, args: dict | None = None, cmd_id: Any = None) -> dict:
+CommandId = str | int | None  # a caller's own; the loop echoes whatever JSON value it sent
+
+
+class Command(TypedDict):
+    """One command, in-process and on the wire."""
+
+    id: CommandId
+    op: str
+    args: dict[str, Any]  # the command's own arguments, checked by its handler
+
+
+class OkReply(TypedDict):
+    id: CommandId
+    ok: Literal[True]
+    result: Any  # the command's result: plain data (``is_plain``), its shape the command's
+
+
+class ErrorReply(TypedDict):
+    id: CommandId
+    ok: Literal[False]
+    code: str  # an error code of ``errors.ERROR_TYPES``
+    error: str  # one line
+    data: NotRequired[Any]  # what the caller may still want (the ids a launch made)
+
+
+Reply = OkReply | ErrorReply
+ReplyTo = Callable[[Reply], None]  # where the loop sends a command's reply
+
+
+def command(op: str, args: dict[str, Any] | None = None, cmd_id: CommandId = None) -> Command:
     return {"id": cmd_id, "op": op, "args": args or {}}
 
 
-def ok(cmd_id: Any, result: Any) -> dict:
+def ok(cmd_id: CommandId, result: Any) -> OkReply:
     return {"id": cmd_id, "ok": True, "result": result}
 
 
-def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> dict:
+def error(cmd_id: CommandId, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> ErrorReply:
     """An error reply; ``data`` is what the caller may still want (the ids a launch made)."""
+    msg: ErrorReply
     if isinstance(err, OrchestratorError):
         msg = {"id": cmd_id, "ok": False, "code": code or err.code, "error": str(err)}
     else:
@@ -65,8 +95,9 @@ def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None, da
     return msg
 
 
-def raise_reply(msg: dict) -> Any:
-    """The result of a reply, or the typed error it carries."""
+def raise_reply(msg: Mapping[str, Any]) -> Any:
+    """The result of a reply, or the typed error it carries. ``msg`` as it came (a peer's
+    JSON is read, not trusted to be a ``Reply``)."""
     if msg.get("ok"):
         return msg.get("result")
     cls = ERROR_TYPES.get(msg.get("code", ""), OrchestratorError)
@@ -125,7 +156,7 @@ def seconds(value: Any, what: str, *, allow_none: bool = False) -> float | None:
     return float(value)
 
 
-def wait_timeout(args: dict) -> float:
+def wait_timeout(args: Mapping[str, Any]) -> float:
     """A wait's bound, checked before the command does anything."""
     timeout = seconds(args.get("timeout"), "timeout", allow_none=True)
     return DEFAULT_WAIT if timeout is None else timeout

@@ -42,7 +42,7 @@ class Verbs:
         env: dict[str, str] | None = None,
         wait: bool = False,
         timeout: float | None = None,
-        cwd: str | os.PathLike | None = None,
+        cwd: str | os.PathLike[str] | None = None,
         policy: dict[str, Any] | None = None,
         replace: bool = False,
         preload: Sequence[str] = (),
