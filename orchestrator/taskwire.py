@@ -61,7 +61,7 @@ import signal
 import struct
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 HEADER = struct.Struct("!IBQ")
 MAX_FRAME = 1 << 30  # a corrupt length must not make either side allocate without bound
@@ -78,6 +78,22 @@ HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG 
 REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
 VERSION = 2  # what HELLO says: 2 knows REVOKE and KEPT
 OVERSIZE = 0x80  # Frames.feed: a frame over its limit, not read (the kind's high bit)
+
+
+class ConfigPayload(TypedDict):
+    """A CONFIG frame's JSON payload."""
+
+    grace: float  # seconds a task the loop stops has before its worker's tree is killed
+
+
+class TargetCall(TypedDict):
+    """A ``module:function`` task's payload (``target_payload``), JSON after a ``t``."""
+
+    target: str  # "module:function"
+    args: list[Any]  # JSON values, the function's positional arguments
+    kwargs: dict[str, Any]  # JSON values, its keyword arguments
+    pythonpath: list[str]  # the submitter's, looked in first
+    cwd: str | None  # the submitter's working directory, where the target is imported
 
 
 def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
@@ -237,13 +253,13 @@ def _has_proxy(data: bytes) -> bool:
     return data.find(b"RebuildProxy") >= 0
 
 
-def _pickled(obj: Any, base: type, result: bool, **options: Any) -> bytes:
+def _pickled(obj: Any, base: type[pickle.Pickler], result: bool, **options: Any) -> bytes:
     """``obj`` pickled by ``base`` (pickle's or dill's Pickler) with each manager proxy's
     authkey in its rebuild's keywords (``RebuildProxy`` hands them to the proxy, which
     connects with it), and, for a ``result``, what is of ``__main__`` by name."""
     proxies = tuple(sys.modules[name].BaseProxy for name in _MANAGERS if name in sys.modules)
 
-    class Pickler(base):
+    class Pickler(base):  # type: ignore[valid-type,misc]  # pickle's or dill's, as the caller chose
         def reducer_override(self, value: Any) -> Any:
             if isinstance(value, proxies):
                 rebuild, (func, token, serializer, kwds) = value.__reduce__()
@@ -313,7 +329,7 @@ def split_authkey(payload: bytes) -> tuple[bytes | None, bytes]:
     return payload[1 + _LINE.size:end], payload[end:]
 
 
-def target_payload(call: dict) -> bytes:
+def target_payload(call: TargetCall) -> bytes:
     """A ``module:function`` task (``submit --target``): JSON the daemon can build and the
     worker reads, {"target", "args", "kwargs", "pythonpath", "cwd"}. TypeError or ValueError
     if the arguments are not JSON."""
