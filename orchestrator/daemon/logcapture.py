@@ -627,7 +627,7 @@ class LogCapture:
                 break
         self._schedule_removal(0.0)
 
-    def totals(self) -> dict:
+    def totals(self) -> dict[str, int]:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
         return {"bytes": self._bytes, "dropped": self._dropped, "open": len(self._open)}
 

@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from watchdog.identity import proc_stat, start_time
 from watchdog.ledger import Entry
@@ -34,6 +34,9 @@ from .. import signals
 from ..errors import SpawnerLost
 from ..spawn.childsetup import ALL_SIGNALS, prctl, run_child
 from ..spec import LaunchPlan
+
+if TYPE_CHECKING:
+    from watchdog.reaper import Report
 
 _PR_SET_CHILD_SUBREAPER = 36
 # The write ends of ready pipes this process holds for a moment (between the pipe and the
@@ -223,7 +226,7 @@ class OSApi:
             return None
         return info.si_pid if info is not None and info.si_pid else None
 
-    def sweep(self, entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()) -> dict:
+    def sweep(self, entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()) -> Report:
         """TERM, ``grace``, KILL for processes that are not our children, and for their
         groups and descendants: every signal through a pidfd verified against the recorded
         start time (the watchdog's ladder), so a reused pid is never hit."""

@@ -127,7 +127,7 @@ class Listeners:
             raise InvalidSpec(f"{len(fds)} listening sockets for one replica: at most {MAX_SOCKETS}")
         return fds, names
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """What an upgrade carries: every socket's fd (made inheritable here, just before the exec)."""
         for sock in self._open.values():
             sock.set_inheritable(True)
@@ -138,7 +138,7 @@ class Listeners:
                 "made": {path: list(ident) for path, ident in self._made.items()},
                 "inherited": [[name, fd] for name, fds in self._inherited.items() for fd in fds]}
 
-    def take_over(self, carried: dict) -> None:
+    def take_over(self, carried: Mapping[str, Any]) -> None:
         """The sockets an earlier image of the daemon carried (``carried()``)."""
         for text, fd in carried.get("open", {}).items():
             os.set_inheritable(fd, False)
