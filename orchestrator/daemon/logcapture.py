@@ -396,6 +396,9 @@ class _Stream:
             self.fd = -1
 
 
+Stream = _Stream  # what open_stream gives: its ``w`` to hand out, ``finish()`` when done
+
+
 class ReplicaLog:
     """One replica's capture: ``stdout`` and ``stderr`` are the fds its child puts on 1 and 2."""
 
