@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import logging
 import os
 import pickle
@@ -304,7 +305,13 @@ class Spawner:
         self.child.stop(self._close, timeout)
 
 
-HOLD = object()  # pick(): wait for this pool's preload spawner to be ready
+class Hold(enum.Enum):
+    """pick(): wait for this pool's preload spawner to be ready (one value: ``HOLD``)."""
+
+    HOLD = "hold"
+
+
+HOLD = Hold.HOLD
 HOLD_REASON = "waiting for preload spawner"  # a held replica's reason while it is PENDING
 
 
@@ -349,7 +356,7 @@ class Spawners:
             sp.child.start()
         return sp
 
-    def pick(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | None | object:
+    def pick(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | Hold | Unavailable | None:
         """The spawner that makes replicas for ``key`` now; None: fork in the launcher (it
         is starting or restarting, or clone is refused here); HOLD: a preload spawner's
         first start, which its pool waits for (else each replica would import it itself,
