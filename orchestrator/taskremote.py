@@ -26,6 +26,7 @@ EMBEDDED_BLOCK = 1 << 31  # an embedded pool is its session's alone: one block t
 SPARE_WAIT = 5.0  # the next block, asked for with a batch, is waited for this long at most
 
 R = TypeVar("R")
+F = TypeVar("F")  # the executor's future
 
 
 class Submit(TypedDict):
@@ -279,7 +280,7 @@ class Remote(Backend):
         with self._wake:
             self._want_numbers, self._on_numbers = args["count"], deliver
 
-    def acknowledged(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    def acknowledged(self, items: list[tuple[int, F]]) -> list[tuple[int, F]]:
         """Of (ref, future) ``items``, those whose submit the daemon acknowledged (not
         waiting to be sent, nor on their way: those are sent again, to the daemon as it is)."""
         with self._wake:
