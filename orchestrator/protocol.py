@@ -10,6 +10,8 @@ A reply answers one command, by its id::
     {"id": ..., "ok": true, "result": ...}
     {"id": ..., "ok": false, "code": "<error code>", "error": "<one line>"}
 
+(``Command``, ``OkReply`` and ``ErrorReply`` below; a reply goes to a ``ReplyTo``.)
+
 Error codes map to the typed errors of ``errors.py`` (``raise_reply``). Between the
 manager server and the daemon, commands and replies travel as length-prefixed JSON frames
 (``encode_frame``/``FrameReader``): JSON cannot carry code, and NaN is refused on the way in.
@@ -46,7 +48,9 @@ MAX_FRAME = 64 << 20  # a command or reply this large is refused with an error, 
 # -- commands and replies ----------------------------------------------------------
 
 
-CommandId = str | int | None  # a caller's own; the loop echoes whatever JSON value it sent
+# A caller's own name for its command, echoed in the reply (one that came over the wire is
+# echoed as it came: the loop does not check it).
+CommandId = str | int | None
 
 
 class Command(TypedDict):

@@ -11,7 +11,8 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
 
     worker -> loop   HELLO       number: its pid; with it, over SCM_RIGHTS, its cancel word;
                                  payload: its wire version (a byte; none: version 1)
-    loop -> worker   CONFIG      payload: JSON {"grace": s} (version 2, before WELCOME)
+    loop -> worker   CONFIG      payload: JSON {"grace": s} (``ConfigPayload``; version 2,
+                                 before WELCOME)
     loop -> worker   WELCOME     number: max_tasks; payload: the pickled (initializer,
                                  initargs), or empty; from an embedded executor, ``k``, the
                                  caller's multiprocessing authkey (u16 length) and then that
