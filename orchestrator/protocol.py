@@ -58,13 +58,14 @@ class Command(TypedDict):
 
     id: CommandId
     op: str
-    args: dict[str, Any]  # the command's own arguments, checked by its handler
+    args: Mapping[str, Any]  # the command's own arguments, checked by its handler
 
 
 class OkReply(TypedDict):
     id: CommandId
     ok: Literal[True]
     result: Any  # the command's result: plain data (``is_plain``), its shape the command's
+    unsaved: NotRequired[str]  # applied, but the journal's commit failed: why (Engine.settle)
 
 
 class ErrorReply(TypedDict):
@@ -79,7 +80,7 @@ Reply = OkReply | ErrorReply
 ReplyTo = Callable[[Reply], None]  # where the loop sends a command's reply
 
 
-def command(op: str, args: dict[str, Any] | None = None, cmd_id: CommandId = None) -> Command:
+def command(op: str, args: Mapping[str, Any] | None = None, cmd_id: CommandId = None) -> Command:
     return {"id": cmd_id, "op": op, "args": args or {}}
 
 

@@ -37,7 +37,7 @@ class Submit(TypedDict):
     session: str
     ref: int  # the executor's own name for it, until the loop names it
     payload: bytes  # the pickled (fn, args, kwargs): opaque to the loop
-    n: int  # the task number its session was granted (``Numbers``)
+    n: int | None  # the task number its session was granted (``Numbers``); None: a daemon that grants none
 
 
 class NumbersAsk(TypedDict):
@@ -53,7 +53,7 @@ class BatchTask(TypedDict):
 
     payload: str  # base64 of Submit's payload
     ref: int
-    n: int
+    n: int | None
 
 
 class SubmitBatch(TypedDict):

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .. import protocol
 from ..errors import InvalidSpec, OrchestratorError, ShuttingDown, UnknownReplica
@@ -51,7 +51,7 @@ from .waiters import Waiter, Waiters
 
 log = logging.getLogger("orchestrator")
 
-Reply = Callable[[dict], None]
+Reply = protocol.ReplyTo
 Handler = Callable[[dict, Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
 COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
@@ -124,7 +124,7 @@ class Engine:
         self.spawners = self.spawning.spawners
         self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
                            stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
-        self._inbox: collections.deque[tuple[dict, Reply]] = collections.deque()
+        self._inbox: collections.deque[tuple[Mapping[str, Any], Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._drain_asked = False  # a _drain_inbox is scheduled and has not begun
         self._pools: dict[str, Pool] = {}
@@ -136,7 +136,7 @@ class Engine:
         # (reply, message, durable): a durable reply says "applied"; if this turn's commit
         # fails it says so still, with the journal's fault beside it ("unsaved"): the
         # command was applied all the same. Read-only commands never depend on the disk.
-        self._outbox: list[tuple[Reply, dict, bool]] = []
+        self._outbox: list[tuple[Reply, protocol.Reply, bool]] = []
         self.extra_status: Callable[[], dict] | None = None
         # limits.Limits, set by the daemon: launches that would take the fds and pids its
         # control plane keeps are refused (room_for). None: no such check (embedded, tests).
@@ -157,7 +157,7 @@ class Engine:
 
     # -- the public face ------------------------------------------------------------
 
-    def submit(self, cmd: dict, reply: Reply) -> None:
+    def submit(self, cmd: Mapping[str, Any], reply: Reply) -> None:
         """Queue a command from any thread; ``reply`` is called once, from the loop."""
         with self._submit_lock:  # against close(): a command is either run or refused
             if self.closed:
@@ -339,7 +339,7 @@ class Engine:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
         return proc if proc is not None and proc.replica is rep else None
 
-    def reply(self, reply: Reply, msg: dict, durable: bool) -> None:
+    def reply(self, reply: Reply, msg: protocol.Reply, durable: bool) -> None:
         """Send ``msg`` after this turn's commit (``durable``: an ok reply carries the
         journal's fault, ``unsaved``, if that commit fails)."""
         self._outbox.append((reply, msg, durable))
@@ -683,7 +683,7 @@ class Engine:
             out, self._outbox = self._outbox, []
             unsaved = self.journal.fault
             for reply, msg, durable in out:
-                if unsaved is not None and durable and msg.get("ok"):
+                if unsaved is not None and durable and msg["ok"]:
                     msg = {**msg, "unsaved": unsaved}  # applied; its durability is the journal's fault
                 reply(msg)
 

@@ -23,7 +23,7 @@ with both values: the options (``max_tasks_per_child``, ``timeout``, ``grace``,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .. import protocol
 from .. import taskwire as w
@@ -173,7 +173,7 @@ class TaskCommands(TaskTable):
         self._reserve(xp)  # in this turn's commit, before the reply that hands them out
         return [first, count]
 
-    def declare(self, name: str, spec: dict, policy: dict, size: int, options: dict) -> str:
+    def declare(self, name: str, spec: Mapping[str, Any], policy: dict, size: int, options: dict) -> str:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""
