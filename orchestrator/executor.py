@@ -45,7 +45,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from . import taskwire as w
 from .client import channel
@@ -54,7 +54,7 @@ from .errors import (
     TaskTimeoutError, WorkerLost,
 )
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
-from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Backend, Numbers, Remote
+from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Answer, Backend, Numbers, NumbersAsk, Remote, Submit
 
 __all__ = ["Client", "Executor"]
 
@@ -232,7 +232,7 @@ class Executor(futures_base.Executor):
             n = self._number()
             if n is not None:
                 fut.task_id = f"{self._pool}/{n}"
-            args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload, "n": n}
+            args_: Submit = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload, "n": n}
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
@@ -342,7 +342,7 @@ class Executor(futures_base.Executor):
             if numbers.next >= numbers.end:
                 if not numbers.size:
                     return None
-                ask = {"pool": self._pool, "session": self._session, "count": numbers.next_size()}
+                ask: NumbersAsk = {"pool": self._pool, "session": self._session, "count": numbers.next_size()}
                 if not numbers.use_spare():  # none came in time: a round trip of its own
                     numbers.use(self._backend.call("task_numbers", ask))
                 numbers.asked = True  # the next block, asked for now: it comes while this one is used
@@ -422,7 +422,7 @@ class Executor(futures_base.Executor):
         finally:
             self._backend.handle.close_thread()  # the Client's close() closes only its caller's
 
-    def _submitted(self, ref: int, msg: dict) -> None:
+    def _submitted(self, ref: int, msg: Mapping[str, Any]) -> None:
         if not msg.get("ok"):  # refused by the loop (its pool is gone): that future's error
             if isinstance(self._backend, _Embedded):
                 self._events.put(("refused", ref, msg, None))  # from the loop's thread: the collector's to handle
@@ -523,13 +523,13 @@ class _Embedded(Backend):
         self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=True, cgroup="auto")
         self.handle.start()
 
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
+    def call(self, op: str, args: Mapping[str, Any], timeout: float | None = None, *, retry: bool = True) -> Any:
         return self.handle.call(op, args, timeout)
 
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+    def submit(self, args: Submit, on_reply: Answer) -> None:
         self.handle.send("task_submit", args, on_reply)
 
-    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+    def ask_numbers(self, args: NumbersAsk, deliver: Callable[[list[int] | None], None]) -> None:
         self.handle.send("task_numbers", args, lambda msg: deliver(msg.get("result") if msg.get("ok") else None))
 
     def close(self) -> None:

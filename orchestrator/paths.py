@@ -77,7 +77,7 @@ _OPEN_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # NONBL
 class Paths:
     """Where one daemon keeps its files."""
 
-    def __init__(self, state_dir: str | os.PathLike) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.state_dir = Path(os.path.abspath(state_dir))
         self.pidfile = self.state_dir / PIDFILE_NAME
         self.authkey = self.state_dir / AUTHKEY_NAME
@@ -354,7 +354,7 @@ def _check_operator_file(st: os.stat_result, where: str, limit: int, trusted: bo
         raise UnsafeFile(f"{where} is {st.st_size} bytes, more than the {_size(limit)} allowed: refusing to read it")
 
 
-def read_operator_file(path: str | os.PathLike, what: str, limit: int, *, trusted: bool = True) -> bytes:
+def read_operator_file(path: str | os.PathLike[str], what: str, limit: int, *, trusted: bool = True) -> bytes:
     """The content of a file read on an operator's behalf (see the module docstring), or
     UnsafeFile with one line that names ``what`` it is. ``trusted``: the reader acts for
     someone else (the daemon), so the owner and mode rules hold too."""

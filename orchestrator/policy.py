@@ -171,11 +171,11 @@ class Policy:
         """The pools this one starts after: name -> condition."""
         return dict(split_after(e) for e in self.after)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         """Only what differs from the defaults: short in the journal, stable to compare."""
         return dict(self._derived()[0])
 
-    def _derived(self) -> tuple[dict, dict]:
+    def _derived(self) -> tuple[dict[str, Any], dict[str, int]]:
         # Computed once: a policy is immutable, and these are asked on every save and spawn.
         cached = self.__dict__.get("_cache")
         if cached is None:
@@ -253,7 +253,8 @@ def log_backups(value: Any, key: str = "log_backups") -> int:
     _number(value, key, integer=True)
     if value > LOG_MAX_BACKUPS:
         raise InvalidSpec(f"{key} must be at most {LOG_MAX_BACKUPS}, got {value!r}")
-    return value
+    checked: int = value  # a whole number now
+    return checked
 
 
 def split_after(entry: str) -> tuple[str, str]:

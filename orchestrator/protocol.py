@@ -13,7 +13,8 @@ A reply answers one command, by its id::
 and, where the error has them, ``"data"`` (what a failed command still has to say) and
 ``"fields"`` (its ``wire_fields``: ``{"reason": ..., "task": ...}`` of a WorkerLost). Error
 codes map to the typed errors of ``errors.py``, one table both ways (``error`` builds the
-reply, ``raise_reply`` raises the same class again). Between the
+reply, ``raise_reply`` raises the same class again); the shapes are ``Command``, ``OkReply``
+and ``ErrorReply`` below, and a reply goes to a ``ReplyTo``. Between the
 manager server and the daemon, commands and replies travel as length-prefixed JSON frames
 (``encode_frame``/``FrameReader``): JSON cannot carry code, and NaN is refused on the way in.
 
@@ -27,7 +28,7 @@ import json
 import math
 import re
 import struct
-from typing import Any
+from typing import Any, Callable, Literal, Mapping, NotRequired, TypedDict
 
 from .errors import FrameTooLarge, InvalidSpec, OrchestratorError, from_wire, to_wire
 
@@ -49,30 +50,65 @@ MAX_FRAME = 64 << 20  # a command or reply this large is refused with an error, 
 # -- commands and replies ----------------------------------------------------------
 
 
-def command(op: str, args: dict | None = None, cmd_id: Any = None) -> dict:
+# A caller's own name for its command, echoed in the reply (one that came over the wire is
+# echoed as it came: the loop does not check it).
+CommandId = str | int | None
+
+
+class Command(TypedDict):
+    """One command, in-process and on the wire."""
+
+    id: CommandId
+    op: str
+    args: Mapping[str, Any]  # the command's own arguments, checked by its handler
+
+
+class OkReply(TypedDict):
+    id: CommandId
+    ok: Literal[True]
+    result: Any  # the command's result: plain data (``is_plain``), its shape the command's
+    unsaved: NotRequired[str]  # applied, but the journal's commit failed: why (Engine.settle)
+
+
+class ErrorReply(TypedDict):
+    id: CommandId
+    ok: Literal[False]
+    code: str  # an error code of ``errors.ERROR_TYPES``
+    error: str  # one line
+    data: NotRequired[Any]  # what the caller may still want (the ids a launch made)
+    fields: NotRequired[dict[str, Any]]  # the error's wire_fields that are set (errors.to_wire)
+
+
+Reply = OkReply | ErrorReply
+ReplyTo = Callable[[Reply], None]  # where the loop sends a command's reply
+
+
+def command(op: str, args: Mapping[str, Any] | None = None, cmd_id: CommandId = None) -> Command:
     return {"id": cmd_id, "op": op, "args": args or {}}
 
 
-def ok(cmd_id: Any, result: Any) -> dict:
+def ok(cmd_id: CommandId, result: Any) -> OkReply:
     return {"id": cmd_id, "ok": True, "result": result}
 
 
-def error(cmd_id: Any, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> dict:
+def error(cmd_id: CommandId, err: OrchestratorError | str, code: str | None = None, data: Any = None) -> ErrorReply:
     """An error reply; ``data`` is what the caller may still want (the ids a launch made).
     A typed error keeps its code, data and fields (``errors.to_wire``); a bare line is an
     OrchestratorError's, or ``code``'s."""
     if isinstance(err, str):
         err = OrchestratorError(err)
-    msg = {"id": cmd_id, "ok": False, **to_wire(err)}
-    if code is not None:
-        msg["code"] = code
-    if data is not None:
-        msg["data"] = data
+    wire = to_wire(err)
+    msg: ErrorReply = {"id": cmd_id, "ok": False, "code": code or wire["code"], "error": wire["error"]}
+    if "fields" in wire:
+        msg["fields"] = wire["fields"]
+    if data is not None or "data" in wire:
+        msg["data"] = data if data is not None else wire["data"]
     return msg
 
 
-def raise_reply(msg: dict) -> Any:
-    """The result of a reply, or the typed error it carries (``errors.from_wire``)."""
+def raise_reply(msg: Mapping[str, Any]) -> Any:
+    """The result of a reply, or the typed error it carries. ``msg`` as it came (a peer's
+    JSON is read, not trusted to be a ``Reply``)."""
     if msg.get("ok"):
         return msg.get("result")
     raise from_wire(msg)
@@ -128,7 +164,7 @@ def seconds(value: Any, what: str, *, allow_none: bool = False) -> float | None:
     return float(value)
 
 
-def wait_timeout(args: dict) -> float:
+def wait_timeout(args: Mapping[str, Any]) -> float:
     """A wait's bound, checked before the command does anything."""
     timeout = seconds(args.get("timeout"), "timeout", allow_none=True)
     return DEFAULT_WAIT if timeout is None else timeout

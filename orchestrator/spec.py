@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict
 
 from .errors import InvalidSpec
 from .targets import TargetRef
@@ -36,6 +36,19 @@ class SpawnerKey:
     preload: tuple[str, ...] = ()
     pythonpath: tuple[str, ...] = ()
     cwd: str | None = None
+
+
+class SpecWire(TypedDict, total=False):
+    """A spec as the channel carries it and state.db keeps it (``WorkerSpec.to_wire``): one
+    of ``command``, ``target`` or ``pickled`` (a callable, dill-pickled, base64)."""
+
+    command: list[str]
+    target: str
+    pickled: str
+    env: dict[str, str]
+    cwd: str
+    pythonpath: list[str]
+    preload: list[str]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -111,9 +124,9 @@ class WorkerSpec:
 
     # -- the wire -------------------------------------------------------------------
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> SpecWire:
         """Plain data for the channel; a live callable is pickled here, on the caller's side."""
-        wire: dict[str, Any] = {"env": dict(self.env)} if self.env else {}
+        wire: SpecWire = {"env": dict(self.env)} if self.env else {}
         if self.cwd is not None:
             wire["cwd"] = self.cwd
         if self.command is not None:
@@ -171,7 +184,7 @@ def make_spec(
     command: Sequence[str] | None = None,
     target: str | Callable[[], Any] | None = None,
     env: dict[str, str] | None = None,
-    cwd: str | os.PathLike | None = None,
+    cwd: str | os.PathLike[str] | None = None,
     preload: Sequence[str] = (),
 ) -> WorkerSpec:
     """A WorkerSpec from the arguments the API and the CLI take; a relative ``cwd`` is the
@@ -210,9 +223,9 @@ def resolve_executable(command: tuple[str, ...], env: dict[str, str], cwd: str |
 class Runtime:
     """A spec made ready to fork: resolved once per launch, reused for every replica."""
 
-    wire: dict  # the spec as it is stored and sent
+    wire: SpecWire  # the spec as it is stored and sent
     cwd: str | None = None
-    run: Any = None  # callable, or pickled bytes only the child loads
+    run: Callable[[], Any] | TargetRef | bytes | None = None  # a target, or pickled bytes only the child loads
     argv: tuple[str, ...] | None = None
     exe: str | None = None
     env: dict[str, str] = field(default_factory=dict)

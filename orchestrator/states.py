@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 class ReplicaState(str, enum.Enum):
@@ -90,7 +90,7 @@ class Replica:
     # older spec, whatever happened to the rollouts before it.
     made_from: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "pool": self.pool,
@@ -107,7 +107,7 @@ class Replica:
         }
 
     @classmethod
-    def from_record(cls, rec: dict) -> "Replica":
+    def from_record(cls, rec: Mapping[str, Any]) -> "Replica":
         """A replica from the store's row (recovery: the record of an earlier daemon)."""
         return cls(
             rec["id"], rec["pool"], int(rec["n"]), ReplicaState(rec["state"]),
@@ -117,7 +117,7 @@ class Replica:
             started_at=rec.get("started_at"),
         )
 
-    def to_record(self) -> dict:
+    def to_record(self) -> dict[str, Any]:
         """The store's row: to_dict plus what recovery needs."""
         d = self.to_dict()
         d["n"] = self.n

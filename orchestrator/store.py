@@ -95,7 +95,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, TypedDict
 
 from .errors import StoreError
 from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
@@ -122,11 +122,30 @@ _PRUNE_INTERVAL_S = 600.0                 # prune at least this often when anyth
 _VACUUM_MIN_FREE_PAGES = 256              # only give pages back when >= 1 MB is free ...
 _VACUUM_MAX_PAGES = 4096                  # ... and at most 16 MB per prune, to bound the pause
 
+class PoolRow(TypedDict):
+    """A pool as ``pools()`` reads it: ``spec`` is the row's JSON (``unpack_pool_row``)."""
+
+    name: str
+    desired: int
+    spec: Any
+    next_n: int
+
+
+class EventRow(TypedDict):
+    """A journal entry as ``events()`` reads it; ``data`` is {} for one appended without."""
+
+    seq: int
+    ts: float
+    kind: str
+    replica: str | None
+    data: dict[str, Any]
+
+
 class _Corrupt(Exception):
     pass
 
 
-def unpack_pool_row(spec_json: Any) -> tuple[dict | None, dict | None, dict]:
+def unpack_pool_row(spec_json: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
     """(spec wire, policy wire, extras) of a stored pool row, old rows (a bare spec) too."""
     if isinstance(spec_json, dict) and spec_json.get("v") == POOL_ROW_VERSION:
         return spec_json.get("spec"), spec_json.get("policy"), spec_json
@@ -155,11 +174,11 @@ class Store:
         self._conn: sqlite3.Connection | None = None
         self._closed = False
         # Write buffers. Dicts give last-write-wins per key within a turn.
-        self._pools: dict[str, tuple] = {}
-        self._replicas: dict[str, tuple] = {}
+        self._pools: dict[str, tuple[str, str, int, int]] = {}
+        self._replicas: dict[str, tuple[Any, ...]] = {}
         self._bump: dict[str, int] = {}          # pool -> next_n implied by replicas saved
-        self._events: list[tuple] = []
-        self._tasks: dict[str, tuple] = {}
+        self._events: list[tuple[float, str, str | None, str | None]] = []
+        self._tasks: dict[str, tuple[Any, ...]] = {}
         # While commits fail (a full disk), the buffer is what the journal will catch up
         # with. Rows are one per id (bounded by what exists); events are not, so the oldest
         # of them beyond keep_events (which retention would delete at once anyway) are let
@@ -348,7 +367,7 @@ class Store:
         return self._conn
 
     # ------------------------------------------------------------------ write side
-    def save_pool(self, name: str, spec: dict, desired: int, next_n: int) -> None:
+    def save_pool(self, name: str, spec: dict[str, Any], desired: int, next_n: int) -> None:
         """Upsert a pool (buffered). next_n never goes down in the database."""
         if self.readonly:
             self._writer()
@@ -357,7 +376,7 @@ class Store:
         self._pools[name] = (name, json.dumps(spec, separators=(",", ":")), int(desired),
                              int(next_n))
 
-    def save_replica(self, rec: dict) -> None:
+    def save_replica(self, rec: Mapping[str, Any]) -> None:
         """Upsert a replica record (buffered; the last save of an id in a turn wins)."""
         if self.readonly:
             self._writer()
@@ -385,7 +404,7 @@ class Store:
         if b is None or n >= b:
             self._bump[pool] = n + 1
 
-    def append_event(self, kind: str, *, replica: str | None = None, data: dict | None = None,
+    def append_event(self, kind: str, *, replica: str | None = None, data: Mapping[str, Any] | None = None,
                      ts: float | None = None) -> None:
         """Append to the journal (buffered). ts defaults to now (wall clock)."""
         if self.readonly:
@@ -397,7 +416,7 @@ class Store:
             del self._events[:drop]  # in bulk: amortised O(1) an event
             self._dropped_events += drop
 
-    def save_task(self, rec: dict) -> None:
+    def save_task(self, rec: Mapping[str, Any]) -> None:
         """Upsert a task record (buffered; the last save of an id in a turn wins): the keys
         of TASK_COLS but ``retire_key``, which is its ``ended_at`` once it has ended."""
         if self.readonly:
@@ -553,7 +572,7 @@ class Store:
         return pruned
 
     # ------------------------------------------------------------------ read side
-    def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
+    def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         conn = self._reader()
         if conn is None:
             return []
@@ -564,7 +583,7 @@ class Store:
             raise self._sql_error(e, "reading") from e
 
     @staticmethod
-    def _replica_dict(row: tuple) -> dict:
+    def _replica_dict(row: tuple[Any, ...]) -> dict[str, Any]:
         d = dict(zip(REPLICA_COLS, row))
         extra = row[10]
         if extra:
@@ -572,20 +591,20 @@ class Store:
                 d.setdefault(k, v)
         return d
 
-    def pools(self) -> list[dict]:
+    def pools(self) -> list[PoolRow]:
         """[{"name", "desired", "spec", "next_n"}] ordered by name (committed state)."""
         return [{"name": name, "desired": desired, "spec": loads(spec), "next_n": next_n}
                 for name, spec, desired, next_n in
                 self._rows("SELECT name, spec, desired, next_n FROM pools ORDER BY name")]
 
-    def replicas(self, include_terminal: bool = False) -> list[dict]:
+    def replicas(self, include_terminal: bool = False) -> list[dict[str, Any]]:
         """Replica records ordered by (pool, n); live ones only unless include_terminal."""
         sql = SQL_SELECT_REPLICAS
         if not include_terminal:
             sql += " WHERE retire_key IS NULL"
         return [self._replica_dict(r) for r in self._rows(sql + " ORDER BY pool, n")]
 
-    def load(self) -> tuple[list[dict], list[dict]]:
+    def load(self) -> tuple[list[PoolRow], list[dict[str, Any]]]:
         """(pools, live replicas) for recovery at daemon start.
 
         Each pool's next_n is at least one more than any replica n ever stored for it."""
@@ -600,7 +619,7 @@ class Store:
         return pools, self.replicas(include_terminal=False)
 
     def tasks(self, *, pool: str | None = None, include_terminal: bool = False, task_id: str | None = None,
-              limit: int | None = None) -> list[dict]:
+              limit: int | None = None) -> list[dict[str, Any]]:
         """Task records (committed state) in (pool, n) order: unfinished ones, with ended
         ones too if ``include_terminal``; one with ``task_id``."""
         where, args = [], []
@@ -622,7 +641,7 @@ class Store:
         return dict(self._rows("SELECT pool, max(n) FROM tasks GROUP BY pool"))
 
     def events(self, *, replica: str | None = None, since: float | None = None,
-               after_seq: int = 0, limit: int | None = None) -> list[dict]:
+               after_seq: int = 0, limit: int | None = None) -> list[EventRow]:
         """Journal entries {"seq", "ts", "kind", "replica", "data"} ordered by seq.
 
         after_seq: only seq > after_seq (for tailing); since: only ts >= since;
@@ -642,11 +661,11 @@ class Store:
         return [self._event_dict(row) for row in self._rows(sql, args)]
 
     @staticmethod
-    def _event_dict(row: tuple) -> dict:
+    def _event_dict(row: tuple[Any, ...]) -> EventRow:
         seq, ts, kind, rep, data = row
         return {"seq": seq, "ts": ts, "kind": kind, "replica": rep, "data": loads(data) if data is not None else {}}
 
-    def last_event(self, kind: str) -> dict | None:
+    def last_event(self, kind: str) -> EventRow | None:
         """The newest committed event of ``kind`` (shaped as in ``events``), or None."""
         rows = self._rows("SELECT seq, ts, kind, replica, data FROM events WHERE kind = ? "
                           "ORDER BY seq DESC LIMIT 1", (kind,))

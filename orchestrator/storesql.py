@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import json.encoder as _json_encoder
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 SCHEMA_VERSION = 1
 
@@ -114,7 +114,7 @@ if _c_make_encoder is not None:
     _c_encode = _c_make_encoder(
         None, str, _json_encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
 
-    def dumps(obj: Any, _join: Any = "".join, _enc: Any = _c_encode) -> str:
+    def dumps(obj: Any, _join: Callable[[Iterable[str]], str] = "".join, _enc: Any = _c_encode) -> str:
         return _join(_enc(obj, 0))
 else:  # pragma: no cover - interpreters without the C accelerator
     dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode

@@ -71,4 +71,5 @@ def resolve_target(target: str) -> Callable[[], Any]:
             raise InvalidSpec(f"{target}: {type(err).__name__}: {err}") from None
     if not callable(obj):
         raise InvalidSpec(f"{target} is not callable")
-    return obj
+    found: Callable[[], Any] = obj  # callable, as checked: what it takes is its own affair
+    return found

@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, NotRequired, Protocol, TypedDict, TypeVar
 
 from .errors import AWAY, ChannelError, OrchestratorError, ShuttingDown
 from .protocol import error
@@ -25,6 +25,59 @@ FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twi
 BLOCK_MAX = 1024  # ...up to this
 EMBEDDED_BLOCK = 1 << 31  # an embedded pool is its session's alone: one block that never runs out
 SPARE_WAIT = 5.0  # the next block, asked for with a batch, is waited for this long at most
+
+R = TypeVar("R")
+F = TypeVar("F")  # the executor's future
+
+
+class Submit(TypedDict):
+    """One task as an executor hands it to its ``Backend`` (``task_submit``'s arguments, from
+    an embedded executor as they are)."""
+
+    pool: str
+    session: str
+    ref: int  # the executor's own name for it, until the loop names it
+    payload: bytes  # the pickled (fn, args, kwargs): opaque to the loop
+    n: int | None  # the task number its session was granted (``Numbers``); None: a daemon that grants none
+
+
+class NumbersAsk(TypedDict):
+    """``task_numbers``'s arguments: a block of ``count`` task numbers for a session."""
+
+    pool: str
+    session: str
+    count: int
+
+
+class BatchTask(TypedDict):
+    """A task in a ``task_submit`` batch on the daemon's channel (JSON: no bytes)."""
+
+    payload: str  # base64 of Submit's payload
+    ref: int
+    n: int | None
+
+
+class SubmitBatch(TypedDict):
+    """``task_submit``'s arguments from ``Remote``: the tasks of one session, one round trip."""
+
+    pool: str
+    session: str
+    tasks: list[BatchTask]
+    numbers: NotRequired[int]  # also a block of this many task numbers, in the reply
+    resend: NotRequired[bool]  # sent before, its reply lost: a task the daemon has is that task
+
+
+Answer = Callable[[Mapping[str, Any]], None]  # a submit's reply, or ``{"ok": False, "error", "code"}``
+
+
+class Channel(Protocol):
+    """What ``Remote`` uses of the daemon's ``Client`` (client/channel.py), handed to it."""
+
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any: ...
+    def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
+                        stop: threading.Event | None = None) -> R: ...
+    def close_thread(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class Numbers:
@@ -82,15 +135,15 @@ class Numbers:
 class Backend:
     """How an executor reaches the control loop that runs its pool."""
 
-    handle: Any
+    handle: Any  # what runs the pool: the embedded Orchestrator, or the daemon's Client (Executor.orchestrator)
 
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
+    def call(self, op: str, args: Mapping[str, Any], timeout: float | None = None, *, retry: bool = True) -> Any:
         raise NotImplementedError
 
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+    def submit(self, args: Submit, on_reply: Answer) -> None:
         raise NotImplementedError
 
-    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+    def ask_numbers(self, args: NumbersAsk, deliver: Callable[[list[int] | None], None]) -> None:
         """Ask for a block of task numbers (``task_numbers`` with ``args``) without waiting:
         ``deliver`` gets it (or None) when it comes."""
         raise NotImplementedError
@@ -111,13 +164,13 @@ class Remote(Backend):
     did not come is sent again (``resend``): the daemon knows each task by the number this
     side gave it, so a task that arrived the first time is not queued twice."""
 
-    def __init__(self, client: Any, reconnect_timeout: float) -> None:
+    def __init__(self, client: Channel, reconnect_timeout: float) -> None:
         """``client``: the daemon's ``Client`` (made by the executor: a shared module does
         not import the client's side itself)."""
         if isinstance(reconnect_timeout, bool) or not isinstance(reconnect_timeout, (int, float)) or \
                 not 0 <= reconnect_timeout < float("inf"):
             raise ValueError(f"reconnect_timeout must be a finite number of seconds, got {reconnect_timeout!r}")
-        self.handle = client
+        self.handle: Channel = client
         self.reconnect_timeout = float(reconnect_timeout)
         self.rejoin: Callable[[float], None] = lambda timeout: None  # the executor's
         self.gone = threading.Event()  # the executor is closing: a reconnect gives up
@@ -125,7 +178,7 @@ class Remote(Backend):
         self._generation = 0  # reconnects so far
         self._recovering = False
         self._broken: OrchestratorError | None = None  # the window passed: every call fails with it
-        self._unsent: list[tuple[dict, Callable[[dict], None]]] = []
+        self._unsent: list[tuple[Submit, Answer]] = []
         self._inflight: set[int] = set()  # the refs of the batch on its way
         self._want_numbers = 0  # task numbers to ask for with the next batch...
         self._on_numbers: Callable[[list[int] | None], None] = lambda block: None  # ...and where they go
@@ -135,13 +188,14 @@ class Remote(Backend):
         self._sender = threading.Thread(target=self._send, name="executor-submit", daemon=True)
         self._sender.start()
 
-    def raw_call(self, op: str, args: dict, timeout: float | None = None) -> Any:
+    def raw_call(self, op: str, args: Mapping[str, Any], timeout: float | None = None) -> Any:
         """One call, as it goes: no waiting for a daemon that is away."""
         if op == "executor" and isinstance(args.get("init"), bytes):
             args = {**args, "init": base64.b64encode(args["init"]).decode("ascii")}  # JSON carries no bytes
-        return self.handle.call(op, args, timeout)
+        # A TypedDict (SubmitBatch) is a dict at run time: no copy.
+        return self.handle.call(op, args if isinstance(args, dict) else dict(args), timeout)
 
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
+    def call(self, op: str, args: Mapping[str, Any], timeout: float | None = None, *, retry: bool = True) -> Any:
         """A call; one that finds the daemon away is made again once this client is back
         with it (``recover``), unless ``retry`` is False."""
         while True:
@@ -199,7 +253,7 @@ class Remote(Backend):
             return end
         return None
 
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+    def submit(self, args: Submit, on_reply: Answer) -> None:
         with self._wake:
             if self._closed:
                 raise ShuttingDown("the executor is shutting down")
@@ -222,12 +276,12 @@ class Remote(Backend):
             taken, self._unsent = self._unsent, []
         return [args["ref"] for args, _ in taken]
 
-    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+    def ask_numbers(self, args: NumbersAsk, deliver: Callable[[list[int] | None], None]) -> None:
         """With the next batch of submits: no round trip of its own."""
         with self._wake:
             self._want_numbers, self._on_numbers = args["count"], deliver
 
-    def acknowledged(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    def acknowledged(self, items: list[tuple[int, F]]) -> list[tuple[int, F]]:
         """Of (ref, future) ``items``, those whose submit the daemon acknowledged (not
         waiting to be sent, nor on their way: those are sent again, to the daemon as it is)."""
         with self._wake:
@@ -256,12 +310,13 @@ class Remote(Backend):
         finally:
             self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's
 
-    def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]], want: int,
+    def _send_batch(self, batch: list[tuple[Submit, Answer]], want: int,
                     deliver: Callable[[list[int] | None], None]) -> None:
         first = batch[0][0]
-        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
-                 for args, _ in batch]
-        request: dict[str, Any] = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
+        tasks: list[BatchTask] = [
+            {"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
+            for args, _ in batch]
+        request: SubmitBatch = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
         if want:
             request["numbers"] = want
         try:

@@ -11,7 +11,8 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
 
     worker -> loop   HELLO       number: its pid; with it, over SCM_RIGHTS, its cancel word;
                                  payload: its wire version (a byte; none: version 1)
-    loop -> worker   CONFIG      payload: JSON {"grace": s} (version 2, before WELCOME)
+    loop -> worker   CONFIG      payload: JSON {"grace": s} (``ConfigPayload``; version 2,
+                                 before WELCOME)
     loop -> worker   WELCOME     number: max_tasks; payload: the pickled (initializer,
                                  initargs), or empty; from an embedded executor, ``k``, the
                                  caller's multiprocessing authkey (u16 length) and then that
@@ -62,7 +63,7 @@ import struct
 import sys
 import types
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 HEADER = struct.Struct("!IBQ")
 MAX_FRAME = 1 << 30  # a corrupt length must not make either side allocate without bound
@@ -90,6 +91,22 @@ class TaskEvent(StrEnum):
     STARTED = "started"  # a worker runs it now (data: its task id)
     STOPPING = "stopping"  # it ended while a worker ran it: its end comes next, the worker still stops it
     STOPPED = "stopped"  # that worker is done with it (TaskFuture.wait_stopped returns)
+
+
+class ConfigPayload(TypedDict):
+    """A CONFIG frame's JSON payload."""
+
+    grace: float  # seconds a task the loop stops has before its worker's tree is killed
+
+
+class TargetCall(TypedDict):
+    """A ``module:function`` task's payload (``target_payload``), JSON after a ``t``."""
+
+    target: str  # "module:function"
+    args: list[Any]  # JSON values, the function's positional arguments
+    kwargs: dict[str, Any]  # JSON values, its keyword arguments
+    pythonpath: list[str]  # the submitter's, looked in first
+    cwd: str | None  # the submitter's working directory, where the target is imported
 
 
 def frame(kind: int, number: int = 0, payload: bytes = b"") -> bytes:
@@ -249,13 +266,13 @@ def _has_proxy(data: bytes) -> bool:
     return data.find(b"RebuildProxy") >= 0
 
 
-def _pickled(obj: Any, base: type, result: bool, **options: Any) -> bytes:
+def _pickled(obj: Any, base: type[pickle.Pickler], result: bool, **options: Any) -> bytes:
     """``obj`` pickled by ``base`` (pickle's or dill's Pickler) with each manager proxy's
     authkey in its rebuild's keywords (``RebuildProxy`` hands them to the proxy, which
     connects with it), and, for a ``result``, what is of ``__main__`` by name."""
     proxies = tuple(sys.modules[name].BaseProxy for name in _MANAGERS if name in sys.modules)
 
-    class Pickler(base):
+    class Pickler(base):  # type: ignore[valid-type,misc]  # pickle's or dill's, as the caller chose
         def reducer_override(self, value: Any) -> Any:
             if isinstance(value, proxies):
                 rebuild, (func, token, serializer, kwds) = value.__reduce__()
@@ -325,7 +342,7 @@ def split_authkey(payload: bytes) -> tuple[bytes | None, bytes]:
     return payload[1 + _LINE.size:end], payload[end:]
 
 
-def target_payload(call: dict) -> bytes:
+def target_payload(call: TargetCall) -> bytes:
     """A ``module:function`` task (``submit --target``): JSON the daemon can build and the
     worker reads, {"target", "args", "kwargs", "pythonpath", "cwd"}. TypeError or ValueError
     if the arguments are not JSON."""

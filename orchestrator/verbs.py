@@ -8,7 +8,7 @@ waits, is written once, here.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 from .protocol import client_bound
 
@@ -24,12 +24,19 @@ def _ids(ids: Iterable[str | Sequence[str]]) -> list[str]:
     return out
 
 
+def _object(result: Any) -> dict[str, Any]:
+    """A command's result that is a JSON object, as the loop answers it (not checked)."""
+    return cast("dict[str, Any]", result)
+
+
 class Verbs:
     """launch / terminate / scale / status / wait / ping over an abstract ``call``."""
 
-    def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """Send one command, wait (bounded) for its reply, return its result or raise its
-        typed error; ``timeout`` bounds the wait for the reply (None: the caller's default)."""
+        typed error; ``timeout`` bounds the wait for the reply (None: the caller's default).
+        Any: the result is the command's JSON, its shape the command's (the methods below
+        say which)."""
         raise NotImplementedError
 
     def launch(
@@ -42,7 +49,7 @@ class Verbs:
         env: dict[str, str] | None = None,
         wait: bool = False,
         timeout: float | None = None,
-        cwd: str | os.PathLike | None = None,
+        cwd: str | os.PathLike[str] | None = None,
         policy: dict[str, Any] | None = None,
         replace: bool = False,
         preload: Sequence[str] = (),
@@ -69,7 +76,7 @@ class Verbs:
 
     def terminate(self, *ids: str | Sequence[str], wait: bool = False, timeout: float | None = None) -> list[str]:
         """Stop these replicas; already-ended ones are a no-op. ``wait``: until reaped."""
-        args = {"ids": _ids(ids), "wait": wait, "timeout": timeout}
+        args: dict[str, Any] = {"ids": _ids(ids), "wait": wait, "timeout": timeout}
         return list(self.call("terminate", args, client_bound(timeout)))
 
     def scale(
@@ -79,23 +86,23 @@ class Verbs:
         *,
         command: Sequence[str] | None = None,
         target: str | Callable[[], Any] | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Set ``pool``'s size to ``n``; a spec creates the pool if it does not exist."""
         from .spec import make_spec
 
         # Recorded with this directory, as launch does: the same pool launched from here is the same spec.
         spec = make_spec(command, target, cwd=os.getcwd()).to_wire() if command is not None or target is not None else None
-        return self.call("scale", {"pool": pool, "n": n, "spec": spec})
+        return _object(self.call("scale", {"pool": pool, "n": n, "spec": spec}))
 
-    def status(self, all: bool = False) -> dict:  # noqa: A002 - mirrors `status --all`
-        return self.call("status", {"all": all})
+    def status(self, all: bool = False) -> dict[str, Any]:  # noqa: A002 - mirrors `status --all`
+        return _object(self.call("status", {"all": all}))
 
-    def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict:
+    def wait(self, ids: Sequence[str], until: str = "running", timeout: float = 60.0) -> dict[str, Any]:
         """Block until every replica is RUNNING (or ended), or ``until="ended"``: reaped."""
-        return self.call("wait", {"ids": _ids([ids]), "until": until, "timeout": timeout}, client_bound(timeout))
+        return _object(self.call("wait", {"ids": _ids([ids]), "until": until, "timeout": timeout}, client_bound(timeout)))
 
     def restart(self, *ids: str | Sequence[str], pool: str | None = None, max_unavailable: int = 1,
-                timeout: float = 600.0) -> dict:
+                timeout: float = 600.0) -> dict[str, Any]:
         """Replace replicas (or a whole pool, rolling) with new ones; returns once every new
         one is ready: ``{"pool", "replaced": {old: new}, "pending": [...]}``."""
         args: dict[str, Any] = {"timeout": timeout}
@@ -103,20 +110,20 @@ class Verbs:
             args.update(pool=pool, max_unavailable=max_unavailable)
         else:
             args["ids"] = _ids(ids)
-        return self.call("restart", args, client_bound(timeout))
+        return _object(self.call("restart", args, client_bound(timeout)))
 
-    def delete(self, pool: str) -> dict:
+    def delete(self, pool: str) -> dict[str, Any]:
         """Terminate a pool's replicas and forget the pool."""
-        return self.call("delete", {"pool": pool})
+        return _object(self.call("delete", {"pool": pool}))
 
-    def signal(self, sig: str | int, *ids: str | Sequence[str], pool: str | None = None) -> dict:
+    def signal(self, sig: str | int, *ids: str | Sequence[str], pool: str | None = None) -> dict[str, Any]:
         """Send ``sig`` to replicas' process trees (or to every replica of ``pool``)."""
         args: dict[str, Any] = {"signal": sig}
         if pool is not None:
             args["pool"] = pool
         else:
             args["ids"] = _ids(ids)
-        return self.call("signal", args)
+        return _object(self.call("signal", args))
 
     def ping(self) -> str:
-        return self.call("ping")
+        return cast(str, self.call("ping"))

@@ -40,12 +40,16 @@ from __future__ import annotations
 import _signal  # type: ignore[import-not-found]  # no stub; the module signal wraps, lighter to import
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import socket  # imported where a worker has sockets to take
 
 __all__ = ["Terminated", "Cancelled", "TaskTimeout", "install_sigterm_handler", "exit_as_killed", "ready",
            "listen_sockets"]
 
 SD_LISTEN_FDS_START = 3
-_listening: tuple[int, list] | None = None  # (pid, sockets): one object per fd, made once
+_listening: tuple[int, list[socket.socket]] | None = None  # (pid, sockets): one object per fd, made once
 
 
 class Terminated(BaseException):
@@ -171,7 +175,7 @@ def ready(**fields: object) -> bool:
     return sd_notify(os.environ.get("NOTIFY_SOCKET"), **fields)
 
 
-def listen_sockets() -> list:
+def listen_sockets() -> list[socket.socket]:
     """The listening sockets of this replica's pool (``--socket``, key ``sockets``), in their
     order there: ``socket.socket`` objects on fds 3, 4, ..., as ``sd_listen_fds(0)`` finds
     them: only when ``$LISTEN_PID`` is this process (a child this worker forks inherits the

@@ -46,7 +46,7 @@ import re
 import select
 import signal as _signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 __all__ = [
@@ -537,7 +537,7 @@ class Subtree:
             raise ValueError(f"not a usable cgroup name: {replica_id!r}")
         return os.path.join(self.replicas_dir, replica_id)
 
-    def make_replica(self, replica_id: str, limits: dict[str, int | str | None] | None = None) -> str:
+    def make_replica(self, replica_id: str, limits: Mapping[str, int | str | None] | None = None) -> str:
         """Create the replica's cgroup and write its limits; return its path.
 
         ``limits``: keys of ``LIMITS`` (``memory_max``, ``pids_max``, ``cpu_weight``); None

@@ -40,6 +40,7 @@ import select
 import signal
 import sys
 import time
+from typing import Any, Mapping
 from collections.abc import Sequence
 
 from .identity import start_time
@@ -192,7 +193,7 @@ class WatchdogLink:
             poller.poll(remaining * 1000)
         self._close()
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """For the caller's exec of itself (it keeps its pid, so the watchdog watches on):
         the feed's fd, made inheritable, and the ledger and unsent bytes, as JSON."""
         if self._fd >= 0:
@@ -201,7 +202,7 @@ class WatchdogLink:
                 "cgroups": {path: line.hex() for path, line in self._cgroups.items()},
                 "unsent": bytes(self._buffer).hex()}
 
-    def adopt(self, carried: dict) -> None:
+    def adopt(self, carried: Mapping[str, Any]) -> None:
         """After that exec: the link as ``carried()`` described it, to the same watchdog."""
         self._fd = int(carried["fd"])
         if self._fd >= 0:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import OrchestratorError
 from ..paths import Paths
+
+if TYPE_CHECKING:
+    from ..store import Store
 
 
 def format_health(ok: bool, info: Mapping[str, Any]) -> str:
@@ -47,7 +50,7 @@ def journal_line(journal: Mapping[str, Any]) -> str:
     return text
 
 
-def open_store_readonly(paths: Paths) -> Any:
+def open_store_readonly(paths: Paths) -> Store:
     """The journal for a reader (the daemon may be down); a bad file is a one-line error."""
     from ..store import Store, StoreError
 
@@ -57,7 +60,7 @@ def open_store_readonly(paths: Paths) -> Any:
         raise OrchestratorError(str(err)) from None
 
 
-def stored_status(paths: Paths, include_terminal: bool) -> dict:
+def stored_status(paths: Paths, include_terminal: bool) -> dict[str, Any]:
     """Pools and replicas as state.db last recorded them (for ``status`` with the daemon down)."""
     if not paths.db.exists():
         return {"pools": [], "replicas": []}
@@ -77,7 +80,8 @@ def stored_status(paths: Paths, include_terminal: bool) -> dict:
         store.close()
 
 
-def format_status(data: dict, *, samples: dict | None = None, health: str | None = None) -> str:
+def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, float]] | None = None,
+                  health: str | None = None) -> str:
     """The table: daemon, pools (in the order they start, each with the pools it starts
     after and what its PENDING replicas wait for), then one line per replica with its uptime, restarts, CPU%
     and RSS (psutil; CPU% since its start, or since the last redraw with --watch) and the
@@ -154,7 +158,7 @@ def redraw(interval: float, frame: Callable[[], str]) -> int:
         return 0
 
 
-def _command_text(spec: dict | None) -> str:
+def _command_text(spec: Mapping[str, Any] | None) -> str:
     if not spec:
         return ""
     if spec.get("command"):
@@ -171,7 +175,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def _usage(pid: int, samples: dict | None) -> tuple[str, str]:
+def _usage(pid: int, samples: dict[int, tuple[float, float]] | None) -> tuple[str, str]:
     """CPU% (since the process started, or since the last sample) and RSS of ``pid``."""
     import psutil
 

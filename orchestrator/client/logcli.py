@@ -9,13 +9,18 @@ import os
 import select
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import NotFound, UsageError
 from .argtypes import natural
 
+if TYPE_CHECKING:
+    from ..paths import Paths
 
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
+
+
+def add_parser(sub: argparse._SubParsersAction[P], common: P) -> None:
     """Add ``logs`` to the CLI's subparsers."""
     p = sub.add_parser("logs", parents=[common],
                        help="a replica's captured stdout or stderr (works with the daemon down)",
@@ -61,7 +66,7 @@ def _quiet_stdout() -> None:
         os.close(devnull)
 
 
-def cmd_logs(args: argparse.Namespace, paths: Any) -> int:
+def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
     from ..protocol import parse_replica_id, pool_name

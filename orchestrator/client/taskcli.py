@@ -18,12 +18,17 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from ..errors import ChannelError, DaemonNotRunning, OrchestratorError, UnknownTask
 from ..paths import Paths, running_pid
 from ..protocol import parse_task_id
 from .argtypes import natural, positive_seconds, seconds
+
+if TYPE_CHECKING:
+    from .channel import Client
+
+P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
@@ -49,7 +54,7 @@ def _kwarg(text: str) -> tuple[str, Any]:
     return key, _json_value(value)
 
 
-def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
     """Add ``submit``, ``tasks``, ``cancel`` and ``result`` to the CLI's subparsers."""
     p = sub.add_parser("submit", parents=[common], help="queue a task (MODULE:FUNC) in an executor pool")
     p.add_argument("--pool", required=True, help="the executor pool")
@@ -85,7 +90,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="the outcome as one JSON object")
 
 
-def _client(paths: Paths) -> Any:
+def _client(paths: Paths) -> Client:
     from .channel import Client
 
     return Client(paths.state_dir)
@@ -142,12 +147,12 @@ def cmd_result(args: argparse.Namespace, paths: Paths) -> int:
     return _report(args, outcome, timeout)
 
 
-def _wait(client: Any, task_id: str, timeout: float | None) -> dict:
+def _wait(client: Client, task_id: str, timeout: float | None) -> dict[str, Any]:
     """The task's outcome once it has ended, or its state at ``timeout`` (None: no bound)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         chunk = WAIT_CHUNK if deadline is None else max(0.0, min(WAIT_CHUNK, deadline - time.monotonic()))
-        outcome: dict = client.call("task_result", {"id": task_id, "wait": True, "timeout": chunk},
+        outcome: dict[str, Any] = client.call("task_result", {"id": task_id, "wait": True, "timeout": chunk},
                                     timeout=chunk + 3.0)
         if _ended(outcome["state"]) or (deadline is not None and time.monotonic() >= deadline):
             return outcome
@@ -159,7 +164,7 @@ def _ended(state: str) -> bool:
     return TaskState(state).terminal
 
 
-def _stored_outcome(paths: Paths, task_id: str) -> dict:
+def _stored_outcome(paths: Paths, task_id: str) -> dict[str, Any]:
     """A task's outcome as the journal recorded it (the daemon is down): a finished task's;
     DaemonNotRunning if it has none (unknown there, or it had not finished)."""
     from .display import open_store_readonly
@@ -180,7 +185,7 @@ def _stored_outcome(paths: Paths, task_id: str) -> dict:
     return {k: row.get(k) for k in ("id", "state", "kind", "result", "reason")}
 
 
-def _report(args: argparse.Namespace, outcome: dict, waited: float | None) -> int:
+def _report(args: argparse.Namespace, outcome: dict[str, Any], waited: float | None) -> int:
     """Print an outcome (``task_result``'s answer): the value of a DONE task, else one line
     on stderr that says why there is none; the exit code."""
     from ..states import TaskState
@@ -245,7 +250,7 @@ def cmd_tasks(args: argparse.Namespace, paths: Paths) -> int:
     return code
 
 
-def _listing(args: argparse.Namespace, paths: Paths) -> tuple[int, list[dict]]:
+def _listing(args: argparse.Namespace, paths: Paths) -> tuple[int, list[dict[str, Any]]]:
     """(exit code, tasks): the daemon's answer, or with it down (exit 3) the journal's."""
     if running_pid(paths) is not None:
         try:
@@ -265,7 +270,7 @@ def _listing(args: argparse.Namespace, paths: Paths) -> tuple[int, list[dict]]:
     return EXIT_NOT_RUNNING, [{k: row.get(k) for k in LISTING} for row in rows]
 
 
-def _table(rows: Sequence[dict], *, running: bool) -> str:
+def _table(rows: Sequence[dict[str, Any]], *, running: bool) -> str:
     from .display import clock
 
     out = [] if running else ["daemon: not running; tasks below are as last known"]

@@ -21,16 +21,22 @@ import random
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict
 
 from watchdog.identity import start_time
 
 from ..errors import FrameTooLarge
 from ..interpreter import python_argv
-from ..protocol import FrameReader, encode_frame, error
+from ..protocol import FrameReader, Reply, ReplyTo, encode_frame, error
 from ..states import exit_reason
 from .osapi import OSApi
 from .reactor import BufferedWriter, Reactor
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from .journal import Journal
+    from .limits import FdReserve
 
 log = logging.getLogger("orchestrator")
 
@@ -68,7 +74,7 @@ class SystemChild:
         on_exit: Callable[[int, int | None], None] | None = None,
         backoff: Backoff | None = None,
         on_down: Callable[[str], None] | None = None,
-        reserve: Any = None,
+        reserve: FdReserve | None = None,
     ) -> None:
         self.name = name
         self.reactor = reactor
@@ -166,7 +172,7 @@ class WatchdogChild(SystemChild):
     """The watchdog: a restarted one gets the whole ledger replayed (WatchdogLink keeps
     it) into its new pipe, which the reactor then flushes."""
 
-    def __init__(self, link: Any, reactor: Reactor, os_api: OSApi, reserve: Any = None) -> None:
+    def __init__(self, link: WatchdogLink, reactor: Reactor, os_api: OSApi, reserve: FdReserve | None = None) -> None:
         self.link = link
         super().__init__("watchdog", reactor, os_api, self._spawn_link, reserve=reserve)
 
@@ -176,11 +182,11 @@ class WatchdogChild(SystemChild):
         self.reactor.add_writer(self.link)
         return pid
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """What an upgrade carries: the watchdog, its feed (made inheritable) and the ledger."""
         return {"pid": self.pid, **self.link.carried()}
 
-    def take_over(self, carried: dict) -> None:
+    def take_over(self, carried: Mapping[str, Any]) -> None:
         self.link.adopt(carried)
         self.reactor.add_writer(self.link)
         self.adopt(int(carried["pid"]))
@@ -193,6 +199,17 @@ class WatchdogChild(SystemChild):
             self.link.stop()
 
         self.stop(ask, timeout)
+
+
+class ManagerCarried(TypedDict):
+    """The manager server as an upgrade carries it across the exec (JSON)."""
+
+    pid: int
+    cmd_fd: int  # the command pipe's read end, inheritable
+    reply_fd: int  # the reply pipe's write end, inheritable
+    ready: bool
+    partial: str  # hex: the bytes of a command frame half read
+    unsent: str  # hex: replies not written yet
 
 
 class ManagerBridge:
@@ -210,8 +227,8 @@ class ManagerBridge:
     NOT_STARTED = "not started yet"
 
     def __init__(self, state_dir: Path, reactor: Reactor, os_api: OSApi,
-                 handle: Callable[[dict, Callable[[dict], None]], None], watchdog: Any = None,
-                 journal: Any = None, reserve: Any = None) -> None:
+                 handle: Callable[[Any, ReplyTo], None], watchdog: WatchdogLink | None = None,
+                 journal: Journal | None = None, reserve: FdReserve | None = None) -> None:
         self.state_dir = state_dir
         self.reactor = reactor
         self._handle = handle
@@ -232,7 +249,7 @@ class ManagerBridge:
     def start(self) -> None:
         self.child.start()
 
-    def carried(self) -> dict | None:
+    def carried(self) -> ManagerCarried | None:
         """What an upgrade carries: the manager, its pipes (made inheritable), the bytes of a
         command frame half read and of replies not written yet. None if there is none."""
         if self.pid is None or self._cmd_fd is None or self._reply is None:
@@ -242,7 +259,7 @@ class ManagerBridge:
         return {"pid": self.pid, "cmd_fd": self._cmd_fd, "reply_fd": self._reply.fd, "ready": self.ready,
                 "partial": bytes(self._frames._buf).hex(), "unsent": self._reply.pending_bytes().hex()}
 
-    def take_over(self, carried: dict | None) -> None:
+    def take_over(self, carried: Mapping[str, Any] | None) -> None:
         """The manager an earlier image of the daemon ran, with its pipes; commands sent
         during the exec wait in them and are read now. None: start one."""
         if carried is None:
@@ -264,7 +281,7 @@ class ManagerBridge:
         self.reactor.add_writer(self._reply)
         self.child.adopt(int(carried["pid"]))
 
-    def reply_to(self) -> Callable[[dict], None]:
+    def reply_to(self) -> ReplyTo:
         """How a command from the manager is answered (an upgrade carries open waits)."""
         return self._reply_frame
 
@@ -307,7 +324,7 @@ class ManagerBridge:
                 self._watchdog.add(pid, start, None, "process", "manager")
         return pid
 
-    def _reply_frame(self, msg: dict) -> None:
+    def _reply_frame(self, msg: Reply) -> None:
         if self._reply is None:
             return
         try:

@@ -58,15 +58,15 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable
 
-from ..errors import ConfigError, InvalidSpec
-from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, UnsafeFile, parse_env, read_operator_file
+from ..errors import ConfigError, InvalidSpec, UnsafeFile
+from ..paths import CONFIG_MAX_BYTES, ENV_FILE_MAX_BYTES, parse_env, read_operator_file
 from ..policy import (
     LIMIT_KEYS, RESULT_MAX_BYTES, AfterCycle, Policy, after_order, log_backups, log_max_bytes, parse_size,
     result_max_bytes, split_after,
 )
 from ..protocol import MAX_COUNT, pool_name
-from ..spec import make_spec
-from ..store import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
+from ..spec import SpecWire, make_spec
+from ..retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 
 __all__ = ["Config", "ConfigError", "DaemonSettings", "Plan", "PoolDecl", "diff", "load", "parse", "parse_size"]
 
@@ -116,15 +116,15 @@ class PoolDecl:
 
     name: str
     size: int = 1
-    spec: dict = field(default_factory=dict)
-    policy: dict = field(default_factory=dict)
+    spec: SpecWire = field(default_factory=lambda: SpecWire())
+    policy: dict[str, Any] = field(default_factory=dict)
     preload: tuple[str, ...] = ()
     log_max_bytes: int | None = None
     log_backups: int | None = None
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_weight: int | None = None
-    executor: dict | None = None  # kind = "executor": the executor's options (daemon/taskrecords.py)
+    executor: dict[str, Any] | None = None  # kind = "executor": the executor's options (daemon/taskrecords.py)
     line: int = field(default=0, compare=False)  # of its table header, for messages
 
     def key(self) -> str:
@@ -204,7 +204,7 @@ def diff(old: Config | None, new: Config) -> Plan:
 # -- reading ------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike) -> Config:
+def load(path: str | os.PathLike[str]) -> Config:
     """Read and check a config file; relative paths in it are relative to its directory."""
     source = os.fspath(path)
     try:
@@ -219,7 +219,7 @@ def load(path: str | os.PathLike) -> Config:
     return parse(text, source, base_dir=os.path.dirname(os.path.abspath(source)))
 
 
-def parse(text: str, source: str = "<config>", *, base_dir: str | os.PathLike | None = None) -> Config:
+def parse(text: str, source: str = "<config>", *, base_dir: str | os.PathLike[str] | None = None) -> Config:
     """Check a config file's text. ``base_dir``: what relative paths (cwd, env_file) are
     relative to; default the directory of ``source`` when it names a file, else the
     current directory."""
@@ -364,7 +364,7 @@ class _Reader:
             line=self.lines.find(here),
         )
 
-    def _checker(self, here: tuple[str, ...], table: dict) -> Callable[..., Any]:
+    def _checker(self, here: tuple[str, ...], table: dict[str, Any]) -> Callable[..., Any]:
         """``check(key, fn, ...)``: ``fn(table[key], key, ...)``, None where the key is not
         given, a one-line ConfigError at the key's line where ``fn`` refuses the value."""
         def check(key: str, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -377,7 +377,7 @@ class _Reader:
 
         return check
 
-    def _executor_pool(self, name: str, table: dict) -> PoolDecl:
+    def _executor_pool(self, name: str, table: dict[str, Any]) -> PoolDecl:
         """A ``kind = "executor"`` table: a pool of task workers (daemon/tasktable.py)."""
         from .taskrecords import parse_options
         from .tasktable import WORKER_TARGET
@@ -394,7 +394,7 @@ class _Reader:
         target = table.get("target")
         if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
             raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
-        raw = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
+        raw: dict[str, Any] = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
         if "memory_max" in table:
             raw["memory_max"] = check("memory_max", parse_size)
         try:
@@ -404,7 +404,7 @@ class _Reader:
             raise self.fail((*here, key), _unprefixed(str(err), key)) from None
         if target is not None:
             options["target"] = target
-        spec_table = {k: table[k] for k in ("env", "env_file", "cwd") if k in table}
+        spec_table: dict[str, Any] = {k: table[k] for k in ("env", "env_file", "cwd") if k in table}
         spec = self._spec(here, {**spec_table, "target": WORKER_TARGET}, ("orchestrator.taskworker", *preload))
         policy: dict[str, Any] = {"restart": "always", "grace": options["grace"]}
         for key, fn in (("log_max_bytes", log_max_bytes), ("log_backups", log_backups)):
@@ -436,7 +436,7 @@ class _Reader:
             first = min(err.cycle, key=lambda n: self.lines.find(("pools", n, "after")))
             raise self.fail(("pools", first, "after"), _unprefixed(str(err), "after")) from None
 
-    def _spec(self, here: tuple[str, ...], table: dict, preload: tuple[str, ...] = ()) -> dict:
+    def _spec(self, here: tuple[str, ...], table: dict[str, Any], preload: tuple[str, ...] = ()) -> SpecWire:
         has_command, has_target = "command" in table, "target" in table
         if has_command and has_target:
             first, second = sorted(("command", "target"), key=lambda k: self.lines.find((*here, k)))
@@ -501,7 +501,7 @@ class _Reader:
                               f"{ENV_FILES_MAX_BYTES >> 20} MiB: refusing {path}")
         return dict(env)
 
-    def _policy(self, here: tuple[str, ...], table: dict) -> dict:
+    def _policy(self, here: tuple[str, ...], table: dict[str, Any]) -> dict[str, Any]:
         # Any: the values are as the file has them; Policy checks each one.
         given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                                  for k, v in table.items() if k in POLICY_KEYS}

@@ -52,7 +52,7 @@ import hashlib
 import logging
 import os
 import signal
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 from watchdog import cgroup
 from watchdog.cgroup import CgroupUnavailable, Subtree
@@ -61,6 +61,12 @@ from watchdog.identity import open_verified
 from .. import signals
 from ..errors import InvalidSpec, OrchestratorError
 from .oom import was_oom_killed
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from ..paths import Paths
+    from .reactor import Reactor, Timer
 
 log = logging.getLogger("orchestrator")
 
@@ -81,7 +87,7 @@ class Tree(Protocol):
     reaped: bool
     killed: bool  # SIGKILL sent by us (not the kernel's OOM killer)
     escaped: list[tuple[int, int]]  # (pid, start) of descendants that left its group
-    kill_timer: Any  # reactor.Timer of the SIGKILL after its grace, if it is being stopped
+    kill_timer: Timer | None  # the SIGKILL after its grace, if it is being stopped
 
 
 class Signals(Protocol):
@@ -92,7 +98,7 @@ class Signals(Protocol):
     def signal_verified(self, ident: tuple[int, int], sig: int) -> bool: ...
 
 
-def subtree_name(state_dir: Any) -> str:
+def subtree_name(state_dir: str | os.PathLike[str]) -> str:
     """``orchestrator-<12 hex>``: one subtree per state dir, the same one on every start."""
     digest = hashlib.sha1(os.path.abspath(os.fspath(state_dir)).encode("utf-8", "surrogateescape")).hexdigest()
     return f"{cgroup.MARK}-{digest[:12]}"
@@ -106,7 +112,7 @@ class _Escape:
 
     def __init__(self, ident: tuple[int, int], fd: int, deadline: float | None) -> None:
         self.ident, self.fd, self.deadline = ident, fd, deadline
-        self.timer: Any = None
+        self.timer: Timer | None = None
 
 
 class ProcessGroups:
@@ -118,15 +124,16 @@ class ProcessGroups:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-        self.os: Any = None
-        self.reactor: Any = None
+        # Set by attach(), before any use (the engine attaches what detect() made).
+        self.os: Signals = None  # type: ignore[assignment]
+        self.reactor: Reactor = None  # type: ignore[assignment]
         self._escapes: dict[tuple[int, int], _Escape] = {}
 
-    def attach(self, reactor: Any, os_api: Signals, watchdog: Any = None) -> None:
+    def attach(self, reactor: Reactor, os_api: Signals, watchdog: WatchdogLink | None = None) -> None:
         """The loop's reactor, the signals to send and the watchdog's feed (none needed here)."""
         self.reactor, self.os = reactor, os_api
 
-    def claim(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
+    def claim(self, replica_id: str, limits: Mapping[str, int] | None = None) -> str | None:
         """No cgroup (CgroupUnavailable if ``limits`` need one): the child makes its group."""
         return self.prepare(replica_id, limits)
 
@@ -247,7 +254,7 @@ class ProcessGroups:
                 log.error("escaped process(es) %s still alive %g s after SIGKILL",
                           ", ".join(str(e.ident[0]) for e in self._escapes.values()), KILLED_EXIT_TIMEOUT)
 
-    def carried(self) -> list[list[Any]]:
+    def carried(self) -> list[list[int | float | None]]:
         """For an upgrade: each escaped descendant held, ``[pid, start, kill deadline]``."""
         return [[e.ident[0], e.ident[1], e.deadline] for e in self._escapes.values()]
 
@@ -263,12 +270,12 @@ class ProcessGroups:
         and only for such an exit)."""
         then(code == -signal.SIGKILL and not tree.killed and bool(was_oom_killed(tree.pid, since)))
 
-    def check_limits(self, limits: dict[str, Any]) -> None:
+    def check_limits(self, limits: Mapping[str, int]) -> None:
         """InvalidSpec (one line) if any limit is set: there is no cgroup to hold it."""
         if limits:
             raise InvalidSpec(self._refusal(limits))
 
-    def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str | None:
+    def prepare(self, replica_id: str, limits: Mapping[str, int] | None = None) -> str | None:
         if limits:  # a pool restored from the store that a cgroup daemon made
             raise CgroupUnavailable(self._refusal(limits))
         return None
@@ -277,7 +284,7 @@ class ProcessGroups:
         """No cgroup for exec probes either: each attempt is its own process group."""
         return None
 
-    def _refusal(self, limits: dict[str, Any]) -> str:
+    def _refusal(self, limits: Mapping[str, int]) -> str:
         return f"{next(iter(limits))} needs cgroup containment, and this daemon uses process groups ({self.reason})"
 
     def describe(self) -> dict[str, Any]:
@@ -298,7 +305,7 @@ class _Watch:
 
     def __init__(self, fd: int, path: str, callback: Callable[[bool], None], deadline: float) -> None:
         self.fd, self.path, self.callback, self.deadline = fd, path, callback, deadline
-        self.timer: Any = None
+        self.timer: Timer | None = None
 
 
 class Cgroups:
@@ -313,12 +320,13 @@ class Cgroups:
         self.moved_self = moved_self
         self.controllers = subtree.controllers  # read once: they do not change under us
         self._mount = cgroup.read_mount()  # for the identity checks of signal()
-        self.reactor: Any = None
-        self.os: Any = None
-        self.watchdog: Any = None
+        # Set by attach(), before any use (the engine attaches what detect() made).
+        self.reactor: Reactor = None  # type: ignore[assignment]
+        self.os: Signals = None  # type: ignore[assignment]
+        self.watchdog: WatchdogLink | None = None
         self._watches: dict[int, _Watch] = {}
 
-    def attach(self, reactor: Any, os_api: Signals, watchdog: Any = None) -> None:
+    def attach(self, reactor: Reactor, os_api: Signals, watchdog: WatchdogLink | None = None) -> None:
         """The loop's reactor (``watch_empty`` registers its fds there), the signals to send
         to a main process not in its cgroup yet, and the watchdog's feed (WatchdogLink): it
         kills every registered cgroup if the daemon dies."""
@@ -326,7 +334,7 @@ class Cgroups:
 
     # -- limits ---------------------------------------------------------------------
 
-    def check_limits(self, limits: dict[str, Any]) -> None:
+    def check_limits(self, limits: Mapping[str, int]) -> None:
         """InvalidSpec (one line) for a limit whose controller replica cgroups lack."""
         for key in limits:
             controller = cgroup.LIMITS[key][1]
@@ -337,7 +345,7 @@ class Cgroups:
 
     # -- one replica ----------------------------------------------------------------
 
-    def prepare(self, replica_id: str, limits: dict[str, Any] | None = None) -> str:
+    def prepare(self, replica_id: str, limits: Mapping[str, int] | None = None) -> str:
         """Create the replica's cgroup with its limits; its path. CgroupUnavailable or
         ValueError (a limit the kernel refused) say why not, in one line."""
         return self.subtree.make_replica(replica_id, limits)
@@ -349,7 +357,7 @@ class Cgroups:
         too. No limits: a probe is not charged to its replica."""
         return self.subtree.make_replica(replica_id + PROBE_SUFFIX)
 
-    def claim(self, replica_id: str, limits: dict[str, Any] | None = None) -> str:
+    def claim(self, replica_id: str, limits: Mapping[str, int] | None = None) -> str:
         """``prepare`` the replica's cgroup and register it with the watchdog."""
         path = self.prepare(replica_id, limits)
         if self.watchdog is not None:
@@ -398,7 +406,7 @@ class Cgroups:
     def end_escapes(self, until: float | None = None) -> None:
         pass
 
-    def carried(self) -> list[list[Any]]:
+    def carried(self) -> list[list[int | float | None]]:
         return []
 
     def take_over(self, carried: Iterable[Any]) -> None:
@@ -496,7 +504,8 @@ class Cgroups:
     def _forget(self, watch: _Watch) -> None:
         self.reactor.remove_priority_reader(watch.fd)
         os.close(watch.fd)
-        watch.timer.cancel()
+        if watch.timer is not None:  # set as the watch is made
+            watch.timer.cancel()
 
     def remove(self, path: str) -> str:
         """rmdir the replica's cgroup: "removed", "missing", "busy" or "error: ..."."""
@@ -538,7 +547,7 @@ class Cgroups:
         return not left
 
 
-def detect(choice: str, state_dir: Any, *, move_self: bool = True, name: str | None = None) -> Cgroups | ProcessGroups:
+def detect(choice: str, state_dir: str | os.PathLike[str], *, move_self: bool = True, name: str | None = None) -> Cgroups | ProcessGroups:
     """The containment for ``--cgroup choice``: "off", "auto" (cgroups where this process
     may make them, else process groups with the reason) or an absolute cgroup dir, under
     which the subtree is made (an OrchestratorError if it cannot be used).
@@ -582,7 +591,7 @@ def detect(choice: str, state_dir: Any, *, move_self: bool = True, name: str | N
 # -- the state dir's record of the subtree ----------------------------------------------
 
 
-def previous(paths: Any) -> str | None:
+def previous(paths: Paths) -> str | None:
     """The subtree recorded in the state dir by an earlier daemon, if it is one we may
     kill leftovers in (``watchdog.cgroup.refusal``: under the cgroup2 mount, below an
     ``orchestrator`` dir); None if there is none or it does not qualify (logged)."""
@@ -602,7 +611,7 @@ def previous(paths: Any) -> str | None:
     return text
 
 
-def record(paths: Any, containment: Cgroups | ProcessGroups) -> None:
+def record(paths: Paths, containment: Cgroups | ProcessGroups) -> None:
     """Write the subtree in use to the state dir (0600), or remove the record if none."""
     from ..paths import write_private
 
@@ -612,7 +621,7 @@ def record(paths: Any, containment: Cgroups | ProcessGroups) -> None:
         write_private(paths, RECORD_NAME, (containment.path + "\n").encode("utf-8", "surrogateescape"))
 
 
-def forget(paths: Any) -> None:
+def forget(paths: Paths) -> None:
     (paths.state_dir / RECORD_NAME).unlink(missing_ok=True)
 
 

@@ -23,10 +23,10 @@ import shutil
 import signal
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from ..errors import ChannelError, ShuttingDown
-from ..protocol import command, raise_reply
+from ..protocol import Reply, ReplyTo, command, raise_reply
 from ..verbs import Verbs
 from .children import WatchdogChild
 from .engine import Engine, EngineConfig
@@ -195,9 +195,9 @@ class Orchestrator(Verbs):
         if engine is None or self._thread is None or self._stop or engine.closing:
             raise ShuttingDown("the orchestrator is not running")
         done = threading.Event()
-        box: list[dict[str, Any]] = []
+        box: list[Reply] = []
 
-        def reply(msg: dict[str, Any]) -> None:
+        def reply(msg: Reply) -> None:
             box.append(msg)
             done.set()
 
@@ -207,7 +207,7 @@ class Orchestrator(Verbs):
             raise ChannelError(f"{op}: no reply from the control loop within {limit:g} s")
         return raise_reply(box[0])
 
-    def send(self, op: str, args: dict[str, Any] | None, on_reply: Callable[[dict[str, Any]], None]) -> None:
+    def send(self, op: str, args: Mapping[str, Any] | None, on_reply: ReplyTo) -> None:
         """Send one command without waiting: ``on_reply(msg)`` is called once, from the
         loop's thread, so it must be quick and must not call back into this object."""
         engine = self._engine

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchestrator")
 
-Reply = Callable[[dict[str, Any]], None]
+Reply = protocol.ReplyTo
 Handler = Callable[[dict[str, Any], Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
 COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
@@ -155,7 +155,7 @@ class Engine:
         self.spawners = self.spawning.spawners
         self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
                            stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
-        self._inbox: collections.deque[tuple[dict[str, Any], Reply]] = collections.deque()
+        self._inbox: collections.deque[tuple[Mapping[str, Any], Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._drain_asked = False  # a _drain_inbox is scheduled and has not begun
         self._pools: dict[str, Pool] = {}
@@ -167,7 +167,7 @@ class Engine:
         # (reply, message, durable): a durable reply says "applied"; if this turn's commit
         # fails it says so still, with the journal's fault beside it ("unsaved"): the
         # command was applied all the same. Read-only commands never depend on the disk.
-        self._outbox: list[tuple[Reply, dict[str, Any], bool]] = []
+        self._outbox: list[tuple[Reply, protocol.Reply, bool]] = []
         self.extra_status = hooks.status
         self.limits = hooks.limits
         self.extra_commands: dict[str, Callable[[dict[str, Any]], Any]] = dict(hooks.commands)
@@ -187,7 +187,7 @@ class Engine:
 
     # -- the public face ------------------------------------------------------------
 
-    def submit(self, cmd: dict[str, Any], reply: Reply) -> None:
+    def submit(self, cmd: Mapping[str, Any], reply: Reply) -> None:
         """Queue a command from any thread; ``reply`` is called once, from the loop."""
         with self._submit_lock:  # against close(): a command is either run or refused
             if self.closed:
@@ -372,7 +372,7 @@ class Engine:
         proc = self._procs.get(rep.pid) if rep.pid is not None else None
         return proc if proc is not None and proc.replica is rep else None
 
-    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None:
+    def reply(self, reply: Reply, msg: protocol.Reply, durable: bool) -> None:
         """Send ``msg`` after this turn's commit (``durable``: an ok reply carries the
         journal's fault, ``unsaved``, if that commit fails)."""
         self._outbox.append((reply, msg, durable))
@@ -696,7 +696,7 @@ class Engine:
             out, self._outbox = self._outbox, []
             unsaved = self.journal.fault
             for reply, msg, durable in out:
-                if unsaved is not None and durable and msg.get("ok"):
+                if unsaved is not None and durable and msg["ok"]:
                     msg = {**msg, "unsaved": unsaved}  # applied; its durability is the journal's fault
                 reply(msg)
 

@@ -19,7 +19,7 @@ import json
 import logging
 import select
 import socket
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import h11
 
@@ -65,7 +65,7 @@ class MetricsServer:
     HOST = "127.0.0.1"
 
     def __init__(self, reactor: Reactor, port: int, render: Callable[[], str],
-                 healthz: Callable[[], tuple[bool, dict]] | None = None, *,
+                 healthz: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None, *,
                  max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
                  on_outcome: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
         """``sock``: a listener bound already (carried by an upgrade), else one is bound on ``port``."""

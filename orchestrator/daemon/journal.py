@@ -20,10 +20,18 @@ passed on to ``forgotten``: the daemon removes their log files.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypedDict
 
 from ..states import Replica, ReplicaState
-from ..store import StoreError
+from ..store import Store, StoreError
+
+
+class JournalFault(TypedDict):
+    """The journal's fault in force, as ``health`` and ``status`` report it."""
+
+    fault: str  # why the last commit failed
+    since: float | None  # since when (wall clock)
+    unsaved: int  # rows buffered, waiting to be written
 
 log = logging.getLogger("orchestrator")
 
@@ -32,12 +40,12 @@ class Journal:
     """The engine's writes to ``store`` (a Store, or anything with its write methods);
     with no store every call is a no-op."""
 
-    def __init__(self, store: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store | None, clock: Callable[[], float]) -> None:
         self.store = store
         self.clock = clock
         # Set by the daemon: how to open a fresh store at the same path, and how to write
         # the whole table into it, for when state.db is deleted under a running daemon.
-        self.reopen: Callable[[], Any] | None = None
+        self.reopen: Callable[[], Store] | None = None
         self.rebuild: Callable[[], None] | None = None
         # Set by the daemon: called (in the loop's turn) with the ids of ended replicas whose
         # records retention deleted; their log files go with them.
@@ -49,7 +57,7 @@ class Journal:
         self.fault: str | None = None
         self.fault_since: float | None = None
 
-    def _watch(self, store: Any) -> None:
+    def _watch(self, store: Store | None) -> None:
         if store is not None and hasattr(store, "on_pruned"):  # a Store; a test's stand-in may not prune
             store.on_pruned = self._pruned
 
@@ -57,7 +65,7 @@ class Journal:
         if self.forgotten is not None:
             self.forgotten(ids)
 
-    def _current_file_id(self) -> Any:
+    def _current_file_id(self) -> tuple[int, int] | None:
         file_id = getattr(self.store, "file_id", None)
         return file_id() if file_id is not None else None
 
@@ -76,19 +84,20 @@ class Journal:
         if self.store is not None:
             self.store.save_replica(rep.to_record())
 
-    def pool(self, name: str, spec: dict, desired: int, next_n: int) -> None:
+    def pool(self, name: str, spec: dict[str, Any], desired: int, next_n: int) -> None:
         if self.store is not None:
             self.store.save_pool(name, spec, desired, next_n)
 
     def command(self, op: Any, cmd_id: Any, error: str | None) -> None:
+        """A ``command`` event: ``op`` and ``cmd_id`` as the caller sent them (unchecked JSON)."""
         if self.store is None:
             return
-        data = {"op": op, "cmd_id": cmd_id, "ok": error is None}
+        data: dict[str, Any] = {"op": op, "cmd_id": cmd_id, "ok": error is None}
         if error is not None:
             data["error"] = error
         self.store.append_event("command", data=data, ts=self.clock())
 
-    def event(self, kind: str, data: dict) -> None:
+    def event(self, kind: str, data: Mapping[str, Any]) -> None:
         if self.store is not None:
             self.store.append_event(kind, data=data, ts=self.clock())
 
@@ -101,7 +110,7 @@ class Journal:
         """Rows buffered and not committed yet (what a fault holds back)."""
         return int(self.store.pending) if self.store is not None else 0
 
-    def fault_info(self) -> dict | None:
+    def fault_info(self) -> JournalFault | None:
         """The fault in force, for ``health`` and ``status``; None if there is none."""
         if self.fault is None:
             return None
@@ -134,7 +143,7 @@ class Journal:
                 pass  # that event waits for the next commit, with whatever comes next
         return None
 
-    def _recreate(self, reopen: Callable[[], Any]) -> None:
+    def _recreate(self, reopen: Callable[[], Store]) -> None:
         """state.db was deleted or replaced: writing on into the unlinked file would lose
         everything at the next start. Open a new one with ``reopen`` and write the table
         from memory."""
@@ -148,7 +157,8 @@ class Journal:
         self._watch(fresh)
         self._file_id = self._current_file_id()
         try:
-            old.hand_over(fresh)
+            if old is not None:  # it is not: commit() calls this only with a store
+                old.hand_over(fresh)
         except StoreError:
             pass  # the old file is gone; what it buffered is in the new one already
         if self.rebuild is not None:

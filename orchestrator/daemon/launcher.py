@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import logging
 import os
 import pickle
@@ -23,13 +24,19 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .. import signals
 from ..errors import SpawnerLost
 from ..interpreter import bootstrap_argv
-from ..spawn.spawner import SYS_CLONE, recv_frame, send_frame
+from ..spawn.spawner import SYS_CLONE, Answer, Hello, Request, recv_frame, send_frame
 from ..spec import LaunchPlan, SpawnerKey
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from .osapi import OSApi
+    from .reactor import Reactor, Timer
 
 log = logging.getLogger("orchestrator")
 
@@ -39,11 +46,20 @@ _MAX_PRELOAD_SPAWNERS = 8  # beyond: those pools' replicas import their preload 
 PRELOAD_TIMEOUT = 60.0  # a preload spawner's imports, when the pool does not say (its ready_timeout)
 
 
+class Output(Protocol):
+    """Where spawners' stdout and stderr go (logcapture's stream of ``logs/spawner.log``)."""
+
+    w: int  # the pipe's write end, put on a spawner's fds 1 and 2
+
+    def finish(self) -> None: ...
+
+
 class Spawner:
     """One spawner process, supervised as a system child of the launcher."""
 
-    def __init__(self, key: SpawnerKey, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str],
-                 preload_timeout: float = PRELOAD_TIMEOUT, output: Callable[[], Any] | None = None) -> None:
+    def __init__(self, key: SpawnerKey, reactor: Reactor, os_api: OSApi, watchdog: WatchdogLink | None,
+                 env: dict[str, str], preload_timeout: float = PRELOAD_TIMEOUT,
+                 output: Callable[[], Output | None] | None = None) -> None:
         from .children import Backoff, SystemChild
 
         self.key = key
@@ -52,7 +68,7 @@ class Spawner:
         self._env = env
         self.preload_timeout = preload_timeout
         self._output = output  # the stream its stdout and stderr go to (Spawners': shared, finished there)
-        self._stream: Any = None
+        self._stream: Output | None = None
         self.sock: socket.socket | None = None
         self.ready = False
         self.failed = False  # once it has failed, its pool no longer waits for it
@@ -60,11 +76,11 @@ class Spawner:
         # Why its pool's replicas cannot start: its preload did not finish in time (it would
         # hang in each replica too). Cleared once a start of it is ready.
         self.reason: str | None = None
-        self._hello_timer: Any = None
+        self._hello_timer: Timer | None = None
         self.on_change: Callable[[], None] | None = None  # told when it becomes ready or fails
         self._seq = 0
         self._inflight: collections.deque[int] = collections.deque()  # sent, not answered yet
-        self._answers: dict[int, dict] = {}  # read ahead of their end(), when it failed
+        self._answers: dict[int, Answer] = {}  # read ahead of their end(), when it failed
         name = "spawner" + (f" [preload {','.join(key.preload)}]" if key.preload else "")
         self.child = SystemChild(name, reactor, os_api, self._start, self._exited, Backoff())
 
@@ -90,7 +106,7 @@ class Spawner:
             theirs.close()
         self.sock = ours
         self.ready = False
-        hello = {"parent": os.getpid(), "sys_path": list(sys.path), "preload": self.key.preload,
+        hello: Hello = {"parent": os.getpid(), "sys_path": list(sys.path), "preload": self.key.preload,
                  "pythonpath": self.key.pythonpath, "cwd": self.key.cwd}
         try:
             send_frame(ours, hello)
@@ -108,7 +124,7 @@ class Spawner:
                 self._watchdog.add(pid, start, None, "process", "spawner")
         return pid
 
-    def _stdio(self) -> list[tuple]:
+    def _stdio(self) -> list[tuple[int, ...] | tuple[int, int, str, int, int]]:
         """Its stdout and stderr (what a preload prints, a traceback): a rotated stream of
         its own (``logs/spawner.log``), else /dev/null; never the daemon's log."""
         if self._stream is None and self._output is not None:
@@ -173,7 +189,7 @@ class Spawner:
         if self.sock is None or not self.ready:
             raise SpawnerLost("not running")
         fds = [ready_w] + [fd for fd in (plan.stdout, plan.stderr) if fd is not None] + list(plan.listen_fds)
-        request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None, listen_fds=()),
+        request: Request = {"plan": dataclasses.replace(plan, stdout=None, stderr=None, listen_fds=()),
                    "stdout": plan.stdout is not None, "stderr": plan.stderr is not None,
                    "pdeathsig": pdeathsig, "nofile": nofile}
         try:
@@ -289,7 +305,13 @@ class Spawner:
         self.child.stop(self._close, timeout)
 
 
-HOLD = object()  # pick(): wait for this pool's preload spawner to be ready
+class Hold(enum.Enum):
+    """pick(): wait for this pool's preload spawner to be ready (one value: ``HOLD``)."""
+
+    HOLD = "hold"
+
+
+HOLD = Hold.HOLD
 HOLD_REASON = "waiting for preload spawner"  # a held replica's reason while it is PENDING
 
 
@@ -303,12 +325,13 @@ class Unavailable:
 class Spawners:
     """The launcher's spawners: the default one, and one per distinct preload."""
 
-    def __init__(self, reactor: Any, os_api: Any, watchdog: Any, env: dict[str, str],
-                 on_change: Callable[[], None] | None = None, output: Callable[[], Any] | None = None) -> None:
+    def __init__(self, reactor: Reactor, os_api: OSApi, watchdog: WatchdogLink | None, env: dict[str, str],
+                 on_change: Callable[[], None] | None = None,
+                 output: Callable[[], Output | None] | None = None) -> None:
         self.reactor, self.os, self.watchdog, self.env = reactor, os_api, watchdog, env
         self.on_change = on_change
         self.output = output  # a stream for the spawners' stdout and stderr (made once, shared)
-        self._stream: Any = None
+        self._stream: Output | None = None
         self._by_key: dict[SpawnerKey, Spawner] = {}
         self.enabled = SYS_CLONE is not None
 
@@ -317,7 +340,7 @@ class Spawners:
         if self.enabled:
             self._get(SpawnerKey())
 
-    def _shared_output(self) -> Any:
+    def _shared_output(self) -> Output | None:
         if self._stream is None and self.output is not None:
             self._stream = self.output()
         return self._stream
@@ -333,7 +356,7 @@ class Spawners:
             sp.child.start()
         return sp
 
-    def pick(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | None | object:
+    def pick(self, key: SpawnerKey, preload_timeout: float = PRELOAD_TIMEOUT) -> Spawner | Hold | Unavailable | None:
         """The spawner that makes replicas for ``key`` now; None: fork in the launcher (it
         is starting or restarting, or clone is refused here); HOLD: a preload spawner's
         first start, which its pool waits for (else each replica would import it itself,

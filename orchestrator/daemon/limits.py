@@ -26,7 +26,7 @@ import contextlib
 import os
 import re
 import resource
-from typing import Iterator
+from typing import Any, Iterator
 
 FDS_PER_REPLICA = 6
 PIDS_RESERVE = 16  # a manager server and its threads (~8), a watchdog, a spawner, with room
@@ -189,7 +189,7 @@ class Limits:
                 best = (left, path)
         return best
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """For ``status --json`` (``daemon.limits``)."""
         pids = self.pids()
         return {"nofile": fd_limit(), "fds_open": open_fds(), "fd_reserve": self.reserve.size,

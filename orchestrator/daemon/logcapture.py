@@ -82,10 +82,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, open_log_file
 from ..protocol import parse_replica_id
+
+if TYPE_CHECKING:
+    from .reactor import Reactor, Timer
 
 log = logging.getLogger("orchestrator.logs")  # the name daemon.log has always shown for these lines
 
@@ -148,7 +151,7 @@ class _Stream:
         self.grown = False
         self.failing = False  # a write or an open failed: reported once, until one succeeds
         self.retry_at = 0.0
-        self.paused = None  # the Timer that resumes reading (after a slow write, over its rate)
+        self.paused: Timer | None = None  # resumes reading (after a slow write, over its rate)
         self.bucket = _Bucket(cap.rate, cap.reactor.monotonic()) if cap.rate else None
         self.created = False  # a file was opened (it exists, unless someone removed it)
         self.size = 0
@@ -378,6 +381,9 @@ class _Stream:
             self.fd = -1
 
 
+Stream = _Stream  # what open_stream gives: its ``w`` to hand out, ``finish()`` when done
+
+
 class ReplicaLog:
     """One replica's capture: ``stdout`` and ``stderr`` are the fds its child puts on 1 and 2."""
 
@@ -440,7 +446,7 @@ class ReplicaLog:
 class LogCapture:
     """Every replica's capture in one daemon; owned by the control loop's thread."""
 
-    def __init__(self, logs_dir: str | os.PathLike[str], reactor: Any, *, max_bytes: int = DEFAULT_MAX_BYTES,
+    def __init__(self, logs_dir: str | os.PathLike[str], reactor: Reactor, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS, rate: int | None = RATE,
                  total_rate: int | None = TOTAL_RATE, create_after: float = CREATE_AFTER) -> None:
         """``rate``: bytes/s one stream is pumped at most, ``total_rate``: all of them (None:
@@ -472,7 +478,7 @@ class LogCapture:
         # current file, k its .k backup; and ids forgotten while their capture was open.
         self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
         self._doomed_later: set[str] = set()
-        self._removal: Any = None  # the Timer of the next batch of unlinks
+        self._removal: Timer | None = None  # the next batch of unlinks
         self._removing_failed = 0  # files that could not be removed since the last that could
         at_turn_end = getattr(reactor, "at_turn_end", None)
         if at_turn_end is not None:
@@ -609,7 +615,7 @@ class LogCapture:
                 break
         self._schedule_removal(0.0)
 
-    def totals(self) -> dict:
+    def totals(self) -> dict[str, int]:
         """Bytes written and dropped by every replica since start; ReplicaLogs open now."""
         return {"bytes": self._bytes, "dropped": self._dropped, "open": len(self._open)}
 

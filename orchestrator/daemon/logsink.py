@@ -81,7 +81,7 @@ class LogSink(logging.Handler):
         self._rotation: _Rotation | None = None
         self._same: tuple[int, ...] = (fd,)  # the fds that point at the rotated file
 
-    def rotate_file(self, path: str | os.PathLike, *, max_bytes: int = MAX_BYTES, backups: int = BACKUPS,
+    def rotate_file(self, path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, backups: int = BACKUPS,
                     also: tuple[int, ...] = (1,)) -> bool:
         """Rotate the file at ``path`` if it is what our fd writes to (the detached daemon's
         daemon.log; not a pipe, a terminal or systemd's journal). ``also``: other fds that

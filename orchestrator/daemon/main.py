@@ -54,7 +54,7 @@ from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
 from .httpserver import MetricsServer
 from .loop import DaemonParts, build_loop
-from .metrics import LagMonitor, health
+from .metrics import Health, LagMonitor, health
 from .limits import FdReserve, Limits, fd_limit, raise_fd_limit, reserve_size
 from .osapi import OSApi, set_child_subreaper
 from .reactor import drain
@@ -643,10 +643,10 @@ class Daemon:
                 "journal": self._journal_state(),
                 "version": __version__}
 
-    def _healthz(self) -> tuple[bool, dict[str, Any]]:
+    def _healthz(self) -> tuple[bool, Health]:
         return health(self._daemon_parts(), self.lag.current() if self.lag else 0.0)
 
-    def _cmd_health(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _cmd_health(self, args: dict[str, Any]) -> Health:
         return self._healthz()[1]
 
     def _render_metrics(self) -> str:

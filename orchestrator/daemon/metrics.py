@@ -62,17 +62,19 @@ import logging
 import math
 import re
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NotRequired, TypedDict
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from ..states import ReplicaState
 from .reactor import Reactor, Timer
 
 log = logging.getLogger(__name__)
+# A bucket bound as Prometheus writes it (``+Inf``, ``0.005``); the library leaves it untyped.
+_go_float: Callable[[float], str] = _untyped_go_float
 
 PREFIX = "orchestrator_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -120,7 +122,7 @@ class _Histogram:
         cumulative = 0
         for bound, count in zip(self.bounds, self.counts):
             cumulative += count
-            out.append((floatToGoString(bound), cumulative))
+            out.append((_go_float(bound), cumulative))
         return out
 
 
@@ -456,7 +458,18 @@ class LagMonitor:
 
 # -- health -----------------------------------------------------------------------------
 
-def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, dict]:
+class Health(TypedDict):
+    """The health dict: see the module docstring."""
+
+    healthy: bool
+    parts: dict[str, bool]
+    failed: list[str]
+    journal: NotRequired[dict[str, Any]]
+    lag: float | None
+    lag_limit: float
+
+
+def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, Health]:
     """(healthy, info): healthy only when the daemon, its watchdog and its manager are alive,
     the journal saves (no fault) and the loop's lag is below 1 s. ``info``'s shape is in the module docstring."""
     parts: dict[str, bool] = dict(_alive(daemon))
@@ -466,7 +479,7 @@ def health(daemon: Mapping[str, Any], lag: float) -> tuple[bool, dict]:
         lag = math.nan
     parts["loop"] = math.isfinite(lag) and lag < LAG_LIMIT
     failed = [name for name, good in parts.items() if not good]
-    info: dict[str, Any] = {"healthy": not failed, "parts": parts, "failed": failed,
+    info: Health = {"healthy": not failed, "parts": parts, "failed": failed,
                             "lag": round(lag, 4) if math.isfinite(lag) else None, "lag_limit": LAG_LIMIT}
     if not parts["journal"]:
         info["journal"] = dict(daemon["journal"])

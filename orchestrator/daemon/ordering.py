@@ -11,7 +11,7 @@ reads of the pools, in the daemon's loop thread.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from ..policy import AfterCycle, after_order, check_after
 from ..states import Replica
@@ -22,7 +22,7 @@ from .pools import CRASHLOOP, Pool
 class Pools(Protocol):
     """What the order reads of the replica table (engine.Engine)."""
 
-    def pool(self, name: Any) -> Pool | None: ...  # deleted ones too
+    def pool(self, name: str) -> Pool | None: ...  # deleted ones too
     def pools(self) -> Iterable[Pool]: ...
 
 

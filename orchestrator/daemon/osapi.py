@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from watchdog.identity import proc_stat, start_time
 from watchdog.ledger import Entry
@@ -35,6 +35,9 @@ from ..errors import SpawnerLost
 from ..prctl import prctl
 from ..spawn.childsetup import ALL_SIGNALS, run_child
 from ..spec import LaunchPlan
+
+if TYPE_CHECKING:
+    from watchdog.reaper import Report
 
 _PR_SET_CHILD_SUBREAPER = 36
 # The write ends of ready pipes this process holds for a moment (between the pipe and the
@@ -66,12 +69,20 @@ def set_child_subreaper() -> None:
     prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
+class Via(Protocol):
+    """A spawner process, as the launcher holds it (launcher.Spawner): what OSApi asks of it."""
+
+    def begin(self, plan: LaunchPlan, ready_w: int, pdeathsig: int | None, nofile: tuple[int, int] | None) -> int: ...
+    def end(self, seq: int) -> tuple[int, int | None]: ...
+    def reap_lost(self, ready_r: int) -> None: ...
+
+
 @dataclass(slots=True)
 class Begun:
     """A worker asked of a spawner (OSApi.begin), not yet known (OSApi.end)."""
 
     plan: LaunchPlan
-    via: Any
+    via: Via
     ready_r: int
     seq: int | None  # None: the spawner was lost before the request went out
 
@@ -96,12 +107,12 @@ class OSApi:
     monotonic = staticmethod(time.monotonic)
     time = staticmethod(time.time)
 
-    def spawn(self, plan: LaunchPlan, via: Any = None) -> Spawned:
+    def spawn(self, plan: LaunchPlan, via: Via | None = None) -> Spawned:
         """Make one worker from ``plan``: through the spawner ``via`` (launcher.Spawner) if
         given, else by forking here. Raises OSError when no child could be made."""
         return self.end(self.begin(plan, via)) if via is not None else self._fork(plan, *os.pipe())
 
-    def begin(self, plan: LaunchPlan, via: Any) -> "Begun":
+    def begin(self, plan: LaunchPlan, via: Via) -> "Begun":
         """Ask the spawner ``via`` for a worker; ``end()`` gets it. Begin a batch, then end
         it, in the same order."""
         ready_r, ready_w = os.pipe()
@@ -224,7 +235,7 @@ class OSApi:
             return None
         return info.si_pid if info is not None and info.si_pid else None
 
-    def sweep(self, entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()) -> dict:
+    def sweep(self, entries: Iterable[Entry], *, grace: float, exclude: Iterable[int] = ()) -> Report:
         """TERM, ``grace``, KILL for processes that are not our children, and for their
         groups and descendants: every signal through a pidfd verified against the recorded
         start time (the watchdog's ladder), so a reused pid is never hit."""

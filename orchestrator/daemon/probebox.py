@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from .containment import Cgroups, ProcessGroups
+    from .logcapture import LogCapture, Stream
 
 log = logging.getLogger("orchestrator")
 
@@ -33,13 +39,19 @@ class ProbeBox:
 
     ``close()`` (the replica ended) kills and removes the cgroup and finishes the stream."""
 
-    def __init__(self, replica_id: str, containment: Any, watchdog: Any = None, capture: Any = None) -> None:
+    def __init__(self, replica_id: str, containment: Cgroups | ProcessGroups, watchdog: WatchdogLink | None = None,
+                 capture: LogCapture | None = None) -> None:
         self.replica_id = replica_id
         self.cgroup: str | None = None
         self.closed = False
         self._containment, self._watchdog, self._capture = containment, watchdog, capture
-        self._stream: Any = None
+        self._stream: Stream | None = None
         self._recorded: set[int] = set()
+
+    @property
+    def _cgroups(self) -> Cgroups:
+        """The containment where a probe cgroup is made or was: only ``Cgroups`` has a path."""
+        return cast("Cgroups", self._containment)
 
     def prepare(self) -> tuple[str | None, int | None]:
         """(cgroup dir to join or None, fd for stdout and stderr or None) for an attempt
@@ -47,7 +59,7 @@ class ProbeBox:
         if self.closed:
             raise OSError(errno.ESHUTDOWN, "the replica has ended")
         if self.cgroup is None and getattr(self._containment, "path", None) is not None:
-            self.cgroup = self._containment.prepare_probe(self.replica_id)
+            self.cgroup = self._cgroups.prepare_probe(self.replica_id)
             if self._watchdog is not None:
                 self._watchdog.add_cgroup(self.cgroup)
         if self._stream is None and self._capture is not None:
@@ -66,12 +78,13 @@ class ProbeBox:
     def ended(self) -> None:
         """An attempt ended (exited, timed out, cancelled): what it left goes."""
         if self.cgroup is not None and not self.closed:
-            self._containment.kill(self.cgroup)
+            self._cgroups.kill(self.cgroup)
 
     def reaped(self, pid: int) -> None:
         if pid in self._recorded:
             self._recorded.discard(pid)
-            self._watchdog.remove(pid)
+            if self._watchdog is not None:  # it is: only a watchdog's box records one
+                self._watchdog.remove(pid)
 
     def close(self) -> None:
         """The replica ended: kill and (once empty) remove the cgroup; finish the output."""
@@ -84,14 +97,14 @@ class ProbeBox:
         path = self.cgroup
         if path is None:
             return
-        self._containment.kill(path)
+        self._cgroups.kill(path)
 
         def removed(empty: bool) -> None:
-            status = self._containment.remove(path)
+            status = self._cgroups.remove(path)
             if status in ("removed", "missing"):
                 if self._watchdog is not None:
                     self._watchdog.remove_cgroup(path)
             else:  # still registered: the watchdog or a clean stop gets it
                 log.error("cannot remove the probe cgroup %s: %s", path, status)
 
-        self._containment.watch_empty(path, removed)
+        self._cgroups.watch_empty(path, removed)

@@ -44,7 +44,7 @@ import select
 import shutil
 import signal
 import socket
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, TypedDict
 
 import h11
 
@@ -320,8 +320,8 @@ class _ExecHandle(Handle):
         self.pid = None
         env = dict(os.environ if env is None else env)
         argv = list(spec.argv)
-        out: tuple = (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)
-        err: tuple = (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)
+        out: tuple[int, ...] | tuple[int, int, str, int, int] = (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)
+        err: tuple[int, ...] | tuple[int, int, str, int, int] = (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)
         try:
             if box is not None:
                 cgroup, fd = box.prepare()
@@ -483,14 +483,23 @@ class Checker:
             self._handle = None
 
 
-class _ReadyWait(Handle):
+class ReadyCarried(TypedDict):
+    """A readiness wait as an upgrade carries it (``ReadyWait.carried``, JSON)."""
+
+    deadline: float  # monotonic: the same clock in the next image (same boot)
+    next: float | None  # when its next attempt is due; None: now
+    attempts: int  # finished ones
+    last: str | None  # what the last one said
+
+
+class ReadyWait(Handle):
     """retry_until_ready's handle: attempts every ``period`` until one succeeds or the
     deadline passes. ``pid`` is that of the exec attempt in flight, if any."""
 
     def __init__(self, spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, period: float,
                  attempt_timeout: float, deadline_s: float, on_ready: Callable[[], None],
                  on_timeout: Callable[[str], None], env: dict[str, str] | None,
-                 box: ProbeBox | None = None, carried: dict | None = None) -> None:
+                 box: ProbeBox | None = None, carried: Mapping[str, Any] | None = None) -> None:
         self.spec = spec
         self._box = box
         self.done = False
@@ -527,7 +536,7 @@ class _ReadyWait(Handle):
     def active(self) -> bool:
         return not self.done
 
-    def carried(self) -> dict:
+    def carried(self) -> ReadyCarried:
         """Where this wait stands, for an upgrade's next image (``retry_until_ready(...,
         carried=)``): its deadline, when its next attempt is due (None: now; an attempt in
         flight is cut short by the exec and made again at once) and what the attempts said."""
@@ -580,7 +589,7 @@ class _ReadyWait(Handle):
 def retry_until_ready(spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, *, period: float = 0.2,
                       attempt_timeout: float = 1.0, deadline_s: float, on_ready: Callable[[], None],
                       on_timeout: Callable[[str], None], env: dict[str, str] | None = None,
-                      box: ProbeBox | None = None, carried: dict | None = None) -> _ReadyWait:
+                      box: ProbeBox | None = None, carried: Mapping[str, Any] | None = None) -> ReadyWait:
     """Readiness: attempt now, then ``period`` after each failure, until a success
     (``on_ready()``) or ``deadline_s`` from now (``on_timeout("not ready within S s (last:
     <reason>)")``). Exactly one of the two is called, from the loop, unless cancelled.
@@ -589,5 +598,5 @@ def retry_until_ready(spec: ProbeSpec, reactor: ReactorLike, os_api: OSLike, *, 
     _check_active(spec)
     if period <= 0 or attempt_timeout <= 0 or deadline_s <= 0:
         raise ValueError("readiness needs period, attempt_timeout and deadline_s > 0")
-    return _ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env, box,
+    return ReadyWait(spec, reactor, os_api, period, attempt_timeout, deadline_s, on_ready, on_timeout, env, box,
                       carried)

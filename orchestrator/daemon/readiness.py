@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from ..errors import InvalidSpec
 from ..probespec import ProbeSpec
@@ -33,6 +33,14 @@ from . import probes
 from .notify import NotifySocket, from_replica
 from .pools import Pool, expand_probe
 from .probebox import ProbeBox
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from .containment import Cgroups, ProcessGroups
+    from .logcapture import LogCapture
+    from .osapi import OSApi
+    from .reactor import Reactor, Timer
 
 log = logging.getLogger("orchestrator")
 
@@ -46,20 +54,20 @@ class Proc(Protocol):
     ready_fd: int  # its ready pipe until the exec is known to have succeeded, then -1
     cgroup: str | None
     cleanup: list[Callable[[], None]]  # called once it is reaped: its probes, timers, socket
-    probes: Any  # probebox.ProbeBox of its exec probes, made by the first one
+    probes: ProbeBox | None  # of its exec probes, made by the first one
 
 
 class Table(Protocol):
     """What readiness asks of the replica table (engine.Engine)."""
 
-    reactor: Any
-    os: Any
-    containment: Any
-    watchdog: Any
-    log_capture: Any
+    reactor: Reactor
+    os: OSApi
+    containment: Cgroups | ProcessGroups
+    watchdog: WatchdogLink | None
+    log_capture: LogCapture | None
 
-    def pool(self, name: Any) -> Pool | None: ...
-    def proc_of(self, rep: Replica) -> Any: ...
+    def pool(self, name: str) -> Pool | None: ...
+    def proc_of(self, rep: Replica) -> Proc | None: ...
     def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
     def signal_and_arm(self, rep: Replica) -> None: ...
 
@@ -79,7 +87,7 @@ class _Wait:
 
     kind: str
     deadline: float
-    handle: Any
+    handle: Timer | probes.ReadyWait
 
 
 class Readiness:
@@ -110,14 +118,14 @@ class Readiness:
         self._arm(proc, "notify" if policy.ready == "notify" else "probe",
                   self.table.reactor.monotonic() + policy.ready_timeout)
 
-    def _arm(self, proc: Proc, kind: str, deadline: float, carried: dict | None = None) -> None:
+    def _arm(self, proc: Proc, kind: str, deadline: float, carried: Mapping[str, Any] | None = None) -> None:
         """The wait of ``kind`` until ``deadline``; ``carried``: a probe's, as an earlier
         image left it (its next attempt, what the attempts said)."""
         rep = proc.replica
         policy = self._pool_of(rep).policy
         reactor = self.table.reactor
         if kind == "start_secs":
-            handle: Any = reactor.call_at(deadline, lambda: self._ready(proc))
+            handle: Timer | probes.ReadyWait = reactor.call_at(deadline, lambda: self._ready(proc))
         elif kind == "notify":
             handle = reactor.call_at(deadline, lambda: self._not_ready(
                 proc, f"not ready within {policy.ready_timeout:g} s (no READY=1)"))
@@ -146,7 +154,7 @@ class Readiness:
 
     # -- an upgrade ------------------------------------------------------------------
 
-    def hand_over(self, proc: Proc) -> dict | None:
+    def hand_over(self, proc: Proc) -> dict[str, Any] | None:
         """For an upgrade's next image: the replica's wait for readiness while it is
         STARTING, and its notify socket, detached (its fd, inheritable, goes on in the next
         image; closing the replica here no longer closes it). None: nothing to carry."""
@@ -155,13 +163,13 @@ class Readiness:
         wait = self._waits.get(rep.id)
         if wait is not None and rep.state is S.STARTING:
             out["wait"] = {"kind": wait.kind, "deadline": wait.deadline,
-                           **(wait.handle.carried() if wait.kind == "probe" else {})}
+                           **(wait.handle.carried() if isinstance(wait.handle, probes.ReadyWait) else {})}
         sock = self._sockets.get(rep.id)
         if sock is not None and not sock.closed:
             out["notify"] = {"name": sock.name, "fd": sock.detach()}
         return out or None
 
-    def resume(self, proc: Proc, carried: dict | None = None) -> None:
+    def resume(self, proc: Proc, carried: Mapping[str, Any] | None = None) -> None:
         """A replica taken over from an earlier image of the daemon (an upgrade), with what
         ``hand_over`` said there: its notify socket taken back; a STARTING replica's wait
         goes on with its deadline (one whose exec is not confirmed yet waits for its ready
@@ -200,7 +208,7 @@ class Readiness:
         slot = rep.slot if rep.slot is not None else 0
         return expand_probe(key, text, slot, pool.port(slot))
 
-    def _probe_box(self, proc: Proc, spec: ProbeSpec) -> Any:
+    def _probe_box(self, proc: Proc, spec: ProbeSpec) -> ProbeBox | None:
         """Where the replica's exec probes run and write (probebox.ProbeBox), made once and
         closed with the replica (it kills an attempt still in flight whole)."""
         if spec.kind != "exec":

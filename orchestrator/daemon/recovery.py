@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from watchdog.cgroup import CgroupUnavailable, Subtree
 from watchdog.identity import is_alive
@@ -25,12 +25,15 @@ from watchdog.ledger import Entry
 from .. import signals
 from ..states import TERMINAL, Replica, ReplicaState, transition
 from .journal import Journal
+
+if TYPE_CHECKING:
+    from ..store import Store
 from .osapi import OSApi
 
 log = logging.getLogger("orchestrator")
 
 
-def recover_leftovers(store: Any, os_api: OSApi | None = None, *, grace: float = 1.0,
+def recover_leftovers(store: Store, os_api: OSApi | None = None, *, grace: float = 1.0,
                       cgroups: Iterable[str | None] = ()) -> tuple[int, int]:
     """Kill the leftovers of an unclean end and record their replicas LOST; returns
     (lost, killed). ``cgroups``: daemon subtrees whose replica cgroups are killed and

@@ -25,10 +25,13 @@ import logging
 import os
 import socket
 import stat
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, MutableMapping
 
 from ..errors import InvalidSpec
 from ..listenspec import MAX_SOCKETS, ListenAddress, fdname_ok, parse
+
+if TYPE_CHECKING:
+    from .reactor import Reactor
 
 log = logging.getLogger("orchestrator")
 
@@ -37,7 +40,7 @@ LISTEN_ENV = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 UNIX_MODE = 0o666  # systemd's SocketMode= default: who may connect is the directory's to say
 
 
-def adopt_inherited(environ: Any = os.environ) -> list[tuple[str, int]]:
+def adopt_inherited(environ: MutableMapping[str, str] = os.environ) -> list[tuple[str, int]]:
     """The fds systemd passed to this process, as (name, fd), as ``sd_listen_fds_with_names``
     reads them: only if ``LISTEN_PID`` is ours; names ``unknown`` when they are missing. The
     variables are removed from ``environ`` (replicas must never see the daemon's), and each
@@ -66,7 +69,7 @@ def adopt_inherited(environ: Any = os.environ) -> list[tuple[str, int]]:
 class Listeners:
     """The daemon's listening sockets; see the module docstring."""
 
-    def __init__(self, reactor: Any, in_use: Callable[[], set[str]],
+    def __init__(self, reactor: Reactor, in_use: Callable[[], set[str]],
                  inherited: Iterable[tuple[str, int]] = ()) -> None:
         """``in_use``: the addresses the table's pools name now (asked when one may have
         become unused); ``inherited``: systemd's fds, (name, fd)."""
@@ -127,7 +130,7 @@ class Listeners:
             raise InvalidSpec(f"{len(fds)} listening sockets for one replica: at most {MAX_SOCKETS}")
         return fds, names
 
-    def carried(self) -> dict:
+    def carried(self) -> dict[str, Any]:
         """What an upgrade carries: every socket's fd (made inheritable here, just before the exec)."""
         for sock in self._open.values():
             sock.set_inheritable(True)
@@ -138,7 +141,7 @@ class Listeners:
                 "made": {path: list(ident) for path, ident in self._made.items()},
                 "inherited": [[name, fd] for name, fds in self._inherited.items() for fd in fds]}
 
-    def take_over(self, carried: dict) -> None:
+    def take_over(self, carried: Mapping[str, Any]) -> None:
         """The sockets an earlier image of the daemon carried (``carried()``)."""
         for text, fd in carried.get("open", {}).items():
             os.set_inheritable(fd, False)

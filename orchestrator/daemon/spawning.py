@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..errors import InvalidSpec
 from ..taskwire import SOCKET_ENV as TASK_SOCKET_ENV
@@ -28,12 +28,26 @@ from ..states import Replica
 from ..states import ReplicaState as S
 from .containment import Cgroups, CgroupUnavailable, ProcessGroups
 from .journal import Journal
-from .launcher import HOLD, HOLD_REASON, Spawners, Unavailable
+from .launcher import HOLD, HOLD_REASON, Spawner, Spawners, Unavailable
 from .osapi import OSApi, Spawned
 from .pools import Pool
 from .reactor import Reactor
 from .sockets import Listeners, env_for
 from .supervision import Supervisor
+
+if TYPE_CHECKING:
+    from watchdog.link import WatchdogLink
+
+    from .logcapture import LogCapture, ReplicaLog, Stream
+    from .notify import NotifySocket
+    from .osapi import Begun
+
+
+class TaskListener(Protocol):
+    """The task table (tasktable.py), as far as the spawning needs it."""
+
+    @property
+    def address(self) -> str: ...  # its listener, for $ORCHESTRATOR_TASK_SOCKET
 
 
 class Table(Protocol):
@@ -44,12 +58,12 @@ class Table(Protocol):
     journal: Journal
     closing: bool  # a shutdown: nothing more is started (the pools stop in order)
     containment: Cgroups | ProcessGroups
-    watchdog: Any
-    log_capture: Any  # logcapture.LogCapture: replicas' stdout/stderr to files (the daemon's)
+    watchdog: WatchdogLink | None
+    log_capture: LogCapture | None  # replicas' stdout/stderr to files (the daemon's)
     listeners: Listeners  # the pools' listening sockets
-    tasks: Any  # tasks.Tasks: where an executor pool's workers connect (its ``address``)
+    tasks: TaskListener  # where an executor pool's workers connect
 
-    def pool(self, name: Any) -> Pool | None: ...
+    def pool(self, name: str) -> Pool | None: ...
     def commit(self) -> bool: ...
     def spawned(self, rep: Replica, sp: Spawned, cgroup: str | None, cleanup: list[Callable[[], None]]) -> None: ...
     def failed(self, rep: Replica, reason: str) -> None: ...
@@ -60,10 +74,10 @@ class _SpawnRequest:
     """A PENDING replica whose start was asked for, until the answer (``_end``)."""
 
     rep: Replica
-    asked: Any = None  # osapi.Begun, or the Spawned of a fork done at once
+    asked: Begun | Spawned | None = None  # asked of a spawner, or a fork done at once
     cgroup: str | None = None
-    captured: Any = None  # logcapture.ReplicaLog: its stdout and stderr files
-    notify: Any = None  # notify.NotifySocket
+    captured: ReplicaLog | None = None  # its stdout and stderr files
+    notify: NotifySocket | None = None
 
 
 class Spawning:
@@ -110,7 +124,7 @@ class Spawning:
     def pids(self) -> set[int]:
         return self.spawners.pids() if self.spawners is not None else set()
 
-    def _spawner_output(self) -> Any:
+    def _spawner_output(self) -> Stream | None:
         """Where the spawners' stdout and stderr go: ``logs/spawner.log``, rotated like a
         replica's logs (None without a log capture: /dev/null)."""
         capture = self.table.log_capture
@@ -201,7 +215,7 @@ class Spawning:
 
     # -- one start ------------------------------------------------------------------------
 
-    def _begin(self, rep: Replica, rt: Runtime, via: Any) -> _SpawnRequest | None:
+    def _begin(self, rep: Replica, rt: Runtime, via: Spawner | None) -> _SpawnRequest | None:
         """Everything a replica's process needs, then its start: asked of the spawner
         ``via`` (answered in _end) or, without one, forked now. None: it FAILED."""
         pool = self._pool(rep)
@@ -239,6 +253,7 @@ class Spawning:
         return req
 
     def _end(self, req: _SpawnRequest) -> None:
+        assert req.asked is not None  # _begin returns only a request it asked
         try:
             sp = req.asked if isinstance(req.asked, Spawned) else self.table.os.end(req.asked)
         except OSError as err:

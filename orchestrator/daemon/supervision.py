@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from .. import protocol
 from ..errors import InvalidSpec, UnknownPool
@@ -40,7 +40,7 @@ from .rollout import Rollout
 from .sockets import Listeners
 
 log = logging.getLogger("orchestrator")
-Reply = Callable[[dict[str, Any]], None]
+Reply = protocol.ReplyTo
 _LIVE = (S.PENDING, S.STARTING, S.RUNNING)
 _NOT_RESTORED = "not restored: "  # the reason's prefix of a stored pool that no longer resolves
 
@@ -71,7 +71,7 @@ class Table(Protocol):
     def signal(self, rep: Replica, sig: int) -> bool: ...
     def signal_and_arm(self, rep: Replica) -> None: ...
     def transition(self, rep: Replica, new: S, reason: str | None = None) -> None: ...
-    def reply(self, reply: Reply, msg: dict[str, Any], durable: bool) -> None: ...
+    def reply(self, reply: Reply, msg: protocol.Reply, durable: bool) -> None: ...
     def changed(self) -> None: ...
     def room_for(self, more: int) -> None: ...  # OrchestratorError: that would take the control plane's reserve
     def wait_for(self, ids: Iterable[str], until: str, reply: Reply, cmd_id: Any, timeout: float,
@@ -199,7 +199,7 @@ class Supervisor:
             check_templates(runtime, pol, size)
         return runtime, pol
 
-    def restore(self, pools: Iterable[dict[str, Any]], *, relaunch: bool = True) -> None:
+    def restore(self, pools: Iterable[Mapping[str, Any]], *, relaunch: bool = True) -> None:
         """Recreate pools from the store at start-up (their ids continue where they
         stopped) and, with ``relaunch``, bring each back to its desired size."""
         for row in pools:
@@ -405,7 +405,7 @@ class Supervisor:
 
     # -- pools declared by a config file ---------------------------------------------------
 
-    def declare(self, name: str, spec: dict[str, Any], policy: dict[str, Any], size: int,
+    def declare(self, name: str, spec: Mapping[str, Any], policy: dict[str, Any], size: int,
                 prepared: tuple[Runtime, Policy] | None = None) -> str:
         """Make pool ``name`` run ``spec`` under ``policy`` with ``size`` replicas, from the
         config file: created, rolled onto a new spec (a rolling restart, one slot at a time),
@@ -457,7 +457,7 @@ class Supervisor:
         # the slots emptied already are filled first, then the stale replicas are rolled
         olds = taken_over + [r.id for r in self._one_per_slot(pool, stale) if r.id not in taken_over]
 
-        def logged(msg: dict[str, Any]) -> None:
+        def logged(msg: protocol.Reply) -> None:
             if not msg.get("ok"):
                 log.error("config: rolling pool %s onto its new spec: %s", name, msg.get("error"))
 

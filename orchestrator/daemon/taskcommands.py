@@ -24,7 +24,7 @@ with both values: the options (``max_tasks_per_child``, ``timeout``, ``grace``,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .. import protocol
 from .. import taskwire as w
@@ -142,7 +142,7 @@ class TaskCommands:
         self.tasks.give_back(xp, back[0], back[1])
         return None
 
-    def declare(self, name: str, spec: Doc, policy: Doc, size: int, options: Doc) -> str:
+    def declare(self, name: str, spec: Mapping[str, Any], policy: Doc, size: int, options: Doc) -> str:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""

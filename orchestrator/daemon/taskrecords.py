@@ -22,7 +22,7 @@ from ..states import TaskState as T
 from .reactor import BufferedWriter, Timer
 
 Doc = dict[str, Any]  # a JSON object: a command's arguments, a reply, a task's row
-Reply = Callable[[Doc], None]
+Reply = protocol.ReplyTo
 Event = tuple[str, Any, Any, "str | None"]  # (kind, ref, data, task id): TaskTable's module docstring
 Sink = Callable[[list[Event]], Any]  # called with a turn's events
 OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
@@ -197,7 +197,7 @@ def target_payload(one: Doc) -> bytes:
     target = one.get("target")
     if not isinstance(target, str) or ":" not in target:
         raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
-    call = {"target": target, "args": one.get("args") or [], "kwargs": one.get("kwargs") or {},
+    call: w.TargetCall = {"target": target, "args": one.get("args") or [], "kwargs": one.get("kwargs") or {},
             "pythonpath": one.get("pythonpath") or [], "cwd": one.get("cwd")}
     if not isinstance(call["args"], list) or not isinstance(call["kwargs"], dict):
         raise InvalidSpec("args must be a list and kwargs an object")

@@ -16,7 +16,7 @@ it. ``Tasks`` is the engine's one door to the three.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..states import Replica
 from .pools import Pool
@@ -45,7 +45,7 @@ class Tasks:
     def commands(self) -> dict[str, Command]:
         return self._commands.commands()
 
-    def declare(self, name: str, spec: Doc, policy: Doc, size: int, options: Doc) -> str:
+    def declare(self, name: str, spec: Mapping[str, Any], policy: Doc, size: int, options: Doc) -> str:
         return self._commands.declare(name, spec, policy, size, options)
 
     def pool_counts(self, name: str) -> Doc | None:

@@ -9,15 +9,15 @@ goes out in the same batch as the transitions it reports; a timer ends it with `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 from .. import protocol
 from ..errors import OrchestratorError
 from ..states import Replica
 from ..states import ReplicaState as S
 
-Reply = Callable[[dict], None]
-Out = list[tuple[Reply, dict, bool]]
+Reply = protocol.ReplyTo
+Out = list[tuple[Reply, protocol.Reply, bool]]  # (where, the reply, durable): Engine._outbox's
 
 
 @dataclass(eq=False)
@@ -25,7 +25,7 @@ class Waiter:
     ids: tuple[str, ...]
     until: str  # "running" | "ended"
     reply: Reply
-    cmd_id: Any
+    cmd_id: protocol.CommandId
     durable: bool = True  # the reply of a command that changed state (see Engine._outbox)
     done: bool = False
     deadline: float | None = None  # monotonic; carried by an upgrade (handover.py)
@@ -47,8 +47,8 @@ class Waiters:
     def add(self, waiter: Waiter) -> None:
         self._open.append(waiter)
 
-    def _result(self, waiter: Waiter) -> dict | None:
-        states = {}
+    def _result(self, waiter: Waiter) -> dict[str, str] | None:
+        states: dict[str, str] = {}
         for rid in waiter.ids:
             if not self._done(rid, waiter.until):
                 return None

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from multiprocess import connection, process, util
 
@@ -50,13 +50,13 @@ class ReplyBoard:
         self._cond = threading.Condition()
         self._replies: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def post(self, msg: Mapping[str, Any]) -> None:
         cmd_id = msg.get("id")
         if not isinstance(cmd_id, str):
             return  # only a command with an id is waited for (``call``): nobody could take it
         now = time.monotonic()
         with self._cond:
-            self._replies[cmd_id] = (now, msg)
+            self._replies[cmd_id] = (now, dict(msg))
             if len(self._replies) > 1000:
                 for key, (t, _) in list(self._replies.items()):
                     if now - t > REPLY_TTL:

@@ -48,11 +48,14 @@ import socket
 import struct
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypedDict, final
 
 from ..listenspec import MAX_SOCKETS
 from ..prctl import set_pdeathsig
 from .childsetup import ALL_SIGNALS, run_child
+
+if TYPE_CHECKING:
+    from ..spec import LaunchPlan
 
 _HEADER = struct.Struct("!I")
 _FD = array.array("i")
@@ -61,6 +64,51 @@ _CLONE_PARENT = 0x00008000
 # The clone syscall's number where it is known; elsewhere (None) the launcher forks itself.
 SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+# -- what the launcher and a spawner say to each other ---------------------------------------
+
+
+class Hello(TypedDict):
+    """The launcher's first frame: where to import from, what to preload."""
+
+    parent: int  # the launcher's pid: a spawner whose parent is another exits
+    sys_path: list[str]
+    preload: tuple[str, ...]
+    pythonpath: tuple[str, ...]
+    cwd: str | None
+
+
+class Request(TypedDict):
+    """One replica to make; its fds ride with the frame: the ready pipe's write end, then
+    stdout and stderr if these say so, then the pool's listening sockets."""
+
+    plan: LaunchPlan  # with no fds of its own in it
+    stdout: bool
+    stderr: bool
+    pdeathsig: int | None
+    nofile: tuple[int, int] | None
+
+
+@final  # so that `"pid" in answer` tells the two apart
+class Made(TypedDict):
+    """A request's answer: the child, made (with its start time in ticks, if exact)."""
+
+    pid: int
+    start: int | None
+
+
+@final
+class NotMade(TypedDict):
+    """A request's answer: no child. ``refused``: clone is not allowed here (EPERM, EINVAL,
+    ENOSYS: a filter), the launcher forks from now on."""
+
+    errno: int | None
+    error: str
+    refused: bool
+
+
+Answer = Made | NotMade
 
 
 # -- frames: a 4-byte length, then a pickle; fds ride on the first byte ---------------------
@@ -123,7 +171,7 @@ def _clone_parent() -> Callable[[], int]:
 
     def clone() -> int:
         api.PyOS_BeforeFork()
-        pid = syscall(SYS_CLONE, flags, 0, 0, 0, 0)
+        pid: int = syscall(SYS_CLONE, flags, 0, 0, 0, 0)
         if pid == 0:
             api.PyOS_AfterFork_Child()
             return 0
@@ -144,7 +192,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
         got = recv_frame(sock, maxfds=3 + MAX_SOCKETS)
         if got is None:
             return  # the launcher closed our socket: it is stopping, or gone
-        req, fds = got
+        req: Request = got[0]
+        fds = got[1]
         ready_w, rest = fds[0], fds[1:]
         plan = req["plan"]
         if req["stdout"]:
@@ -161,7 +210,7 @@ def _serve(sock: socket.socket, parent: int) -> None:
         except OSError as err:
             _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             refused = err.errno in (1, 22, 38)  # EPERM, EINVAL, ENOSYS: a filter, not a shortage
-            reply = {"errno": err.errno, "error": err.strerror or str(err), "refused": refused}
+            reply: Answer = {"errno": err.errno, "error": err.strerror or str(err), "refused": refused}
         else:
             if pid == 0:  # pragma: no cover - the child: never returns
                 os.close(go_w)
@@ -192,7 +241,7 @@ def main() -> None:
         got = None
     if got is None:
         os._exit(0)
-    hello = got[0]
+    hello: Hello = got[0]
     from setproctitle import getproctitle, setproctitle
 
     set_pdeathsig(signal.SIGKILL)  # never outlive the launcher...
@@ -265,7 +314,8 @@ def collapse_to_huge_pages() -> int:
     return done
 
 
-def _say(sock: socket.socket, msg: dict) -> bool:
+def _say(sock: socket.socket, msg: dict[str, Any]) -> bool:
+    """After the hello: ``{"ready": True}``, or ``{"error": why}`` (a preload failed)."""
     try:
         send_frame(sock, msg)
         return True
