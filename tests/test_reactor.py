@@ -343,17 +343,15 @@ def test_callbacks_handed_in_by_many_threads_run_once_each_in_each_threads_order
 
 def test_call_soon_threadsafe_after_close_returns_false_and_never_runs(clock: FakeClock) -> None:
     loop = Reactor(clock)
-    ran: list[int] = []
-    assert loop.call_soon_threadsafe(functools.partial(ran.append, 0))
+    assert loop.call_soon_threadsafe(lambda: None)
     loop.close()
-    assert loop.call_soon_threadsafe(functools.partial(ran.append, 1)) is False
+    assert loop.call_soon_threadsafe(lambda: None) is False  # not a write to a closed (or reused) fd
     results: list[bool] = []
     thread = threading.Thread(target=lambda: results.append(loop.call_soon_threadsafe(lambda: None)))
     thread.start()
     thread.join(10)
     assert results == [False]
     loop.close()  # twice is fine
-    assert ran == []  # what was handed in before the close is dropped with it
 
 
 # -- buffered writers -----------------------------------------------------------------
@@ -865,6 +863,27 @@ def test_a_priority_reader_whose_callback_fails_max_faults_turns_in_a_row_is_no_
     loop.add_priority_reader(conn.fileno(), lambda: seen.append(conn.recv(1, socket.MSG_OOB)))
     loop.run_once(5.0)
     assert seen == [b"!"]  # watched again
+    loop.remove_priority_reader(conn.fileno())
+
+
+def test_the_priority_fault_limit_counts_failures_in_a_row_only(
+        loop: Reactor, urgent: tuple[socket.socket, socket.socket]) -> None:
+    client, conn = urgent
+    calls: list[bool] = []
+    plan = [False] * (MAX_FD_FAULTS - 1) + [True] + [False] * (MAX_FD_FAULTS * 2)
+
+    def callback() -> None:  # never reads the urgent byte, not even when it succeeds
+        ok = plan[len(calls)]
+        calls.append(ok)
+        if not ok:
+            raise RuntimeError("failed")
+
+    loop.add_priority_reader(conn.fileno(), callback)
+    client.send(b"!", socket.MSG_OOB)
+    loop.run_once(5.0)
+    for _ in range(MAX_FD_FAULTS * 3):
+        loop.run_once(0)
+    assert len(calls) == (MAX_FD_FAULTS - 1) + 1 + MAX_FD_FAULTS
     loop.remove_priority_reader(conn.fileno())
 
 
