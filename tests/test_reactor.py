@@ -365,6 +365,20 @@ def small_socketpair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
+@pytest.fixture
+def stalling() -> Iterator[tuple[BufferedWriter, socket.socket]]:
+    """A BufferedWriter on one end of a socketpair with small buffers (so that it stalls
+    often), and the other end, non-blocking, for the test to read; both closed at teardown."""
+    a, b = small_socketpair()
+    writer = BufferedWriter(os.dup(a.fileno()))
+    a.close()  # the writer holds a dup of its own
+    try:
+        yield writer, b
+    finally:
+        writer.close()
+        b.close()
+
+
 def recv_some(sock: socket.socket, most: int) -> bytes:
     try:
         return sock.recv(most)
@@ -372,109 +386,92 @@ def recv_some(sock: socket.socket, most: int) -> bytes:
         return b""
 
 
-def test_a_buffered_writer_keeps_the_order_of_many_writes_across_partial_writes(loop: Reactor) -> None:
+def test_a_buffered_writer_keeps_the_order_of_many_writes_across_partial_writes(
+        loop: Reactor, stalling: tuple[BufferedWriter, socket.socket]) -> None:
     """Writes of every size, small ones behind a stalled large one among them, while the
     reader takes pieces of random size between turns: the reader gets every byte once, in
     the order written."""
     rng = random.Random(29)
-    a, b = small_socketpair()
-    writer = BufferedWriter(os.dup(a.fileno()))
+    writer, b = stalling
     loop.add_writer(writer)
     expected = bytearray()
     got = bytearray()
     stalled = 0
-    try:
-        for i in range(400):
-            size = rng.choice([1, 7, 100, 5000, 70_000, 300_000])
-            data = (b"%06d:" % i) + rng.randbytes(size)
-            if rng.random() < 0.1:
-                mutable = bytearray(data)
-                writer.write(mutable)  # type: ignore[arg-type]  # a bytearray is accepted too, and copied
-                mutable[:] = b"x" * len(mutable)  # the caller reusing its buffer changes nothing sent
-            else:
-                writer.write(data)
-            expected += data
-            stalled += writer.pending()
-            if rng.random() < 0.5:
-                loop.run_once(0)
-            got += recv_some(b, rng.choice([10, 4096, 1 << 16]))
-        deadline = time.monotonic() + 60
-        while len(got) < len(expected) and time.monotonic() < deadline:
-            loop.run_once(0.1)
-            got += recv_some(b, 1 << 16)
-        assert stalled > 100  # the path under test: writes behind data the fd did not take
-        assert len(got) == len(expected)
-        assert got == expected
-        assert not writer.pending() and writer.pending_bytes() == b""
-    finally:
-        loop.remove_writer(writer)
-        writer.close()
-        a.close()
-        b.close()
+    for i in range(400):
+        size = rng.choice([1, 7, 100, 5000, 70_000, 300_000])
+        data = (b"%06d:" % i) + rng.randbytes(size)
+        if rng.random() < 0.1:
+            mutable = bytearray(data)
+            writer.write(mutable)  # type: ignore[arg-type]  # a bytearray is accepted too, and copied
+            mutable[:] = b"x" * len(mutable)  # the caller reusing its buffer changes nothing sent
+        else:
+            writer.write(data)
+        expected += data
+        stalled += writer.pending()
+        if rng.random() < 0.5:
+            loop.run_once(0)
+        got += recv_some(b, rng.choice([10, 4096, 1 << 16]))
+    deadline = time.monotonic() + 60
+    while len(got) < len(expected) and time.monotonic() < deadline:
+        loop.run_once(0.1)
+        got += recv_some(b, 1 << 16)
+    assert stalled > 100  # the path under test: writes behind data the fd did not take
+    assert len(got) == len(expected)
+    assert got == expected
+    assert not writer.pending() and writer.pending_bytes() == b""
+    loop.remove_writer(writer)
 
 
 def test_a_pending_writer_wakes_the_turn_when_its_fd_turns_writable_and_is_unwatched_once_empty(
-        spied: tuple[Reactor, SpySelector]) -> None:
+        spied: tuple[Reactor, SpySelector], stalling: tuple[BufferedWriter, socket.socket]) -> None:
     loop, sel = spied
-    a, b = small_socketpair()
-    writer = BufferedWriter(os.dup(a.fileno()))
+    writer, b = stalling
     loop.add_writer(writer)
     data = os.urandom(1 << 20)
     got = bytearray()
-    try:
-        writer.write(data)
-        loop.run_once(0)  # the turn's end watches its fd
-        assert writer.pending()
-        while writer.pending():
-            left = len(writer.pending_bytes())
-            while True:  # the reader drains all it can: the fd turns writable
-                chunk = recv_some(b, 1 << 16)
-                if not chunk:
-                    break
-                got += chunk
-            start = time.monotonic()
-            loop.run_once(10.0)  # no timer, nothing else: only EVENT_WRITE ends this wait early
-            assert time.monotonic() - start < 5
-            assert sel.ready[-1] >= 1
-            assert len(writer.pending_bytes()) < left
+    writer.write(data)
+    loop.run_once(0)  # the turn's end watches its fd
+    assert writer.pending()
+    while writer.pending():
+        left = len(writer.pending_bytes())
+        while True:  # the reader drains all it can: the fd turns writable
+            chunk = recv_some(b, 1 << 16)
+            if not chunk:
+                break
+            got += chunk
+        start = time.monotonic()
+        loop.run_once(10.0)  # no timer, nothing else: only EVENT_WRITE ends this wait early
+        assert time.monotonic() - start < 5
+        assert sel.ready[-1] >= 1
+        assert len(writer.pending_bytes()) < left
+    while len(got) < len(data):  # all of it is in the socket now: recv never blocks here
         got += b.recv(1 << 20)
-        while len(got) < len(data):
-            got += b.recv(1 << 20)
-        assert got == data
-        loop.run_once(0)
-        loop.run_once(0.05)
-        assert sel.ready[-2:] == [0, 0]  # empty: its always-writable fd no longer wakes the loop
-    finally:
-        loop.remove_writer(writer)
-        writer.close()
-        a.close()
-        b.close()
+    assert got == data
+    loop.run_once(0)
+    loop.run_once(0.05)
+    assert sel.ready[-2:] == [0, 0]  # empty: its always-writable fd no longer wakes the loop
+    loop.remove_writer(writer)
 
 
 def test_a_writer_whose_reader_goes_away_drops_its_data_and_stops_waking_the_loop(
-        spied: tuple[Reactor, SpySelector]) -> None:
+        spied: tuple[Reactor, SpySelector], stalling: tuple[BufferedWriter, socket.socket]) -> None:
     loop, sel = spied
-    a, b = small_socketpair()
-    writer = BufferedWriter(os.dup(a.fileno()))
+    writer, b = stalling
     loop.add_writer(writer)
-    try:
-        writer.write(os.urandom(1 << 20))
-        loop.run_once(0)
-        assert writer.pending()
-        b.close()
-        start = time.monotonic()
-        loop.run_once(10.0)  # the gone reader is an event (EPOLLERR/HUP) of its own
-        assert time.monotonic() - start < 5
-        assert not writer.pending() and writer.pending_bytes() == b""
-        writer.write(b"more")  # to nobody: dropped, not raised
-        assert not writer.pending()
-        loop.run_once(0)
-        loop.run_once(0.05)
-        assert sel.ready[-2:] == [0, 0]
-    finally:
-        loop.remove_writer(writer)
-        writer.close()
-        a.close()
+    writer.write(os.urandom(1 << 20))
+    loop.run_once(0)
+    assert writer.pending()
+    b.close()
+    start = time.monotonic()
+    loop.run_once(10.0)  # the gone reader is an event (EPOLLERR/HUP) of its own
+    assert time.monotonic() - start < 5
+    assert not writer.pending() and writer.pending_bytes() == b""
+    writer.write(b"more")  # to nobody: dropped, not raised
+    assert not writer.pending()
+    loop.run_once(0)
+    loop.run_once(0.05)
+    assert sel.ready[-2:] == [0, 0]
+    loop.remove_writer(writer)
 
 
 def test_a_buffered_writer_flushes_a_large_frame_as_its_reader_drains_it() -> None:
