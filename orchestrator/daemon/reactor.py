@@ -6,13 +6,15 @@ One turn (``run_once``):
     1. readers   ── callbacks of the fds that are ready (pidfds, pipes, sockets; and, through
                     one nested epoll, the EPOLLPRI fds of add_priority_reader: cgroup.events)
     2. inbox     ── callables handed in by other threads (call_soon_threadsafe)
-    3. soon      ── callables queued during this turn (call_soon), in order
-    4. timers    ── every due timer, in deadline order
+    3. soon      ── callables queued before this step (call_soon), in order
+    4. timers    ── every timer due as the step begins, in deadline order (ties: as set)
     5. turn end  ── the hooks of at_turn_end (the engine settles: commit, then replies)
     6. writers   ── buffered non-blocking writers flushed; EVENT_WRITE while they hold data
 
 Only the owner's thread runs a turn; ``call_soon_threadsafe`` is the one entry for other
-threads, and a wakeup pipe in the epoll set is how it interrupts a wait. Callbacks run to
+threads, and a wakeup pipe in the epoll set is how it interrupts a wait. Steps 2 to 4 run
+what was queued when the step began; what a callback queues for its own step is the next
+turn's (which does not wait), so no callback can hold a turn for ever. Callbacks run to
 completion: whatever must end the loop (a shutdown signal) is recorded and checked by the
 owner between turns, never raised from inside a callback, so no turn is ever half done.
 
@@ -20,8 +22,8 @@ No callback ends the loop: each runs under one last-resort guard (``_run``) that
 exception's traceback and goes on with the rest of the turn. The callbacks handle what they
 expect themselves (a replica's failure is that replica's); the guard is for the bug nobody
 expected, which must cost one callback, not every replica the daemon supervises. An fd
-whose callback fails ``MAX_FD_FAULTS`` turns in a row is no longer watched, so a
-level-triggered fd that is never consumed cannot spin the loop.
+(a priority reader's too) whose callback fails ``MAX_FD_FAULTS`` turns in a row is no
+longer watched, so a level-triggered fd that is never consumed cannot spin the loop.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ class Reactor:
         # (an epoll fd is readable while its ready list is not empty). Made on first use.
         self._pri: select.epoll | None = None
         self._pri_callbacks: dict[int, Callback] = {}
+        self._pri_faults: dict[int, int] = {}  # as _fd_faults, for the priority readers
+        self._pri_dropped: set[int] = set()  # as _dropped: out of the nested epoll, still known
         self._fd_faults: dict[int, int] = {}  # fd -> its callback's failures in a row
         self._dropped: set[int] = set()  # readers the guard stopped watching, until their owner removes them
         self.faults = 0  # callbacks that raised since the start
@@ -201,6 +205,9 @@ class Reactor:
     # -- fds --------------------------------------------------------------------------
 
     def add_reader(self, fd: int, callback: Callback) -> None:
+        # A new registration counts its own faults: one that removed itself and then raised
+        # left a count under this number.
+        self._fd_faults.pop(fd, None)
         self._dropped.discard(fd)
         self._sel.register(fd, selectors.EVENT_READ, callback)
 
@@ -222,12 +229,18 @@ class Reactor:
             self._sel.register(self._pri.fileno(), selectors.EVENT_READ, self._run_priority)
         self._pri.register(fd, select.EPOLLPRI)
         self._pri_callbacks[fd] = callback
+        self._pri_faults.pop(fd, None)
+        self._pri_dropped.discard(fd)
 
     def remove_priority_reader(self, fd: int) -> None:
         """Forget ``fd`` (call before it is closed); a no-op once the reactor is closed."""
         if self.closed:
             return
         del self._pri_callbacks[fd]
+        self._pri_faults.pop(fd, None)
+        if fd in self._pri_dropped:
+            self._pri_dropped.discard(fd)
+            return
         assert self._pri is not None
         self._pri.unregister(fd)
 
@@ -235,8 +248,20 @@ class Reactor:
         assert self._pri is not None
         for fd, _events in self._pri.poll(0):
             callback = self._pri_callbacks.get(fd)  # an earlier callback may have removed it
-            if callback is not None:
-                self._run(callback)
+            if callback is None:
+                continue
+            if self._run(callback):
+                self._pri_faults.pop(fd, None)
+                continue
+            if self._pri_callbacks.get(fd) is not callback:
+                continue  # it removed (or replaced) itself before it raised
+            faults = self._pri_faults[fd] = self._pri_faults.get(fd, 0) + 1
+            if faults >= MAX_FD_FAULTS:  # level-triggered too: the same spin as _run_fd's
+                log.error("fd %d: its priority callback failed %d times in a row; it is no longer watched",
+                          fd, faults)
+                self._pri.unregister(fd)
+                self._pri_faults.pop(fd, None)
+                self._pri_dropped.add(fd)
 
     def add_writer(self, writer: Writer) -> None:
         """Flushed at the end of every turn, and woken by EVENT_WRITE while it holds data."""
@@ -264,15 +289,24 @@ class Reactor:
             # event; a new registration that is ready is reported again next turn.
             if registered.get(key.fd) is key:
                 self._run_fd(key)
-        while self._inbox:
+        # Each step runs what was queued when it began: what a callback queues for the same
+        # step (a timer re-armed for "now" or a past deadline, a callback handing itself in
+        # again) is the next turn's, which does not wait. Otherwise one such callback would
+        # hold the turn for ever (on a clock that does not move between calls, or a deadline
+        # already past), and no fd would be served again.
+        handed_in = len(self._inbox)
+        while handed_in and self._inbox:  # close() from a callback empties it
+            handed_in -= 1
             self._run(self._inbox.popleft())
         soon, self._soon = self._soon, []
         for callback in soon:
             self._run(callback)
         now = self.monotonic()
+        ready: list[Timer] = []
         while self._timers and self._timers[0][0] <= now:
-            timer = heapq.heappop(self._timers)[2]
-            if not timer.cancelled:
+            ready.append(heapq.heappop(self._timers)[2])
+        for timer in ready:
+            if not timer.cancelled:  # checked as it comes: an earlier one may cancel it
                 self._run(timer.callback)
         for callback in self._turn_end:
             self._run(callback)
@@ -348,5 +382,6 @@ class Reactor:
         if self._pri is not None:
             self._pri.close()
             self._pri_callbacks.clear()
+            self._pri_dropped.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
