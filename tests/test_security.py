@@ -504,7 +504,7 @@ def test_channel_unpickles_plain_data_only(tmp_path: Path) -> None:
         assert kind == "#ERROR" and isinstance(err, KeyError)
         for end in (client_end, server_end):
             sender.send(("#RETURN", _Payload(marker)))
-            # the name open pickles as: io.open up to 3.12, _io.open from 3.13 on
+            # the name open pickles as: io.open on 3.11, _io.open from 3.12 on
             with pytest.raises(ChannelError, match=r"refusing to unpickle _?io\.open"):
                 end.recv()
         sender.send(("#ERROR", KeyError("web-9")))
