@@ -224,6 +224,16 @@ def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
             raise errors[0]
 
 
+# -- the order: the long tests first ----------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``stress`` or ``long`` (tens of seconds each) first, the rest in
+    pytest's order: under xdist a long test started last keeps one worker busy while the
+    others have nothing left, and that tail is the suite's wall time."""
+    items.sort(key=lambda item: item.get_closest_marker("stress") is None and item.get_closest_marker("long") is None)
+
+
 # -- the session's sweep: nothing any test started outlives the session -------------------
 
 SESSION_TAG_VAR = "ORCH_SESSION_TAG"
