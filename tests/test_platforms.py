@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _ci_versions() -> list[str]:
     found = re.findall(r"^VERSIONS=\(([^)]*)\)$", (ROOT / ".ci" / "run").read_text(), re.M)
     assert len(found) == 1, ".ci/run has no single VERSIONS=(...) line"
-    return found[0].split()
+    return str(found[0]).split()
 
 
 def test_the_declared_pythons_are_the_ones_ci_runs() -> None:
