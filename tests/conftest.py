@@ -22,6 +22,7 @@ import pytest
 from helpers import DaemonUnderTest, Ident, kill_all, no_leftovers, tagged
 
 if TYPE_CHECKING:
+    from orchestrator import Orchestrator
     from orchestrator.daemon.reactor import Reactor
 
 TAG_VAR = "ORCH_TEST_TAG"
@@ -52,7 +53,7 @@ class ProcessTracker:
             self.seen.add(ident)
         return ident
 
-    def track_status(self, status: dict) -> None:
+    def track_status(self, status: dict[str, Any]) -> None:
         for rep in status.get("replicas", ()):
             self.track(rep.get("pid"))
 
@@ -191,7 +192,8 @@ def procs(orch_test_tag: str) -> Iterator[ProcessTracker]:
 
 
 @pytest.fixture
-def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
+def make_orchestrator(tmp_path: Path, procs: ProcessTracker,
+                      orch_test_tag: str) -> Iterator[Callable[..., Orchestrator]]:
     """Factory of started embedded ``Orchestrator``s: state dir under tmp_path, the test's
     tag in the workers' environment, the watchdog tracked. Teardown closes each (terminate,
     grace, reap; a second close is a no-op), then ``procs`` sweeps."""
@@ -222,6 +224,16 @@ def make_orchestrator(tmp_path, procs: ProcessTracker, orch_test_tag: str):
                 errors.append(err)
         if errors:
             raise errors[0]
+
+
+# -- the order: the long tests first ----------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked ``stress`` or ``long`` (tens of seconds each) first, the rest in
+    pytest's order: under xdist a long test started last keeps one worker busy while the
+    others have nothing left, and that tail is the suite's wall time."""
+    items.sort(key=lambda item: item.get_closest_marker("stress") is None and item.get_closest_marker("long") is None)
 
 
 # -- the session's sweep: nothing any test started outlives the session -------------------

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,6 +56,7 @@ def test_tiny_churn_writes_json_with_figures(tmp_path: Path) -> None:
     assert "targets" in done.stdout and "vs floor" in done.stdout
 
 
+@pytest.mark.long
 def test_tiny_tasks_section_compares_the_executor_with_its_peers(tmp_path: Path) -> None:
     """One round of each part: every figure of ours is there, a worker's kill -9 loses one
     future (none with retries=1), and the section's targets reach the targets block."""

@@ -85,6 +85,7 @@ def test_the_list_in_the_tree_is_well_formed() -> None:
     assert set(expected["counts"]) == set(GROUPS[0] + GROUPS[1]) == set(run.MODULES)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(RUN_TIMEOUT + 420)  # the run, plus making the venv the first time (pip)
 @pytest.mark.parametrize("modules", GROUPS, ids=["-".join(m.removeprefix("test_") for m in g) for g in GROUPS])
 def test_cpython_test_concurrent_futures(modules: tuple[str, ...], tmp_path: Path, procs: Any,

@@ -161,6 +161,7 @@ def test_the_initializers_own_processes_are_not_a_tasks_leftovers(make_executor:
     assert _alive(helper, time.time())
 
 
+@pytest.mark.long
 def test_an_argument_at_the_wires_limit_runs_and_one_byte_more_is_refused(make_executor: MakeExecutor) -> None:
     """The documented limit (1 GiB pickled) holds exactly: at it the task runs; one byte
     over, its future fails with one line and the executor carries on."""

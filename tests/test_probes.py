@@ -956,6 +956,7 @@ def test_a_chatty_probe_writes_to_the_replicas_probe_log_not_the_daemons(daemon,
     assert (logs / "daemon.log").stat().st_size < 20000
 
 
+@pytest.mark.long
 def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     config = tmp_path / "orchestrator.toml"
     config.write_text("[daemon]\nlog_max_bytes = \"16K\"\nlog_backups = 2\n")

@@ -62,6 +62,7 @@ class _Loop(threading.Thread):
             self.done += 1
 
 
+@pytest.mark.long
 def test_upgrade_keeps_every_replica(daemon: DaemonUnderTest) -> None:
     sd = daemon.state_dir
     pid = daemon.start()
