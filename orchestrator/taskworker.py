@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, TypeAlias
 
 from . import signals
 from . import taskwire as w
@@ -95,20 +95,71 @@ def _send(data: bytes) -> None:
     _sock.sendall(data)
 
 
+_READ = 1 << 16  # the reader's buffer (a tiny task's frame is ~100 bytes)
+Frame: TypeAlias = "tuple[int, int, bytes | memoryview]"
+
+
 class _Reader:
+    """The loop's frames off the task socket. Every read lands in one buffer kept for the
+    worker's life: a ``recv`` of 1 MiB made a new object each time, a mmap, a page fault,
+    a mremap and a munmap per read, more CPU than the rest of a tiny task. A frame larger
+    than that buffer is read straight into a buffer of its own size and comes out as a
+    view of it (a 1 GiB argument is not held twice)."""
+
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._frames = w.Frames()
-        self._ready: list[tuple[int, int, bytes | memoryview]] = []
+        self._buf = memoryview(bytearray(_READ))
+        self._held = b""  # the start of a frame not complete yet
+        self._ready: list[Frame] = []
 
-    def next(self) -> tuple[int, int, bytes | memoryview] | None:
+    def next(self) -> Frame | None:
         while not self._ready:
-            data = self._sock.recv(1 << 20)
-            if not data:
+            if not self._read():
                 return None
-            self._ready = self._frames.feed_views(data)
-            self._ready.reverse()
         return self._ready.pop()
+
+    def _read(self) -> bool:
+        """One read of the socket into ``_ready``; False at its end."""
+        held = self._held
+        if len(held) >= w.HEADER.size:
+            size, kind, number = w.HEADER.unpack_from(held)
+            if w.HEADER.size + size > _READ:
+                return self._large(kind, number, size)
+        got = self._sock.recv_into(self._buf)
+        if not got:
+            return False
+        data = memoryview(held + self._buf[:got]) if held else self._buf[:got]
+        at, end = 0, got + len(held)
+        ready: list[Frame] = []
+        while end - at >= w.HEADER.size:
+            size, kind, number = w.HEADER.unpack_from(data, at)
+            if size > w.MAX_FRAME:
+                raise ValueError(f"frame of {size} bytes")
+            stop = at + w.HEADER.size + size
+            if stop > end:
+                break
+            ready.append((kind, number, bytes(data[at + w.HEADER.size:stop])))
+            at = stop
+        self._held = bytes(data[at:end])
+        ready.reverse()
+        self._ready = ready
+        return True
+
+    def _large(self, kind: int, number: int, size: int) -> bool:
+        """The rest of a frame over the read buffer, into a buffer of its own."""
+        if size > w.MAX_FRAME:
+            raise ValueError(f"frame of {size} bytes")
+        payload = memoryview(bytearray(size))
+        have = len(self._held) - w.HEADER.size
+        payload[:have] = self._held[w.HEADER.size:]
+        self._held = b""
+        while have < size:
+            got = self._sock.recv_into(payload[have:])
+            if not got:
+                return False
+            have += got
+        self._ready = [(kind, number, payload)]
+        return True
 
 
 def _connect(address: str) -> socket.socket:
