@@ -106,23 +106,9 @@ def asked(word: int) -> int:
 class Frames:
     """Frames out of a byte stream fed in any pieces (the loop's non-blocking reads)."""
 
-    LARGE = 1 << 20
-
     def __init__(self) -> None:
         self._buf = bytearray()
         self._skip = 0
-
-    def feed_views(self, data: bytes) -> list[tuple[int, int, bytes | memoryview]]:
-        """As ``feed``, but a large frame that fills the buffer alone comes out as a view of
-        that buffer, not a copy (the worker: a 1 GiB argument is not held twice)."""
-        buf = self._buf
-        if len(buf) + len(data) > self.LARGE and len(buf) >= HEADER.size:
-            size, kind, number = HEADER.unpack_from(buf)
-            if HEADER.size + size == len(buf) + len(data) <= HEADER.size + MAX_FRAME:
-                buf += data
-                self._buf = bytearray()
-                return [(kind, number, memoryview(buf)[HEADER.size:])]
-        return list(self.feed(data))
 
     def pending(self) -> bytes:
         """What was read of a frame not complete yet."""
