@@ -45,7 +45,7 @@ and does nothing: a cancel can never land in another task.
 Taking a held task back (version 2): when another worker of the pool is idle, the loop asks
 for the task a busy worker holds but may not have started, by writing ``revoke_word(r)``
 (cause 0; r counts the asks to this worker) in that task's word and sending the signal.
-The worker alone decides, with the signal blocked while it starts a task: not started, it
+The worker alone decides, the signal held off while it starts a task: not started, it
 answers STOPPED(REVOKE) with number r and skips that frame when it reads it; started, it
 answers KEPT with number r. The loop hands the task to another worker only after
 STOPPED(REVOKE), so a task never runs twice; once an ask is answered (or its task's own

@@ -52,11 +52,17 @@ _sock: socket.socket | None = None
 _ours: BaseException | None = None  # the exception the handler raised in the task that runs
 _grace = 5.0
 _own: set[int] = set()  # processes the initializer started: the worker's, not a task's
+_starting = False  # a task's start is being made: the handler only notes that it came...
+_deferred = False  # ...here, and the start handles it once made
 
 
 def _interrupt(signum: int, frame: object) -> None:
     """CANCEL_SIGNAL: what the loop wrote in the cancel words. Only between the start and
     the end of a task (``_current``), where the main thread is in no write of the socket."""
+    global _deferred
+    if _starting:
+        _deferred = True  # a task is being started: handled where its start ends (_run)
+        return
     number = _current
     if not number:
         return  # between tasks: the next start looks at the words itself
@@ -240,18 +246,22 @@ def main() -> None:
 
 def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     """Run a TASK frame; its answer, or None if it was given back unstarted."""
-    global _current, _slot, _next, _skips, _answered, _ours
-    # The signal waits while this task starts: the handler sees either no task, or this one
-    # with _current set, never a start half made (the word is read once, here).
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, _BLOCK)
+    global _current, _slot, _next, _skips, _answered, _ours, _starting, _deferred
+    # While this task starts, the handler only notes a signal: it sees either no task, or
+    # this one with _current set, never a start half made (the word is read once, here).
+    # A flag, not pthread_sigmask: a Python handler runs in this thread, between two
+    # bytecodes, so the flag is exact, and it costs no system call per task. (In this order:
+    # a signal between the two finds no task, as between tasks.)
+    _deferred = False
+    _starting = True
     if _skips:
         _skips -= 1
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        _starting = False  # a signal noted meanwhile found no task: the next start reads the words
         return None  # answered already, by the handler
     ask = w.asked(_word[_next])
     if ask > _answered:  # asked back before it started: given back, its word left to the next
         _answered = ask
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        _starting = False
         _send(w.frame(w.STOPPED, ask, bytes([w.REVOKE])))
         return None
     _slot, _next = _next, _next ^ 1
@@ -260,10 +270,13 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     try:
         try:
             try:
-                _look(number)  # a cancel that came before the task started
+                if _word[0] or _word[1]:  # both empty (the common case): nothing asked, nothing to stop
+                    _look(number)  # a cancel that came before the task started
             finally:
-                # A signal that came while it was blocked is handled now, inside the task.
-                _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+                _starting = False
+                if _deferred:  # a signal that came while it started is handled now, inside the task
+                    _deferred = False
+                    _interrupt(w.CANCEL_SIGNAL, None)
             if payload[:1] == b"t":
                 fn, args, kwargs = _target(payload)
             else:
@@ -283,8 +296,9 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
         data = data if data is not None else w.dumps(value, result=True)
-        too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
-        if too_large:
+        if len(data) > w.MAX_FRAME:  # its line made only then: a tiny task's every µs counts
+            too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
+            assert too_large is not None
             return _unpicklable(number, too_large)
         return w.frame(w.RESULT, number, data)
     except BaseException as err:  # a __reduce__ raising SystemExit too: this task fails, not the worker
