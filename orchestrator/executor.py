@@ -217,7 +217,7 @@ class Executor(futures_base.Executor):
             payload = w.dumps((fn, args, kwargs), by_value=_by_value(fn))
         except BaseException as err:
             self._futures.pop(ref, None)  # nothing waits on it at shutdown
-            fut.set_exception(_pickling_error("the task", err))
+            fail(fut, _pickling_error("the task", err))  # reported too: no task, nothing to wait_stopped for
             if not isinstance(err, Exception):
                 raise  # a Ctrl-C (or SystemExit) while it pickled is the caller's, not the task's
             return fut
@@ -229,7 +229,7 @@ class Executor(futures_base.Executor):
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
-            fut.set_exception(err)
+            fail(fut, err)
         return fut
 
     def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
