@@ -111,18 +111,18 @@ class Executor(futures_base.Executor):
         self,
         max_workers: int | None = None,
         *,
-        state_dir: str | os.PathLike | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
         pool: str | None = None,
         max_tasks_per_child: int | None = None,
         preload: Sequence[str] = (),
         initializer: Callable[..., Any] | None = None,
-        initargs: tuple = (),
+        initargs: tuple[Any, ...] = (),
         timeout: float | None = None,
         grace: float = 5.0,
         retries: int = 0,
         memory_max: int | None = None,
         env: dict[str, str] | None = None,
-        cwd: str | os.PathLike | None = None,
+        cwd: str | os.PathLike[str] | None = None,
         reconnect_timeout: float = 30.0,
     ) -> None:
         if max_workers is None:
@@ -151,7 +151,7 @@ class Executor(futures_base.Executor):
         self._lock = threading.Lock()
         self._shutdown = False
         self._closed = threading.Event()
-        self._events: queue.SimpleQueue[tuple | list] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[Any, ...] | list[Any]] = queue.SimpleQueue()
         self._session = secrets.token_hex(8)
         self._stopping = False
         self._after = 0  # the session's events read so far (daemon mode)
@@ -358,7 +358,7 @@ class Executor(futures_base.Executor):
         except OrchestratorError:
             pass
 
-    def _rejoin(self, join: dict, timeout: float) -> None:
+    def _rejoin(self, join: dict[str, Any], timeout: float) -> None:
         """After a reconnect: the session registered again (``join``: this executor's
         ``executor`` command), counting its events on from where this side read them; made
         anew (the daemon restarted, or dropped it), it takes this side's tasks back by their
@@ -415,7 +415,7 @@ class Executor(futures_base.Executor):
         finally:
             self._backend.handle.close_thread()  # the Client's close() closes only its caller's
 
-    def _submitted(self, ref: int, msg: dict) -> None:
+    def _submitted(self, ref: int, msg: dict[str, Any]) -> None:
         if not msg.get("ok"):  # refused by the loop (its pool is gone): that future's error
             if isinstance(self._backend, _Embedded):
                 self._events.put(("refused", ref, msg, None))  # from the loop's thread: the collector's to handle
@@ -434,7 +434,7 @@ class Executor(futures_base.Executor):
             elif not on_event(got):
                 return
 
-    def _on_event(self, event: tuple | list) -> bool:
+    def _on_event(self, event: tuple[Any, ...] | list[Any]) -> bool:
         """One report of the loop into its future; False for the end of the reports."""
         kind, ref, data, task_id = event
         if kind == "stop":
@@ -516,13 +516,13 @@ class _Embedded(Backend):
         self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=True, cgroup="auto")
         self.handle.start()
 
-    def call(self, op: str, args: dict, timeout: float | None = None, *, retry: bool = True) -> Any:
+    def call(self, op: str, args: dict[str, Any], timeout: float | None = None, *, retry: bool = True) -> Any:
         return self.handle.call(op, args, timeout)
 
-    def submit(self, args: dict, on_reply: Callable[[dict], None]) -> None:
+    def submit(self, args: dict[str, Any], on_reply: Callable[[dict[str, Any]], None]) -> None:
         self.handle.send("task_submit", args, on_reply)
 
-    def ask_numbers(self, args: dict, deliver: Callable[[list[int] | None], None]) -> None:
+    def ask_numbers(self, args: dict[str, Any], deliver: Callable[[list[int] | None], None]) -> None:
         self.handle.send("task_numbers", args, lambda msg: deliver(msg.get("result") if msg.get("ok") else None))
 
     def close(self) -> None:
@@ -545,7 +545,7 @@ def _shutdown_at_exit() -> None:
             executor.shutdown(wait=True)
 
 
-def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
+def _remote(state_dir: str | os.PathLike[str], reconnect_timeout: float) -> Remote:
     from .client.channel import Client
 
     client = Client(state_dir)
@@ -556,7 +556,7 @@ def _remote(state_dir: str | os.PathLike, reconnect_timeout: float) -> Remote:
         raise
 
 
-def _about(initializer: Callable[..., Any] | None, initargs: tuple) -> str | None:
+def _about(initializer: Callable[..., Any] | None, initargs: tuple[Any, ...]) -> str | None:
     """An initializer as a joiner's conflict names it: ``module.name(args)``, short."""
     if initializer is None:
         return None
@@ -570,7 +570,7 @@ def _by_value(fn: Any) -> bool:
     return getattr(fn, "__module__", None) == "__main__"
 
 
-def _init_payload(initializer: Callable[..., Any] | None, initargs: tuple, *, embedded: bool) -> bytes:
+def _init_payload(initializer: Callable[..., Any] | None, initargs: tuple[Any, ...], *, embedded: bool) -> bytes:
     """The pool's WELCOME payload: the pickled (initializer, initargs); embedded, the
     caller's multiprocessing authkey with it (the workers are this caller's alone: they
     get its key as a forked child would; a daemon's pool serves clients with other keys,
@@ -594,7 +594,7 @@ def _pickling_error(what: str, err: BaseException) -> pickle.PicklingError:
     return pickle.PicklingError(line)
 
 
-def _chunks(iterables: tuple, chunksize: int) -> Iterator[tuple]:
+def _chunks(iterables: tuple[Any, ...], chunksize: int) -> Iterator[tuple[Any, ...]]:
     """ProcessPoolExecutor's: the argument tuples of ``map``, ``chunksize`` at a time."""
     items = zip(*iterables)
     while chunk := tuple(itertools.islice(items, chunksize)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from . import taskwire as w
 
@@ -35,7 +35,7 @@ class Canceller(Protocol):
     def cancel_ref(self, ref: int) -> bool: ...
 
 
-class TaskFuture(Future):
+class TaskFuture(Future[Any]):
     """A standard Future whose ``cancel()`` also reaches a task that runs."""
 
     def __init__(self, executor: Canceller | None, ref: int, task_id: str | None = None) -> None:
@@ -121,30 +121,27 @@ class TaskFuture(Future):
                 futures_base.LOGGER.exception("exception calling callback for %r", self)
 
 
-def resolve(fut: Future, value: Any) -> None:
+def resolve(fut: Future[Any], value: Any) -> None:
     """The result of ``fut``'s task (a TaskFuture: reported, see ``TaskFuture.reported``)."""
-    ours = isinstance(fut, TaskFuture)
-    if ours:
-        # Marked first: set_result's own notify wakes wait_stopped (one lock and notify per
-        # task, not two: a tiny task's collector pays for each).
-        fut._reported = True
-    try:
-        fut.set_result(value)
-    except InvalidStateError:  # cancelled in the meantime: a cancel that was accepted stands
-        if ours:
-            fut._tell_reported()  # no change of state notified it
+    _set(fut, fut.set_result, value)
 
 
-def fail(fut: Future, err: BaseException) -> None:
+def fail(fut: Future[Any], err: BaseException) -> None:
     """As ``resolve``, with the task's exception."""
-    ours = isinstance(fut, TaskFuture)
-    if ours:
-        fut._reported = True
+    _set(fut, fut.set_exception, err)
+
+
+def _set(fut: Future[Any], setter: Callable[[Any], None], value: Any) -> None:
+    ours = fut if isinstance(fut, TaskFuture) else None
+    if ours is not None:
+        # Marked first: the setter's own notify wakes wait_stopped (one lock and notify per
+        # task, not two: a tiny task's collector pays for each).
+        ours._reported = True
     try:
-        fut.set_exception(err)
-    except InvalidStateError:
-        if ours:
-            fut._tell_reported()
+        setter(value)
+    except InvalidStateError:  # cancelled in the meantime: a cancel that was accepted stands
+        if ours is not None:
+            ours._tell_reported()  # no change of state notified it
 
 
 def remote_exception(task_id: str | None, data: bytes) -> BaseException:

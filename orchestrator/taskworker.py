@@ -414,7 +414,7 @@ def _reap() -> None:
             return
 
 
-def _target(payload: bytes | memoryview) -> tuple[Any, list, dict]:
+def _target(payload: bytes | memoryview) -> tuple[Any, list[Any], dict[str, Any]]:
     """A ``module:function`` task: imported here, from the submitter's PYTHONPATH and cwd
     (a target that cannot be imported fails this task, with the reason; the worker lives)."""
     import json
@@ -455,7 +455,7 @@ def _unpicklable(number: int, line: str) -> bytes:
     return w.frame(w.UNPICKLABLE, number, " ".join(line.split())[:2000].encode("utf-8", "replace"))
 
 
-def run_chunk(fn: Any, chunk: tuple) -> list:
+def run_chunk(fn: Any, chunk: tuple[Any, ...]) -> list[Any]:
     """One task of ``Executor.map(..., chunksize=N)``: its items' results, in order (here,
     not in the executor's module: a worker need not import that to run it)."""
     return [fn(*args) for args in chunk]
