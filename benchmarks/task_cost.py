@@ -9,8 +9,10 @@ an A/B of two checkouts compares.
 run as ``PYTHONPATH=DIR`` with this venv, round by round in turn with this one (the order
 swapped every round), so that both see the same load. Each round is a fresh process: a
 pool of 2 workers, warmed, then ``map`` of ``abs`` over ``--tasks`` items; the CPU time the
-host process and its workers spent meanwhile, divided by the tasks. Printed: each round,
-then the median of each checkout and, with a baseline, this one's over the baseline's.
+host process and its workers spent meanwhile, divided by the tasks; then a worker alone
+against a scripted loop (``worker_alone_us``, the steadiest figure: no host threads, no
+batching that moves with the machine's load). Printed: each round, then the median of each
+checkout and, with a baseline, this one's over the baseline's.
 """
 
 from __future__ import annotations
@@ -52,6 +54,72 @@ def measure(tasks: int) -> dict[str, float]:
     return {"tasks_per_s": tasks / took, "host_us": host_us, "workers_us": work_us, "total_us": host_us + work_us}
 
 
+def measure_worker(tasks: int) -> float:
+    """A worker alone (``taskworker.main`` in a child of this process) against a scripted
+    loop that keeps two TASK frames in flight, as the loop does: its CPU per task (µs). No
+    host threads, no batching that moves with the load: the steadiest of the figures."""
+    import socket
+
+    from orchestrator import taskwire as w
+
+    address = f"@orchestrator-task-cost-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + address[1:])
+    listener.listen(1)
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            os.environ[w.SOCKET_ENV] = address
+            from orchestrator import taskworker
+
+            taskworker.main()
+        finally:
+            os._exit(0)
+    conn, _ = listener.accept()
+    hello, _, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+    if len(hello) > w.HEADER.size and hasattr(w, "CONFIG"):  # a version 2 worker: its CONFIG first
+        conn.sendall(w.frame(w.CONFIG, 0, json.dumps({"grace": 5.0}).encode()))
+    conn.sendall(w.frame(w.WELCOME, 0, b""))
+    frames, ready = w.Frames(), []
+
+    def answer() -> int:
+        while not ready:
+            data = conn.recv(1 << 16)
+            if not data:
+                raise SystemExit("the worker closed its socket")
+            ready.extend(frames.feed(data))
+        return ready.pop(0)[0]
+
+    assert answer() == w.READY
+    payload = w.dumps((abs, (-3,), {}))
+
+    def run(n: int) -> None:
+        sent = 0
+        for _ in range(min(2, n)):
+            conn.sendall(w.frame(w.TASK, sent + 1, payload))
+            sent += 1
+        for _ in range(n):
+            if answer() != w.RESULT:
+                raise SystemExit("the worker did not answer a task with its result")
+            if sent < n:
+                conn.sendall(w.frame(w.TASK, sent + 1, payload))
+                sent += 1
+
+    def cpu() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    run(3000)  # warm
+    began = cpu()
+    run(tasks)
+    used = cpu() - began
+    conn.close()
+    listener.close()
+    os.waitpid(pid, 0)
+    return 1e6 * used / tasks
+
+
 def _round(checkout: Path, tasks: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run([sys.executable, __file__, "--one", str(tasks)], env=env, cwd=checkout,
@@ -69,25 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", type=int, metavar="TASKS", help=argparse.SUPPRESS)  # a round, in this process
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.one)))
+        print(json.dumps({**measure(args.one), "worker_alone_us": measure_worker(args.one)}))
         return 0
     checkouts = {"now": ROOT}
     if args.baseline:
         checkouts["baseline"] = Path(args.baseline).resolve()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
-    keys = ("tasks_per_s", "host_us", "workers_us", "total_us")
-    print(f"{'':14}" + "".join(f"{k:>13}" for k in keys))
+    keys = ("tasks_per_s", "host_us", "workers_us", "total_us", "worker_alone_us")
+    print(f"{'':14}" + "".join(f"{k:>16}" for k in keys))
     for r in range(args.rounds):
         order = list(checkouts.items())
         for name, path in order if r % 2 == 0 else reversed(order):
             got = _round(path, args.tasks)
             runs[name].append(got)
-            print(f"{r + 1:>3} {name:10}" + "".join(f"{got[k]:13.1f}" for k in keys), flush=True)
+            print(f"{r + 1:>3} {name:10}" + "".join(f"{got[k]:16.1f}" for k in keys), flush=True)
     median = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
     for name, m in median.items():
-        print(f"median {name:7}" + "".join(f"{m[k]:13.1f}" for k in keys))
+        print(f"median {name:7}" + "".join(f"{m[k]:16.1f}" for k in keys))
     if "baseline" in median:
-        print(f"{'now/baseline':14}" + "".join(f"{median['now'][k] / median['baseline'][k]:12.3f}x" for k in keys))
+        print(f"{'now/baseline':14}" + "".join(f"{median['now'][k] / median['baseline'][k]:15.3f}x" for k in keys))
     return 0
 
 
