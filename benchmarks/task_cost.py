@@ -37,7 +37,7 @@ def measure(tasks: int) -> dict[str, float]:
     """One round in this process: per task, the host's and the workers' CPU (µs)."""
     import psutil
 
-    from orchestrator import Executor
+    from orchestrator.executor import Executor
 
     with Executor(max_workers=2) as ex:
         workers = [psutil.Process(p) for p in set(ex.map(_pid, range(300)))]
