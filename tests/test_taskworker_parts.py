@@ -1,6 +1,8 @@
-"""The worker's reader of the loop's frames (taskworker._Reader): frames come out whole and
-in order however the stream is cut, a frame larger than its read buffer is read into a
-buffer of its own and comes out as a view of it, and the stream's end is None."""
+"""Parts of the task worker, in this process. Its reader of the loop's frames
+(taskworker._Reader): frames come out whole and in order however the stream is cut, a frame
+larger than its read buffer is read into a buffer of its own and comes out as a view of it,
+and the stream's end is None. Its start of a task: a signal that comes while a start is
+being made is noted, and handled once the task has started."""
 
 from __future__ import annotations
 
@@ -72,3 +74,34 @@ def test_a_frame_over_the_wire_limit_is_refused_on_its_header() -> None:
         reader.next()
     mine.close()
     theirs.close()
+
+
+def test_a_cancel_signalled_while_a_task_starts_is_raised_in_it_once_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal comes after the start read the words and before it is made: the handler
+    only notes it (it would see a start half made), and the start, once made, handles it:
+    Cancelled is raised in the task, which never runs to its result."""
+    words = memoryview(bytearray(w.WORD.size * w.WORDS)).cast("Q")
+    mine, theirs = socket.socketpair()
+    state = {"_word": words, "_sock": mine, "_current": 0, "_slot": 0, "_next": 0, "_skips": 0, "_answered": 0,
+             "_ours": None, "_starting": False, "_deferred": False}
+    for name, value in state.items():
+        monkeypatch.setattr(taskworker, name, value)
+    words[1] = w.cancel_word(3, w.CANCEL)  # a stale word of an earlier task: the start looks at the words
+    real_look, looks = taskworker._look, []
+
+    def look_then_signal(number: int) -> None:
+        looks.append(number)
+        real_look(number)
+        if len(looks) == 1:  # right after the start's own look: the loop cancels the task and signals
+            words[0] = w.cancel_word(number, w.CANCEL)
+            taskworker._interrupt(w.CANCEL_SIGNAL, None)
+            assert taskworker._deferred, "the handler ran inside a start half made"
+
+    monkeypatch.setattr(taskworker, "_look", look_then_signal)
+    try:
+        reply = taskworker._run(7, w.dumps((abs, (-1,), {})))
+    finally:
+        mine.close()
+        theirs.close()
+    assert reply == w.frame(w.STOPPED, 7, bytes([w.CANCEL]))
+    assert looks == [7, 7] and not taskworker._starting and not taskworker._deferred
