@@ -2,43 +2,168 @@
 collector) and in its workers: less noisy than a throughput on a shared machine, and what
 an A/B of two checkouts compares.
 
-    .venv/bin/python benchmarks/task_cost.py                         # this checkout
-    PYTHONPATH=/path/to/other/checkout .venv/bin/python benchmarks/task_cost.py other
+    .venv/bin/python benchmarks/task_cost.py                                 # this checkout, 3 rounds
+    .venv/bin/python benchmarks/task_cost.py --baseline DIR [--rounds 6]     # and another, alternating
+
+``--baseline DIR``: another checkout of the project (``git worktree add --detach DIR COMMIT``),
+run as ``PYTHONPATH=DIR`` with this venv, round by round in turn with this one (the order
+swapped every round), so that both see the same load. Each round is a fresh process: a
+pool of 2 workers, warmed, then ``map`` of ``abs`` over ``--tasks`` items; the CPU time the
+host process and its workers spent meanwhile, divided by the tasks; then a worker alone
+against a scripted loop (``worker_alone_us``, the steadiest figure: no host threads, no
+batching that moves with the machine's load). Printed: each round, then the median of each
+checkout and, with a baseline, this one's over the baseline's.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import psutil
-
-from orchestrator import Executor
-
-N = 60_000
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pid(_: object) -> int:
     return os.getpid()
 
 
-def main() -> None:
-    label = sys.argv[1] if len(sys.argv) > 1 else "this checkout"
+def measure(tasks: int) -> dict[str, float]:
+    """One round in this process: per task, the host's and the workers' CPU (µs)."""
+    import psutil
+
+    from orchestrator.executor import Executor
+
     with Executor(max_workers=2) as ex:
         workers = [psutil.Process(p) for p in set(ex.map(_pid, range(300)))]
         list(ex.map(abs, range(5000)))  # warm
         me = psutil.Process()
 
-        def cpu(procs: list) -> float:
+        def cpu(procs: list[psutil.Process]) -> float:
             return sum(sum(p.cpu_times()[:2]) for p in procs)
 
         began, host, work = time.perf_counter(), cpu([me]), cpu(workers)
-        list(ex.map(abs, range(N)))
+        list(ex.map(abs, range(tasks)))
         took = time.perf_counter() - began
-        print(f"{label}: {N / took:,.0f} tasks/s; host {1e6 * (cpu([me]) - host) / N:.1f} us/task, "
-              f"workers {1e6 * (cpu(workers) - work) / N:.1f} us/task")
+        host_us, work_us = 1e6 * (cpu([me]) - host) / tasks, 1e6 * (cpu(workers) - work) / tasks
+    return {"tasks_per_s": tasks / took, "host_us": host_us, "workers_us": work_us, "total_us": host_us + work_us}
+
+
+def measure_worker(tasks: int) -> float:
+    """A worker alone (``taskworker.main`` in a child of this process) against a scripted
+    loop that keeps two TASK frames in flight, as the loop does: its CPU per task (µs). No
+    host threads, no batching that moves with the load: the steadiest of the figures."""
+    import socket
+
+    from orchestrator import taskwire as w
+
+    address = f"@orchestrator-task-cost-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + address[1:])
+    listener.listen(1)
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            os.environ[w.SOCKET_ENV] = address
+            from orchestrator import taskworker
+
+            taskworker.main()
+        finally:
+            os._exit(0)
+    conn, _ = listener.accept()
+    hello, _, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+    if len(hello) > w.HEADER.size and hasattr(w, "CONFIG"):  # a version 2 worker: its CONFIG first
+        conn.sendall(w.frame(w.CONFIG, 0, json.dumps({"grace": 5.0}).encode()))
+    conn.sendall(w.frame(w.WELCOME, 0, b""))
+    frames = w.Frames()
+    ready: list[tuple[int, int, bytes]] = []
+
+    def answer() -> int:
+        while not ready:
+            data = conn.recv(1 << 16)
+            if not data:
+                raise SystemExit("the worker closed its socket")
+            ready.extend(frames.feed(data))
+        return ready.pop(0)[0]
+
+    assert answer() == w.READY
+    payload = w.dumps((abs, (-3,), {}))
+
+    def run(n: int) -> None:
+        sent = 0
+        for _ in range(min(2, n)):
+            conn.sendall(w.frame(w.TASK, sent + 1, payload))
+            sent += 1
+        for _ in range(n):
+            if answer() != w.RESULT:
+                raise SystemExit("the worker did not answer a task with its result")
+            if sent < n:
+                conn.sendall(w.frame(w.TASK, sent + 1, payload))
+                sent += 1
+
+    def cpu() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    run(3000)  # warm
+    began = cpu()
+    run(tasks)
+    used = cpu() - began
+    conn.close()
+    listener.close()
+    os.waitpid(pid, 0)
+    return 1e6 * used / tasks
+
+
+def _round(checkout: Path, tasks: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    out = subprocess.run([sys.executable, __file__, "--one", str(tasks)], env=env, cwd=checkout,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"a round in {checkout} failed:\n{out.stderr}")
+    got: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", metavar="DIR", help="another checkout, run alternating with this one")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tasks", type=int, default=60_000)
+    ap.add_argument("--one", type=int, metavar="TASKS", help=argparse.SUPPRESS)  # a round, in this process
+    args = ap.parse_args(argv)
+    if args.one:
+        # The worker alone first, forked before this process ran an executor: a worker is
+        # forked from a spawner that never did (what malloc does for a read of 1 MiB, say,
+        # depends on what its process freed before).
+        alone = measure_worker(args.one)
+        print(json.dumps({**measure(args.one), "worker_alone_us": alone}))
+        return 0
+    checkouts = {"now": ROOT}
+    if args.baseline:
+        checkouts["baseline"] = Path(args.baseline).resolve()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+    keys = ("tasks_per_s", "host_us", "workers_us", "total_us", "worker_alone_us")
+    print(f"{'':14}" + "".join(f"{k:>16}" for k in keys))
+    for r in range(args.rounds):
+        order = list(checkouts.items())
+        for name, path in order if r % 2 == 0 else reversed(order):
+            got = _round(path, args.tasks)
+            runs[name].append(got)
+            print(f"{r + 1:>3} {name:10}" + "".join(f"{got[k]:16.1f}" for k in keys), flush=True)
+    median = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
+    for name, m in median.items():
+        print(f"median {name:7}" + "".join(f"{m[k]:16.1f}" for k in keys))
+    if "baseline" in median:
+        print(f"{'now/baseline':14}" + "".join(f"{median['now'][k] / median['baseline'][k]:15.3f}x" for k in keys))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

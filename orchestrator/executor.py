@@ -158,7 +158,7 @@ class Executor(futures_base.Executor):
         self._lock = threading.Lock()
         self._shutdown = False
         self._closed = threading.Event()
-        self._events: queue.SimpleQueue[tuple | list] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[Any, ...] | list[Any]] = queue.SimpleQueue()
         self._session = secrets.token_hex(8)
         self._stopping = False
         self._after = 0  # the session's events read so far (daemon mode)
@@ -224,7 +224,7 @@ class Executor(futures_base.Executor):
             payload = w.dumps((fn, args, kwargs), by_value=_by_value(fn))
         except BaseException as err:
             self._futures.pop(ref, None)  # nothing waits on it at shutdown
-            fut.set_exception(_pickling_error("the task", err))
+            fail(fut, _pickling_error("the task", err))  # reported too: no task, nothing to wait_stopped for
             if not isinstance(err, Exception):
                 raise  # a Ctrl-C (or SystemExit) while it pickled is the caller's, not the task's
             return fut
@@ -236,7 +236,7 @@ class Executor(futures_base.Executor):
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
-            fut.set_exception(err)
+            fail(fut, err)
         return fut
 
     def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
@@ -365,7 +365,7 @@ class Executor(futures_base.Executor):
         except OrchestratorError:
             pass
 
-    def _rejoin(self, join: dict, timeout: float) -> None:
+    def _rejoin(self, join: dict[str, Any], timeout: float) -> None:
         """After a reconnect: the session registered again (``join``: this executor's
         ``executor`` command), counting its events on from where this side read them; made
         anew (the daemon restarted, or dropped it), it takes this side's tasks back by their
@@ -441,7 +441,7 @@ class Executor(futures_base.Executor):
             elif not on_event(got):
                 return
 
-    def _on_event(self, event: tuple | list) -> bool:
+    def _on_event(self, event: tuple[Any, ...] | list[Any]) -> bool:
         """One report of the loop into its future; False for the end of the reports."""
         kind, ref, data, task_id = event
         if kind == "stop":
@@ -611,7 +611,7 @@ def _pickling_error(what: str, err: BaseException) -> pickle.PicklingError:
     return pickle.PicklingError(line)
 
 
-def _chunks(iterables: tuple, chunksize: int) -> Iterator[tuple]:
+def _chunks(iterables: tuple[Any, ...], chunksize: int) -> Iterator[tuple[Any, ...]]:
     """ProcessPoolExecutor's: the argument tuples of ``map``, ``chunksize`` at a time."""
     items = zip(*iterables)
     while chunk := tuple(itertools.islice(items, chunksize)):

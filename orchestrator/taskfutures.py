@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from . import taskwire as w
 
@@ -26,13 +26,16 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+_ENDED = (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED, futures_base.FINISHED)
+
+
 class Canceller(Protocol):
     """What a future's ``cancel()`` asks: the executor (or a task handle) that made it."""
 
     def cancel_ref(self, ref: int) -> bool: ...
 
 
-class TaskFuture(Future):
+class TaskFuture(Future[Any]):
     """A standard Future whose ``cancel()`` also reaches a task that runs."""
 
     def __init__(self, executor: Canceller | None, ref: int, task_id: str | None = None) -> None:
@@ -57,7 +60,11 @@ class TaskFuture(Future):
         task that ended on its own; for one that had not started (one held by a busy worker
         never starts once it is cancelled), once the loop has said so."""
         with self._condition:
-            return self._condition.wait_for(lambda: self._reported and not self._stop_pending, timeout)
+            return self._condition.wait_for(self._stopped, timeout)
+
+    def _stopped(self) -> bool:
+        # Done too: resolve and fail mark it reported just before they set its state.
+        return self._reported and not self._stop_pending and self._state in _ENDED
 
     def expect_stop(self) -> None:
         """Its task ends while a worker still runs it: ``wait_stopped`` waits for ``mark_stopped``."""
@@ -66,6 +73,10 @@ class TaskFuture(Future):
 
     def reported(self) -> None:
         """The loop's report of its task's end (or this side's own failure of it) is in."""
+        if not self._reported:  # resolve and fail mark it, and their state's change notifies
+            self._tell_reported()
+
+    def _tell_reported(self) -> None:
         with self._condition:
             self._reported = True
             self._condition.notify_all()
@@ -110,22 +121,27 @@ class TaskFuture(Future):
                 futures_base.LOGGER.exception("exception calling callback for %r", self)
 
 
-def resolve(fut: Future, value: Any) -> None:
-    try:
-        fut.set_result(value)
-    except InvalidStateError:
-        pass  # cancelled in the meantime: a cancel that was accepted stands
-    if isinstance(fut, TaskFuture):
-        fut.reported()
+def resolve(fut: Future[Any], value: Any) -> None:
+    """The result of ``fut``'s task (a TaskFuture: reported, see ``TaskFuture.reported``)."""
+    _set(fut, fut.set_result, value)
 
 
-def fail(fut: Future, err: BaseException) -> None:
+def fail(fut: Future[Any], err: BaseException) -> None:
+    """As ``resolve``, with the task's exception."""
+    _set(fut, fut.set_exception, err)
+
+
+def _set(fut: Future[Any], setter: Callable[[Any], None], value: Any) -> None:
+    ours = fut if isinstance(fut, TaskFuture) else None
+    if ours is not None:
+        # Marked first: the setter's own notify wakes wait_stopped (one lock and notify per
+        # task, not two: a tiny task's collector pays for each).
+        ours._reported = True
     try:
-        fut.set_exception(err)
-    except InvalidStateError:
-        pass
-    if isinstance(fut, TaskFuture):
-        fut.reported()
+        setter(value)
+    except InvalidStateError:  # cancelled in the meantime: a cancel that was accepted stands
+        if ours is not None:
+            ours._tell_reported()  # no change of state notified it
 
 
 def remote_exception(task_id: str | None, data: bytes) -> BaseException:

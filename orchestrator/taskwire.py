@@ -46,7 +46,7 @@ and does nothing: a cancel can never land in another task.
 Taking a held task back (version 2): when another worker of the pool is idle, the loop asks
 for the task a busy worker holds but may not have started, by writing ``revoke_word(r)``
 (cause 0; r counts the asks to this worker) in that task's word and sending the signal.
-The worker alone decides, with the signal blocked while it starts a task: not started, it
+The worker alone decides, the signal held off while it starts a task: not started, it
 answers STOPPED(REVOKE) with number r and skips that frame when it reads it; started, it
 answers KEPT with number r. The loop hands the task to another worker only after
 STOPPED(REVOKE), so a task never runs twice; once an ask is answered (or its task's own
@@ -135,23 +135,9 @@ def asked(word: int) -> int:
 class Frames:
     """Frames out of a byte stream fed in any pieces (the loop's non-blocking reads)."""
 
-    LARGE = 1 << 20
-
     def __init__(self) -> None:
         self._buf = bytearray()
         self._skip = 0
-
-    def feed_views(self, data: bytes) -> list[tuple[int, int, bytes | memoryview]]:
-        """As ``feed``, but a large frame that fills the buffer alone comes out as a view of
-        that buffer, not a copy (the worker: a 1 GiB argument is not held twice)."""
-        buf = self._buf
-        if len(buf) + len(data) > self.LARGE and len(buf) >= HEADER.size:
-            size, kind, number = HEADER.unpack_from(buf)
-            if HEADER.size + size == len(buf) + len(data) <= HEADER.size + MAX_FRAME:
-                buf += data
-                self._buf = bytearray()
-                return [(kind, number, memoryview(buf)[HEADER.size:])]
-        return list(self.feed(data))
 
     def pending(self) -> bytes:
         """What was read of a frame not complete yet."""

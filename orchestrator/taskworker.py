@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, TypeAlias
 
 from . import signals
 from . import taskwire as w
@@ -51,11 +51,17 @@ _sock: socket.socket | None = None
 _ours: BaseException | None = None  # the exception the handler raised in the task that runs
 _grace = 5.0
 _own: set[int] = set()  # processes the initializer started: the worker's, not a task's
+_starting = False  # a task's start is being made: the handler only notes that it came...
+_deferred = False  # ...here, and the start handles it once made
 
 
 def _interrupt(signum: int, frame: object) -> None:
     """CANCEL_SIGNAL: what the loop wrote in the cancel words. Only between the start and
     the end of a task (``_current``), where the main thread is in no write of the socket."""
+    global _deferred
+    if _starting:
+        _deferred = True  # a task is being started: handled where its start ends (_run)
+        return
     number = _current
     if not number:
         return  # between tasks: the next start looks at the words itself
@@ -94,20 +100,71 @@ def _send(data: bytes) -> None:
     _sock.sendall(data)
 
 
+_READ = 1 << 16  # the reader's buffer (a tiny task's frame is ~100 bytes)
+Frame: TypeAlias = "tuple[int, int, bytes | memoryview]"
+
+
 class _Reader:
+    """The loop's frames off the task socket. Every read lands in one buffer kept for the
+    worker's life: a ``recv`` of 1 MiB made a new object each time, a mmap, a page fault,
+    a mremap and a munmap per read, more CPU than the rest of a tiny task. A frame larger
+    than that buffer is read straight into a buffer of its own size and comes out as a
+    view of it (a 1 GiB argument is not held twice)."""
+
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._frames = w.Frames()
-        self._ready: list[tuple[int, int, bytes | memoryview]] = []
+        self._buf = memoryview(bytearray(_READ))
+        self._held = b""  # the start of a frame not complete yet
+        self._ready: list[Frame] = []
 
-    def next(self) -> tuple[int, int, bytes | memoryview] | None:
+    def next(self) -> Frame | None:
         while not self._ready:
-            data = self._sock.recv(1 << 20)
-            if not data:
+            if not self._read():
                 return None
-            self._ready = self._frames.feed_views(data)
-            self._ready.reverse()
         return self._ready.pop()
+
+    def _read(self) -> bool:
+        """One read of the socket into ``_ready``; False at its end."""
+        held = self._held
+        if len(held) >= w.HEADER.size:
+            size, kind, number = w.HEADER.unpack_from(held)
+            if w.HEADER.size + size > _READ:
+                return self._large(kind, number, size)
+        got = self._sock.recv_into(self._buf)
+        if not got:
+            return False
+        data = memoryview(held + self._buf[:got]) if held else self._buf[:got]
+        at, end = 0, got + len(held)
+        ready: list[Frame] = []
+        while end - at >= w.HEADER.size:
+            size, kind, number = w.HEADER.unpack_from(data, at)
+            if size > w.MAX_FRAME:
+                raise ValueError(f"frame of {size} bytes")
+            stop = at + w.HEADER.size + size
+            if stop > end:
+                break
+            ready.append((kind, number, bytes(data[at + w.HEADER.size:stop])))
+            at = stop
+        self._held = bytes(data[at:end])
+        ready.reverse()
+        self._ready = ready
+        return True
+
+    def _large(self, kind: int, number: int, size: int) -> bool:
+        """The rest of a frame over the read buffer, into a buffer of its own."""
+        if size > w.MAX_FRAME:
+            raise ValueError(f"frame of {size} bytes")
+        payload = memoryview(bytearray(size))
+        have = len(self._held) - w.HEADER.size
+        payload[:have] = self._held[w.HEADER.size:]
+        self._held = b""
+        while have < size:
+            got = self._sock.recv_into(payload[have:])
+            if not got:
+                return False
+            have += got
+        self._ready = [(kind, number, payload)]
+        return True
 
 
 def _connect(address: str) -> socket.socket:
@@ -188,18 +245,22 @@ def main() -> None:
 
 def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     """Run a TASK frame; its answer, or None if it was given back unstarted."""
-    global _current, _slot, _next, _skips, _answered, _ours
-    # The signal waits while this task starts: the handler sees either no task, or this one
-    # with _current set, never a start half made (the word is read once, here).
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, _BLOCK)
+    global _current, _slot, _next, _skips, _answered, _ours, _starting, _deferred
+    # While this task starts, the handler only notes a signal: it sees either no task, or
+    # this one with _current set, never a start half made (the word is read once, here).
+    # A flag, not pthread_sigmask: a Python handler runs in this thread, between two
+    # bytecodes, so the flag is exact, and it costs no system call per task. (In this order:
+    # a signal between the two finds no task, as between tasks.)
+    _deferred = False
+    _starting = True
     if _skips:
         _skips -= 1
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        _starting = False  # a signal noted meanwhile found no task: the next start reads the words
         return None  # answered already, by the handler
     ask = w.asked(_word[_next])
     if ask > _answered:  # asked back before it started: given back, its word left to the next
         _answered = ask
-        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+        _starting = False
         _send(w.frame(w.STOPPED, ask, bytes([w.REVOKE])))
         return None
     _slot, _next = _next, _next ^ 1
@@ -208,10 +269,13 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     try:
         try:
             try:
-                _look(number)  # a cancel that came before the task started
+                if _word[0] or _word[1]:  # both empty (the common case): nothing asked, nothing to stop
+                    _look(number)  # a cancel that came before the task started
             finally:
-                # A signal that came while it was blocked is handled now, inside the task.
-                _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _BLOCK)
+                _starting = False
+                if _deferred:  # a signal that came while it started is handled now, inside the task
+                    _deferred = False
+                    _interrupt(w.CANCEL_SIGNAL, None)
             if payload[:1] == b"t":
                 fn, args, kwargs = _target(payload)
             else:
@@ -231,8 +295,9 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
         data = data if data is not None else w.dumps(value, result=True)
-        too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
-        if too_large:
+        if len(data) > w.MAX_FRAME:  # its line made only then: a tiny task's every µs counts
+            too_large = w.too_large(f"its result ({type(value).__name__})", len(data))
+            assert too_large is not None
             return _unpicklable(number, too_large)
         return w.frame(w.RESULT, number, data)
     except BaseException as err:  # a __reduce__ raising SystemExit too: this task fails, not the worker
@@ -348,7 +413,7 @@ def _reap() -> None:
             return
 
 
-def _target(payload: bytes | memoryview) -> tuple[Any, list, dict]:
+def _target(payload: bytes | memoryview) -> tuple[Any, list[Any], dict[str, Any]]:
     """A ``module:function`` task: imported here, from the submitter's PYTHONPATH and cwd
     (a target that cannot be imported fails this task, with the reason; the worker lives)."""
     import json
@@ -389,7 +454,7 @@ def _unpicklable(number: int, line: str) -> bytes:
     return w.frame(w.UNPICKLABLE, number, " ".join(line.split())[:2000].encode("utf-8", "replace"))
 
 
-def run_chunk(fn: Any, chunk: tuple) -> list:
+def run_chunk(fn: Any, chunk: tuple[Any, ...]) -> list[Any]:
     """One task of ``Executor.map(..., chunksize=N)``: its items' results, in order (here,
     not in the executor's module: a worker need not import that to run it)."""
     return [fn(*args) for args in chunk]

@@ -6,6 +6,7 @@ cleanup finish, and a task's leftover processes are ended before the next task s
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from concurrent.futures import wait
@@ -244,6 +245,8 @@ def test_wait_stopped_returns_once_a_cancelled_tasks_cleanup_has_run(make_execut
     assert held.cancel() and held.wait_stopped(30)  # it never ran: no cleanup to wait for
     (tmp_path / "release").touch()
     never.result(timeout=30)
+    unpicklable = ex.submit(wordfns.pid_of_worker, (i for i in ()))  # fails at submit: it never had a task
+    assert isinstance(unpicklable.exception(0), pickle.PicklingError) and unpicklable.wait_stopped(0)
 
 
 def test_an_executor_that_cannot_start_its_thread_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch,
