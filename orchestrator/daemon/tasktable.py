@@ -54,6 +54,7 @@ from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
 from ..states import TaskState as T
 from .containment import Tree
+from .elastic import Elastic
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
@@ -106,6 +107,8 @@ class Supervisor(Protocol):
     def open_pool(self, name: str, spec: Doc, policy: Doc, size: int) -> tuple[Pool, list[str]]: ...
     def declare(self, name: str, spec: Doc, policy: Doc, size: int) -> str: ...
     def delete_pool(self, name: str) -> list[str]: ...
+    def grow(self, pool: Pool, count: int) -> list[str]: ...
+    def retire(self, rep: Replica, reason: str) -> bool: ...
 
 
 class TaskStore(Protocol):
@@ -201,6 +204,7 @@ class TaskTable:
         self.result_max_bytes = result_max_bytes
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
         self._memory = TreeMemory(table.reactor.monotonic)
+        self._elastic = Elastic(table, self._memory, self._dispatch)  # an elastic pool's size
 
     # -- the listener -------------------------------------------------------------------
 
@@ -339,7 +343,7 @@ class TaskTable:
                 kill_in, lambda: self._kill(worker, f"task {task.id} did not stop after its {what}", renew=True))
         if worker.ready and not xp.closing:
             if not worker.tasks:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             elif len(worker.tasks) == 1 and self._room(xp, worker):
                 xp.single.append(worker)
 
@@ -547,6 +551,7 @@ class TaskTable:
                 continue
             worker = self._free_worker(xp)
             if worker is None:
+                self._elastic.want(xp)  # an elastic pool below max_workers grows
                 return
             xp.queue.popleft()
             self._send(xp, worker, task)
@@ -614,6 +619,8 @@ class TaskTable:
 
     def _free_worker(self, xp: ExecPool) -> Worker | None:
         for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
+            if holds and not self._elastic.may_hold(xp):
+                return None  # a growing pool's new worker takes it, unheld
             while waiting:
                 worker = waiting.popleft()  # an entry whose worker changed since is dropped
                 if not worker.closed and len(worker.tasks) == holds and self._room(xp, worker):
@@ -625,7 +632,8 @@ class TaskTable:
         Not while it has an ask to answer: which cancel word the next frame takes depends
         on that answer."""
         return (not xp.closing and worker.asked is None
-                and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks))
+                and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
+                and self._elastic.takes_tasks(worker))
 
     def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
         """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
@@ -637,6 +645,8 @@ class TaskTable:
             task.slot = worker.sent % w.WORDS
         task.asked_back = False
         worker.sent += 1
+        if worker.idle_timer is not None:
+            self._elastic.busy(worker)
         worker.tasks.append(task)
         payload = task.payload or b""
         if len(payload) < COPY_MAX:  # one write (one syscall, one read in the worker)
@@ -1026,7 +1036,7 @@ class TaskTable:
         if kind == w.READY:
             worker.ready = True
             if not xp.closing:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             self._dispatch(xp)
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
@@ -1081,7 +1091,7 @@ class TaskTable:
                 self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
         elif not worker.tasks:
             if not xp.closing:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
         elif self._room(xp, worker):
             xp.single.append(worker)
         self._dispatch(xp)
@@ -1106,11 +1116,34 @@ class TaskTable:
             self._head(worker)
         if not xp.closing:
             if not worker.tasks:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             elif len(worker.tasks) == 1 and self._room(xp, worker):
                 xp.single.append(worker)
         self._dispatch(xp)
         self._check_quiet(xp)
+
+    def _now_idle(self, xp: ExecPool, worker: Worker) -> None:
+        """``worker`` has no task: first for the next one; an elastic pool's retires once
+        it has stayed so for its idle_timeout."""
+        xp.idle.append(worker)
+        self._elastic.idle(xp, worker)
+
+    # -- why a task waits, and a pool's workers (``tasks``, ``status``) -------------------
+
+    def waiting(self, task: Task) -> str | None:
+        """Why ``task`` has not started, in a few words ("all 4 workers busy", "worker
+        starting", "memory budget 512 MiB reached (480 MiB used)"); None unless QUEUED."""
+        if task.state is not T.QUEUED:
+            return None
+        worker = task.worker
+        if worker is not None:
+            return f"held by {self._name(worker)}, behind the task it runs"
+        return self._elastic.waiting(task.pool)
+
+    def workers(self, xp: ExecPool) -> Doc:
+        """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a
+        memory_budget, ``budget``: {used, limit} in bytes (elastic.Elastic.counts)."""
+        return self._elastic.counts(xp)
 
     def _released(self, task: Task) -> None:
         """No worker holds ``task`` any more: one that ended while a worker had it (a
@@ -1136,6 +1169,7 @@ class TaskTable:
         undisturbed until it answers or the pool's grace passes (then its tree is killed);
         ``then()`` once no worker is busy."""
         xp.closing = True
+        self._elastic.stop(xp)
         if xp.rss_timer is not None:
             xp.rss_timer.cancel()
         running = {wk.tasks[0].id for wk in xp.workers.values()
@@ -1164,6 +1198,7 @@ class TaskTable:
             self._close(worker)
 
     def _close(self, worker: Worker) -> None:
+        self._elastic.busy(worker)  # gone: it does not retire either
         if not worker.closed:
             self.table.reactor.remove_reader(worker.sock.fileno())
             worker.closed = True
