@@ -112,7 +112,7 @@ class Elastic:
         if not xp.elastic or xp.closing or self.host.closing:
             return
         pool = self.host.pool(xp.name)
-        if pool is None or pool.deleted or pool.runtime is None or pool.state == CRASHLOOP:
+        if pool is None or pool.deleted or pool.state == CRASHLOOP:
             return
         count = min(self._waiting_tasks(xp) - self._starting(xp, pool), xp.max_workers - pool.desired)
         if count <= 0:
@@ -150,14 +150,16 @@ class Elastic:
         if pool.state == CRASHLOOP:
             return f"the pool stopped replacing its workers: {pool.reason}"
         starting = self._starting(xp, pool)
-        if starting:
-            return "worker starting" if starting == 1 else f"{starting} workers starting"
+        said = ["worker starting" if starting == 1 else f"{starting} workers starting"] if starting else []
         if xp.blocked is not None:
-            return xp.blocked
+            said.append(xp.blocked)  # those the starting ones will not take wait for it
+        if said:
+            return "; ".join(said)
         busy = sum(1 for wk in xp.workers.values() if wk.tasks and not wk.closed)
+        text = "its one worker busy" if busy == 1 else f"all {busy} workers busy"
         if xp.elastic and pool.desired >= xp.max_workers:
-            return f"all {busy} workers busy (at max_workers {xp.max_workers})"
-        return f"all {busy} workers busy"
+            return f"{text} (at max_workers {xp.max_workers})"
+        return text
 
     def counts(self, xp: ExecPool) -> Doc:
         """The pool's workers for ``status``: busy, idle, starting, min, max, and its memory
