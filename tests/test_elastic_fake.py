@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator import signals
 from orchestrator import taskwire as w
+from orchestrator.daemon.config import ConfigError, parse
 from orchestrator.daemon.elastic import BUDGET_RECHECK
 from orchestrator.daemon.pools import Pool
 from orchestrator.daemon.taskrecords import Doc, parse_options
@@ -220,3 +221,20 @@ def test_elastic_options_filled_and_kept() -> None:
     assert got["min_workers"] == 0 and got["max_workers"] == 4 and got["idle_timeout"] == 60.0
     assert got["memory_budget"] == 256 * MiB
     assert parse_options(got) == got  # as the pool's row stores them, read back at a restart
+
+
+def test_a_config_files_elastic_executor_pool() -> None:
+    text = """
+[pools.tasks]
+kind = "executor"
+size = 4
+min_workers = 1
+idle_timeout = 30
+memory_budget = "512M"
+"""
+    decl = parse(text, "orchestrator.toml").pools["tasks"]
+    assert decl.size == 4
+    assert decl.executor == {"grace": 5.0, "retries": 0, "min_workers": 1, "max_workers": 4, "idle_timeout": 30.0,
+                             "memory_budget": 512 * MiB}
+    with pytest.raises(ConfigError, match=r"orchestrator.toml:\d+: pools.tasks.min_workers: .*above max_workers 4"):
+        parse(text.replace("min_workers = 1", "min_workers = 5"), "orchestrator.toml")
