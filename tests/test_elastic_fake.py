@@ -23,13 +23,15 @@ from orchestrator import taskwire as w
 from orchestrator.daemon.config import ConfigError, parse
 from orchestrator.daemon.elastic import BUDGET_RECHECK
 from orchestrator.daemon.pools import Pool
+from orchestrator.daemon.taskcarry import TaskCarry
+from orchestrator.daemon.tasktable import TaskTable
 from orchestrator.daemon.taskrecords import Doc, parse_options
 from orchestrator.errors import InvalidSpec
 from orchestrator.states import Replica, ReplicaState
 from orchestrator.states import TaskState as T
 
 import test_tasktable_fake as fake
-from test_tasktable_fake import FakeEngine, FakeWorker, Harness
+from test_tasktable_fake import POOL, FakeEngine, FakeWorker, Harness
 
 MiB = 1 << 20
 
@@ -238,3 +240,39 @@ memory_budget = "512M"
                              "memory_budget": 512 * MiB}
     with pytest.raises(ConfigError, match=r"orchestrator.toml:\d+: pools.tasks.min_workers: .*above max_workers 4"):
         parse(text.replace("min_workers = 1", "min_workers = 5"), "orchestrator.toml")
+
+
+def test_an_elastic_pools_options_and_idle_clocks_carry_across_restart_and_upgrade(
+        make: Callable[..., ElasticHarness]) -> None:
+    h = make(options=elastic(1, 3, idle_timeout=5, memory_budget=64 * MiB), size=2)
+    h.worker(), h.worker()
+    stored = h.pool.executor.stored() if h.pool.executor is not None else None
+    # A restart: the pool's row gives the options back.
+    engine = SizingEngine()
+    pool = Pool(POOL, None, stored_executor=stored)
+    engine.pools[POOL] = pool
+    table = TaskTable(engine)
+    try:
+        TaskCarry(table, engine).restore([pool], None)
+        xp = table.pools[POOL]
+        assert (xp.elastic, xp.min_workers, xp.max_workers, xp.idle_timeout, xp.memory_budget) == (
+            True, 1, 3, 5.0, 64 * MiB)
+    finally:
+        table.close()
+        engine.reactor.close()
+    # An upgrade: the workers' idle clocks start again in the next image.
+    h.advance(3)
+    engine, table = fake.hand_over(h)
+    assert isinstance(engine, SizingEngine)
+    try:
+        engine.pools[POOL].scale_to(2)  # the pool's size, carried by handover.py (Pool.carried)
+        assert table.pools[POOL].elastic
+        engine.now += 4.9
+        engine.reactor.run_once(0.0)
+        assert engine.retired == []
+        engine.now += 0.2
+        engine.reactor.run_once(0.0)
+        assert engine.retired == ["px-1"] and engine.pools[POOL].desired == 1
+    finally:
+        table.close()
+        engine.reactor.close()
