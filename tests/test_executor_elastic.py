@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from helpers import DaemonUnderTest, Ident, cli, wait_for
-from orchestrator import Client, Executor
+from orchestrator import Client, Executor, InvalidSpec
 
 MiB = 1 << 20
 JOBS = textwrap.dedent("""
@@ -96,6 +96,20 @@ def test_a_burst_grows_the_pool_to_max_workers_and_idle_shrinks_it_to_min(daemon
                  "the pool to shrink back to min_workers after idle_timeout")
         assert _pool(daemon, "el")["workers"] == {"busy": 0, "idle": 1, "starting": 0, "min": 1, "max": 3}
         assert ex.submit(jobs.pid).result(timeout=30) in {int(s.read_text()) for s in starts}
+        # A joiner that asks for another size range conflicts, like any option that changes how tasks run.
+        with pytest.raises(InvalidSpec, match=r"runs with min_workers=1, not 2; idle_timeout=1\.0, not 60\.0"):
+            Client(daemon.state_dir).executor("el", max_workers=3, min_workers=2)
+        Client(daemon.state_dir).executor("el", max_workers=3, min_workers=1, idle_timeout=1.0).shutdown()
+
+
+def test_bad_elastic_values_are_one_line_errors() -> None:
+    for kw, error in (({"max_workers": 2, "min_workers": 3}, "min_workers 3 is above max_workers 2"),
+                      ({"max_workers": 2, "memory_budget": 1 << 30}, "memory_budget bounds the workers"),
+                      ({"max_workers": 2, "min_workers": 1, "memory_budget": 1 << 20, "memory_max": 1 << 30},
+                       "below one worker's memory_max")):
+        with pytest.raises(InvalidSpec, match=error) as err:
+            Executor(**kw)
+        assert "\n" not in str(err.value)
 
 
 def test_a_memory_budget_keeps_a_second_worker_from_starting(daemon: DaemonUnderTest, jobs: Any,
