@@ -102,10 +102,10 @@ def format_status(data: dict, *, samples: dict | None = None, health: str | None
         state = p.get("state") or ("stopped" if not d["running"] else "ok")
         extra = f" ({p['reason']})" if p.get("reason") else ""
         line = f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}"
-        if p.get("kind") == "executor" and p.get("tasks"):
-            line += f", tasks {_task_counts(p['tasks'])}"
         if p.get("kind") == "executor" and p.get("workers"):
             line += f", workers {_worker_counts(p['workers'])}"
+        if p.get("kind") == "executor" and p.get("tasks"):
+            line += f", tasks {_task_counts(p['tasks'])}"
         after = p.get("after") or (p.get("policy") or {}).get("after")
         if after:
             line += f", after {' '.join(after)}"

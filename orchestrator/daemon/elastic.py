@@ -186,7 +186,7 @@ class Elastic:
     @staticmethod
     def takes_tasks(worker: Worker) -> bool:
         """Is ``worker`` one that may be sent tasks: not being stopped (an idle worker that
-        retires, a scale-down, a rolling restart)?"""
+        retires, a scale-down, a rolling restart)? tasktable._room holds to the same."""
         rep = worker.replica
         return rep is None or rep.state is not S.STOPPING
 

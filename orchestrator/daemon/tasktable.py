@@ -29,7 +29,10 @@ unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task 
 This table is the one owner of the tasks, the workers' connections and the sessions; its
 collaborators, the commands (taskcommands.py) and what carries across a restart or an
 upgrade (taskcarry.py), hold it and use its public API (the class docstring), never its
-records' containers. It asks the engine for what it needs through ``Table``.
+records' containers. It asks the engine for what it needs through ``Table``. How many
+workers an elastic pool has (min_workers..max_workers, idle_timeout, memory_budget) is
+elastic.py's to decide, asked at the dispatch's hooks: it grows the pool when a task finds no
+free worker, retires a worker idle too long; the supervisor does both.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .. import taskwire as w
 from ..taskwire import TaskEvent
 from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
+from ..states import ReplicaState
 from ..states import TaskState as T
 from .containment import Tree
 from .elastic import Elastic
@@ -64,6 +68,7 @@ from .taskrecords import (
 )
 
 log = logging.getLogger("orchestrator")
+STOPPING = ReplicaState.STOPPING  # a worker being stopped is sent no task
 WORKER_TARGET = "orchestrator.taskworker:main"
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
@@ -169,7 +174,8 @@ class TaskTable:
     records through the read-only views below and change them only through its methods:
 
     views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
-                ``listener_fd``; ``task(id)``
+                ``listener_fd``; ``task(id)``; ``waiting(task)`` (why it has not started),
+                ``workers(pool)`` (busy, idle, min, max, budget)
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
                 ``run_queues``
@@ -633,7 +639,7 @@ class TaskTable:
         on that answer."""
         return (not xp.closing and worker.asked is None
                 and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
-                and self._elastic.takes_tasks(worker))
+                and (worker.replica is None or worker.replica.state is not STOPPING))  # retiring, scaled down
 
     def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
         """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
