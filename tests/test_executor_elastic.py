@@ -153,3 +153,35 @@ def test_embedded_a_burst_grows_and_idle_retires_the_extra_workers(jobs: Any, tm
                  "two of the three workers to retire after idle_timeout")
         assert ex.submit(jobs.pid).result(timeout=30) in pids  # the one kept runs it
     assert os.getpid() not in pids
+
+
+def test_a_config_files_elastic_pool_keeps_its_size_at_a_reload_and_across_an_upgrade(
+        daemon: DaemonUnderTest, jobs: Any, tmp_path: Path) -> None:
+    conf, release = tmp_path / "orchestrator.toml", tmp_path / "release"
+    conf.write_text(textwrap.dedent(f"""
+        [pools.cfg]
+        kind = "executor"
+        size = 2
+        min_workers = 1
+        idle_timeout = 1
+        target = "elasticjobs:held"
+        cwd = {str(tmp_path / "code")!r}
+    """))
+    daemon.start("--config", str(conf))
+    wait_for(lambda: _pool(daemon, "cfg")["workers"]["idle"] == 1, 30, "the pool's first worker")
+    assert _pool(daemon, "cfg")["desired"] == 1
+    starts = [tmp_path / f"started-{i}" for i in range(2)]
+    with Client(daemon.state_dir) as client:
+        ids = [client.call("task_submit", {"pool": "cfg", "args": [str(s), str(release)]}) for s in starts]
+        wait_for(lambda: all(s.exists() for s in starts), 60, "both tasks to run at once")
+        assert _pool(daemon, "cfg")["desired"] == 2
+        assert cli(daemon.state_dir, "reload").returncode == 0
+        assert _pool(daemon, "cfg")["desired"] == 2  # the size it grew to, not the file's size reset
+        got = cli(daemon.state_dir, "upgrade")
+        assert got.returncode == 0, got.stderr
+        assert _pool(daemon, "cfg")["workers"] == {"busy": 2, "idle": 0, "starting": 0, "min": 1, "max": 2}
+        release.write_text("")
+        for task_id in ids:
+            assert client.call("task_result", {"id": task_id, "wait": True, "timeout": 30})["state"] == "DONE"
+    wait_for(lambda: len(_workers(daemon, "cfg")) == 1 and _pool(daemon, "cfg")["desired"] == 1, 30,
+             "the upgraded daemon to retire the idle worker")

@@ -114,7 +114,9 @@ class Elastic:
         pool = self.host.pool(xp.name)
         if pool is None or pool.deleted or pool.state == CRASHLOOP:
             return
-        count = min(self._waiting_tasks(xp) - self._starting(xp, pool), xp.max_workers - pool.desired)
+        room = xp.max_workers - pool.desired
+        starting = self._starting(xp, pool) if room > 0 else 0
+        count = min(self._waiting_tasks(xp, room + starting) - starting, room)
         if count <= 0:
             self._free(xp)  # at max_workers, or enough are starting: nothing holds it back
             return
@@ -209,10 +211,17 @@ class Elastic:
         return max(0, pool.desired - ready)
 
     @staticmethod
-    def _waiting_tasks(xp: ExecPool) -> int:
-        """Tasks no worker runs yet: queued, and held behind a busy worker."""
-        held = sum(1 for wk in xp.holders for t in list(wk.tasks)[1:] if t.state is T.QUEUED)
-        return sum(1 for t in xp.queue if t.state is T.QUEUED) + held
+    def _waiting_tasks(xp: ExecPool, enough: int) -> int:
+        """Tasks no worker runs yet (queued, and held behind a busy worker), counted up to
+        ``enough``: a long queue is not walked at each dispatch."""
+        found = 0
+        for wk in xp.holders:
+            found += sum(1 for t in list(wk.tasks)[1:] if t.state is T.QUEUED)
+        for task in xp.queue:
+            if found >= enough:
+                break
+            found += task.state is T.QUEUED
+        return found
 
     def _fits(self, xp: ExecPool, pool: Pool, budget: int) -> int:
         """How many more workers the budget has room for: what the workers hold now, those
