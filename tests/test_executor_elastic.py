@@ -128,6 +128,8 @@ def test_a_memory_budget_keeps_a_second_worker_from_starting(daemon: DaemonUnder
 
         wait_for(lambda: (why() or "").startswith("memory budget 160 MiB reached"), 30,
                  "tasks --json to say the budget holds the queued task back")
+        line = next(x for x in cli(daemon.state_dir, "tasks").stdout.splitlines() if x.startswith(queued.task_id))
+        assert "waiting: memory budget 160 MiB reached" in line
         row = _pool(daemon, "mem")
         assert row["desired"] == 1 and len(_workers(daemon, "mem")) == 1  # no second worker started
         assert row["workers"]["budget"]["limit"] == budget
