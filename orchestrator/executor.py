@@ -80,6 +80,15 @@ class Executor(futures_base.Executor):
     seconds from the exception raised inside a task (cancel, timeout) to SIGKILL of its
     worker's whole process tree. ``retries``: times a task whose worker died runs again on
     another worker (not after a kill for ``memory_max``: it would pass it again).
+    ``min_workers`` (default: ``max_workers``, a fixed pool): an elastic pool, which starts
+    with ``min_workers`` and grows up to ``max_workers``: a task that finds no idle worker
+    starts a new one (forked warm by the pool's spawner); a worker idle for
+    ``idle_timeout`` seconds (60) while the pool is above ``min_workers`` retires.
+    ``memory_budget``: bytes, the elastic pool's workers together (each worker's cgroup
+    memory where the memory controller exists, else its tree's resident memory): no new
+    worker starts while what they hold plus the largest one's share would pass it; tasks
+    wait meanwhile, and ``tasks`` says why. It bounds starts; ``memory_max`` bounds a
+    worker that allocates.
     ``memory_max``: bytes per worker, its whole process tree counted. Where the cgroup
     memory controller is enabled for worker cgroups it is the cgroup's ``memory.max``:
     exact, the kernel never lets the tree pass it. Elsewhere it is a poll of the tree's
@@ -96,7 +105,8 @@ class Executor(futures_base.Executor):
     running daemon and outlives this executor (until ``delete``). A pool that runs already
     is joined as it is (its size, which an operator may have scaled, and its preload);
     where a keyword would change how tasks run there (``initializer``/``initargs``,
-    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``, ``env``,
+    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``, an elastic
+    pool's ``min_workers``/``max_workers``/``idle_timeout``/``memory_budget``, ``env``,
     ``cwd``, the import path) and differs, InvalidSpec names it with both values.
 
     ``reconnect_timeout`` (daemon mode; 30 s): how long the executor waits for its daemon
@@ -128,6 +138,9 @@ class Executor(futures_base.Executor):
         grace: float = 5.0,
         retries: int = 0,
         memory_max: int | None = None,
+        min_workers: int | None = None,
+        idle_timeout: float | None = None,
+        memory_budget: int | None = None,
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         reconnect_timeout: float = 30.0,
@@ -147,6 +160,9 @@ class Executor(futures_base.Executor):
         self._pool = pool or f"tasks-{secrets.token_hex(4)}"
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
                                    "grace": grace, "retries": retries, "memory_max": memory_max}
+        if min_workers is not None or memory_budget is not None:  # an elastic pool (daemon/elastic.py)
+            options.update(min_workers=min_workers, max_workers=max_workers, idle_timeout=idle_timeout,
+                           memory_budget=memory_budget)
         init = _init_payload(initializer, tuple(initargs), embedded=state_dir is None)
         # The worker's own module is preloaded too: each fresh worker starts with it imported
         # (a process per task would otherwise import it every time).

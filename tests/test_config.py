@@ -489,7 +489,8 @@ retries = 1
 log_max_bytes = "1M"
 log_backups = 2
 """
-    assert set(tomllib.loads(text)["pools"]["tasks"]) | {"env_file"} == set(config.EXECUTOR_KEYS)
+    elastic = {"min_workers", "idle_timeout", "memory_budget"}  # test_elastic_fake.py reads those
+    assert set(tomllib.loads(text)["pools"]["tasks"]) | {"env_file"} | elastic == set(config.EXECUTOR_KEYS)
     decl = load(write(tmp_path, text)).pools["tasks"]
     assert decl.size == 4
     assert decl.executor == {"max_tasks_per_child": 100, "timeout": 30.0, "grace": 2.0, "retries": 1,

@@ -106,6 +106,8 @@ def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, fl
         state = p.get("state") or ("stopped" if not d["running"] else "ok")
         extra = f" ({p['reason']})" if p.get("reason") else ""
         line = f"pool {p['name']}: {state}{extra}, size {p['desired']}, restarts {p.get('restarts', 0)}"
+        if p.get("kind") == "executor" and p.get("workers"):
+            line += f", workers {_worker_counts(p['workers'])}"
         if p.get("kind") == "executor" and p.get("tasks"):
             line += f", tasks {_task_counts(p['tasks'])}"
         after = p.get("after") or (p.get("policy") or {}).get("after")
@@ -137,6 +139,19 @@ def _task_counts(counts: Mapping[str, int]) -> str:
     for key in ("failed", "cancelled", "timed_out", "lost"):
         if counts.get(key):
             text += f", {counts[key]} {key.replace('_', ' ')}"
+    return text
+
+
+def _worker_counts(counts: Mapping[str, Any]) -> str:
+    """``2 busy, 1 idle (min 1, max 3), memory 120 MiB of 512 MiB``: an executor pool's
+    workers (starting ones once there are), its size bounds and its memory budget."""
+    text = f"{counts.get('busy', 0)} busy, {counts.get('idle', 0)} idle"
+    if counts.get("starting"):
+        text += f", {counts['starting']} starting"
+    text += f" (min {counts.get('min')}, max {counts.get('max')})"
+    budget = counts.get("budget")
+    if isinstance(budget, Mapping):
+        text += f", memory {budget.get('used', 0) / (1 << 20):.0f} MiB of {budget.get('limit', 0) / (1 << 20):.0f} MiB"
     return text
 
 

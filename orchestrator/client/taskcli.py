@@ -282,8 +282,15 @@ def _table(rows: Sequence[dict[str, Any]], *, running: bool) -> str:
     for r in rows:
         state = r["state"] if running else f"({r['state']})"
         out.append(f"{r['id']:<{width}} {state:<11} {r['worker'] or '-':<{worker}} {clock(r['queued_at']):<19} "
-                   f"{clock(r['started_at']):<19} {clock(r['ended_at']):<19} {r['reason'] or ''}".rstrip())
+                   f"{clock(r['started_at']):<19} {clock(r['ended_at']):<19} {_why(r)}".rstrip())
     return "\n".join(out)
+
+
+def _why(row: dict[str, Any]) -> str:
+    """A task's REASON column: how it ended, or for a queued one why it waits."""
+    if row.get("reason"):
+        return str(row["reason"])
+    return f"waiting: {row['waiting']}" if row.get("waiting") else ""
 
 
 def cmd_cancel(args: argparse.Namespace, paths: Paths) -> int:

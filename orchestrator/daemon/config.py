@@ -28,6 +28,9 @@
     target = "app.tasks:handle" # optional: what `submit` without --target runs
     preload = ["app"]
     max_tasks_per_child = 100   # also: timeout, grace, retries, memory_max, env, cwd
+    min_workers = 1             # elastic: starts with 1, grows to `size` on demand
+    idle_timeout = 60           # ...a worker idle this long above min_workers retires
+    memory_budget = "2G"        # ...no worker starts past this, all workers together
 
 ``load(path)`` / ``parse(text, source)`` give a :class:`Config`, or raise :class:`ConfigError`,
 one line ``FILE:LINE: KEY: what is wrong``. An unknown key is an error (a typo must not be
@@ -84,7 +87,7 @@ POOL_KINDS = ("replicas", "executor")
 # is optional, the task a `submit` without --target runs.
 EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "env_file", "cwd", "memory_max",
                                   "max_tasks_per_child", "timeout", "grace", "retries", "log_max_bytes",
-                                  "log_backups")
+                                  "log_backups", "min_workers", "idle_timeout", "memory_budget")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
@@ -394,9 +397,13 @@ class _Reader:
         target = table.get("target")
         if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
             raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
-        raw: dict[str, Any] = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
-        if "memory_max" in table:
-            raw["memory_max"] = check("memory_max", parse_size)
+        raw: dict[str, Any] = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries", "min_workers",
+                                     "idle_timeout") if k in table}
+        for key in ("memory_max", "memory_budget"):
+            if key in table:
+                raw[key] = check(key, parse_size)
+        if "min_workers" in table:  # elastic: size is its max_workers
+            raw["max_workers"] = 1 if size is None else size
         try:
             options = parse_options(raw)
         except InvalidSpec as err:

@@ -409,6 +409,7 @@ class Engine:
             counts = self.tasks.pool_counts(name)
             if counts is not None:
                 row["tasks"] = counts
+                row["workers"] = self.tasks.pool_workers(name)  # busy, idle, min, max, budget
             pools.append(row)
         result = {"pools": pools, "replicas": replicas}
         if self.extra_status is not None:

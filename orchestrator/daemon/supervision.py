@@ -154,6 +154,36 @@ class Supervisor:
             return  # when it ends, the new one holds its slot: nothing more to do
         self._renewing[rep.id] = reason
 
+    # -- an elastic executor pool's size (the task table asks: daemon/elastic.py) --------
+
+    def grow(self, pool: Pool, count: int) -> list[str]:
+        """``count`` more workers for an elastic executor pool whose queued tasks find none
+        free: launched now into the lowest free slots (forked warm by its spawner), the
+        pool's size raised by as many. OrchestratorError (one line) if they would take what
+        the daemon keeps for its control plane; nothing is launched then."""
+        if count <= 0 or self.table.closing or pool.deleted or pool.runtime is None or pool.state == CRASHLOOP:
+            return []
+        self.table.room_for(count)
+        ids = self.table.launch(pool, count)
+        pool.grow(len(ids))
+        self.table.save_pool(pool)
+        return ids
+
+    def retire(self, rep: Replica, reason: str) -> bool:
+        """An elastic executor pool's idle worker retires (idle_timeout above min_workers):
+        stopped as a scale-down stops a replica (the pool's stop signal, then SIGKILL after
+        its grace), not replaced, the pool's size one less. False if it is no longer
+        running (ending already)."""
+        pool = self._pool_of(rep)
+        if self.table.closing or pool.deleted or rep.state is not S.RUNNING:
+            return False
+        if not self.table.stop(rep, reason=reason):
+            return False
+        pool.lower()
+        pool.settle_state()
+        self.table.save_pool(pool)
+        return True
+
     # -- declaring pools ----------------------------------------------------------------
 
     def open_pool(self, name: str, spec: Any, policy: Any, size: int) -> tuple[Pool, list[str]]:

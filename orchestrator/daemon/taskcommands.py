@@ -18,7 +18,8 @@ Joining a pool (``executor`` naming a pool that runs): the joiner takes the pool
 its size (an operator may have scaled it) and its preload (it only warms a worker's
 start); what would change how the joiner's tasks run is a conflict, named in the error
 with both values: the options (``max_tasks_per_child``, ``timeout``, ``grace``,
-``retries``, ``memory_max``), the initializer and its arguments, and the workers' ``env``,
+``retries``, ``memory_max``, and an elastic pool's ``min_workers``, ``max_workers``,
+``idle_timeout``, ``memory_budget``), the initializer and its arguments, and the workers' ``env``,
 ``cwd`` and import path.
 """
 
@@ -36,6 +37,14 @@ from .tasktable import WORKER_TARGET, Table, TaskTable
 
 NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
 Command = Callable[[Doc, Reply, Any], Any]
+
+
+def _with_size(raw: Any, size: int) -> Any:
+    """An executor's options with ``max_workers`` (its pool's size) filled in where it asks
+    for an elastic pool (``min_workers``)."""
+    if isinstance(raw, dict) and raw.get("min_workers") is not None and raw.get("max_workers") is None:
+        return {**raw, "max_workers": size}
+    return raw
 
 
 def _count(value: Any, what: str) -> int:
@@ -67,7 +76,7 @@ class TaskCommands:
         [first, count]) and whether the session is new here (``fresh``)."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
-        options = parse_options(args.get("options"))
+        options = parse_options(_with_size(args.get("options"), size))
         init = as_bytes(args.get("init") or b"", "init")
         about = args.get("init_about")
         spec = args.get("spec")
@@ -91,7 +100,9 @@ class TaskCommands:
         else:
             if xp is not None and not xp.closing and (xp.options != options or xp.init != init):
                 raise InvalidSpec(f"executor pool {name!r} runs with other options: use another pool name")
-            pool, ids = self.table.supervisor.open_pool(name, spec, policy, size)
+            # An elastic pool starts with min_workers and grows on demand (elastic.py).
+            start = options["min_workers"] if "min_workers" in options else size
+            pool, ids = self.table.supervisor.open_pool(name, spec, policy, start)
             if xp is None or xp.closing:
                 xp = self.tasks.adopt(pool, options, init, next_n=xp.next_n if xp is not None else 1)
                 if about:
@@ -112,7 +123,8 @@ class TaskCommands:
         """What a joiner asks for that the running pool does not do, each as ``KEY=RUNS,
         not ASKED`` (see the module docstring for which keywords conflict, and why)."""
         out = [f"{key}={xp.options.get(key)!r}, not {options.get(key)!r}"
-               for key in ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max")
+               for key in ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "min_workers",
+                           "max_workers", "idle_timeout", "memory_budget")
                if xp.options.get(key) != options.get(key)]
         if xp.init != init:
             runs = xp.about or ("another initializer" if xp.init else "none")
@@ -146,8 +158,12 @@ class TaskCommands:
         """An executor pool of the config file (``kind = "executor"``): declared as any pool
         (supervision.declare: made, rolled or resized), then its options in force for the
         tasks handed out from now on. Returns what declare did."""
-        options = parse_options(options)
+        options = parse_options(_with_size(options, size))
         spec, policy = self.tasks.prepare(spec, policy, options)
+        if "min_workers" in options:  # elastic: the size it has now, within min..max (elastic.py)
+            have = self.table.pool(name)
+            now = have.desired if have is not None and not have.deleted and name in self.tasks.pools else 0
+            size = max(options["min_workers"], min(now, options["max_workers"]))
         what = self.table.supervisor.declare(name, spec, policy, size)
         pool = self.table.pool(name)
         assert pool is not None  # declared just now
@@ -346,7 +362,8 @@ class TaskCommands:
         pool = args.get("pool")
         if pool is not None and pool not in self.tasks.pools:
             raise UnknownPool(f"unknown executor pool {pool!r}")
-        rows = {t.id: listing(t.record()) for t in self.tasks.live.values() if pool is None or t.pool.name == pool}
+        rows = {t.id: {**listing(t.record()), "waiting": self.tasks.waiting(t)}
+                for t in self.tasks.live.values() if pool is None or t.pool.name == pool}
         if args.get("all"):
             store = self.table.journal.store
             if store is not None:
@@ -381,6 +398,12 @@ class TaskCommands:
         if xp is None or xp.closing or pool is None or pool.deleted:
             raise UnknownPool(f"unknown executor pool {name!r}")
         return xp
+
+    def pool_workers(self, name: str) -> Doc | None:
+        """An executor pool's workers for ``status``: busy, idle, starting, min, max and its
+        memory budget (``budget``: used and limit, bytes), if it has one."""
+        xp = self.tasks.pools.get(name)
+        return self.tasks.workers(xp) if xp is not None else None
 
     def pool_counts(self, name: str) -> Doc | None:
         """An executor pool's tasks for ``status``: queued and running now; ended since the

@@ -101,6 +101,19 @@ class TreeMemory:
                 outside.append((st.pid, st.start_time))
         return total, outside
 
+    def used(self, pid: int, cgroup: str | None) -> int:
+        """Bytes the tree of the worker ``pid`` holds, for an elastic pool's memory_budget
+        (elastic.py): its cgroup's ``memory.current`` where the memory controller counts it
+        (every page of the tree once, the page cache it caused too), else its resident
+        memory as ``measure`` sums it."""
+        if cgroup is not None:
+            try:
+                with open(os.path.join(cgroup, "memory.current"), "rb") as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                pass  # no memory controller in that cgroup: its members' RSS
+        return self.measure(pid, cgroup)[0]
+
     def _descendants(self, pid: int) -> list[ProcStat]:
         found: list[ProcStat] = []
         seen = {pid}

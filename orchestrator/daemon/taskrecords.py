@@ -25,7 +25,9 @@ Doc = dict[str, Any]  # a JSON object: a command's arguments, a reply, a task's 
 Reply = protocol.ReplyTo
 Event = tuple[str, Any, Any, "str | None"]  # (kind, ref, data, task id): TaskTable's module docstring
 Sink = Callable[[list[Event]], Any]  # called with a turn's events
-OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target")
+OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target",
+               "min_workers", "max_workers", "idle_timeout", "memory_budget")
+IDLE_TIMEOUT = 60.0  # an elastic pool's worker idle this long above min_workers retires
 
 
 @dataclass(eq=False, slots=True)
@@ -88,6 +90,7 @@ class Worker:
     asked: Task | None = None  # the task asked back, until the worker answers for it
     done: int = 0
     kill_timer: Timer | None = None
+    idle_timer: Timer | None = None  # an elastic pool's: it retires when this fires (elastic.py)
     lost_reason: str | None = None  # why the loop killed it, if it did
     over_memory: bool = False  # killed for passing memory_max (its task is not retried)
     closed: bool = False
@@ -120,6 +123,13 @@ class ExecPool:
     on_quiet: Callable[[], None] | None = None  # closing: called once no worker is busy
     ended: collections.Counter[str] = field(default_factory=collections.Counter)  # state -> tasks ended since the start
     about: str | None = None  # what its initializer is, as its first session named it (a joiner's conflict says)
+    # An elastic pool's sizing (elastic.py): the workers' memory as last measured (bytes,
+    # the largest one's, at monotonic time), why it may not grow now, the re-check's timer.
+    memory_used: int = 0
+    memory_largest: int = 0
+    memory_at: float = float("-inf")
+    blocked: str | None = None
+    budget_timer: Timer | None = None
 
     def stored(self) -> dict[str, Any]:
         """Its part of the pool's row: options, initializer, the next task number recorded."""
@@ -136,6 +146,28 @@ class ExecPool:
     @property
     def grace(self) -> float:
         return float(self.options["grace"])
+
+    @property
+    def elastic(self) -> bool:
+        """Does it grow and shrink (min_workers below max_workers)? Else its size is fixed."""
+        return "min_workers" in self.options
+
+    @property
+    def min_workers(self) -> int:
+        return int(self.options["min_workers"])
+
+    @property
+    def max_workers(self) -> int:
+        return int(self.options["max_workers"])
+
+    @property
+    def idle_timeout(self) -> float:
+        return float(self.options.get("idle_timeout", IDLE_TIMEOUT))
+
+    @property
+    def memory_budget(self) -> int | None:
+        budget = self.options.get("memory_budget")
+        return int(budget) if budget is not None else None
 
 
 @dataclass(eq=False)
@@ -188,6 +220,43 @@ def parse_options(raw: Any) -> Doc:
         if not isinstance(target, str) or ":" not in target:
             raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
         out["target"] = target  # what a task given without one runs
+    out.update(_elastic(raw, mem))
+    return out
+
+
+def _elastic(raw: Doc, memory_max: int | None) -> Doc:
+    """An elastic pool's options (``min_workers`` below ``max_workers``, ``idle_timeout``,
+    ``memory_budget``), checked; none for a fixed pool (``min_workers`` not given, or equal
+    to ``max_workers``: its options stay exactly a fixed pool's)."""
+    low, high = raw.get("min_workers"), raw.get("max_workers")
+    budget = raw.get("memory_budget")
+    if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < 1):
+        raise InvalidSpec(f"max_workers must be a whole number of at least 1, got {high!r}")
+    if low is not None:
+        if isinstance(low, bool) or not isinstance(low, int) or low < 0:
+            raise InvalidSpec(f"min_workers must be a whole number of at least 0, got {low!r}")
+        if high is None:
+            raise InvalidSpec("min_workers needs max_workers (the pool's size)")
+        if low > high:
+            raise InvalidSpec(f"min_workers {low} is above max_workers {high}")
+    idle = protocol.seconds(raw["idle_timeout"], "idle_timeout") if raw.get("idle_timeout") is not None else None
+    if idle is not None and idle <= 0:
+        raise InvalidSpec(f"idle_timeout must be more than 0 seconds, got {raw['idle_timeout']!r}")
+    elastic = low is not None and high is not None and low < high
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1 << 20:
+            raise InvalidSpec(f"memory_budget must be a number of bytes of at least 1 MiB, got {budget!r}")
+        if memory_max is not None and budget < memory_max:
+            raise InvalidSpec(f"memory_budget {size_text(budget)} is below one worker's memory_max "
+                              f"{size_text(memory_max)}")
+        if not elastic:
+            raise InvalidSpec("memory_budget bounds the workers an elastic pool starts: give min_workers "
+                              "below max_workers")
+    if not elastic:
+        return {}
+    out: Doc = {"min_workers": low, "max_workers": high, "idle_timeout": IDLE_TIMEOUT if idle is None else idle}
+    if budget is not None:
+        out["memory_budget"] = budget
     return out
 
 

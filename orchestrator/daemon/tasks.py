@@ -28,7 +28,7 @@ from .tasktable import Table, TaskTable
 
 class Tasks:
     """What the engine asks of executor pools: ``tasktable`` (the TaskTable), ``commands()``
-    and ``declare``/``pool_counts`` (TaskCommands), ``restore``, ``before_handover``,
+    and ``declare``/``pool_counts``/``pool_workers`` (TaskCommands), ``restore``, ``before_handover``,
     ``carried``, ``take_over`` (TaskCarry), and the table's own ``address``, ``spawned``,
     ``worker_ended``, ``settle`` and ``close``."""
 
@@ -50,6 +50,9 @@ class Tasks:
 
     def pool_counts(self, name: str) -> Doc | None:
         return self._commands.pool_counts(name)
+
+    def pool_workers(self, name: str) -> Doc | None:
+        return self._commands.pool_workers(name)
 
     # -- a restart, an upgrade ------------------------------------------------------------
 

@@ -29,7 +29,10 @@ unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task 
 This table is the one owner of the tasks, the workers' connections and the sessions; its
 collaborators, the commands (taskcommands.py) and what carries across a restart or an
 upgrade (taskcarry.py), hold it and use its public API (the class docstring), never its
-records' containers. It asks the engine for what it needs through ``Table``.
+records' containers. It asks the engine for what it needs through ``Table``. How many
+workers an elastic pool has (min_workers..max_workers, idle_timeout, memory_budget) is
+elastic.py's to decide, asked at the dispatch's hooks: it grows the pool when a task finds no
+free worker, retires a worker idle too long; the supervisor does both.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ from .. import taskwire as w
 from ..taskwire import TaskEvent
 from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
+from ..states import ReplicaState
 from ..states import TaskState as T
 from .containment import Tree
+from .elastic import Elastic
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
@@ -63,6 +68,7 @@ from .taskrecords import (
 )
 
 log = logging.getLogger("orchestrator")
+STOPPING = ReplicaState.STOPPING  # a worker being stopped is sent no task
 WORKER_TARGET = "orchestrator.taskworker:main"
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped (its tasks go on)
@@ -106,6 +112,8 @@ class Supervisor(Protocol):
     def open_pool(self, name: str, spec: Doc, policy: Doc, size: int) -> tuple[Pool, list[str]]: ...
     def declare(self, name: str, spec: Doc, policy: Doc, size: int) -> str: ...
     def delete_pool(self, name: str) -> list[str]: ...
+    def grow(self, pool: Pool, count: int) -> list[str]: ...
+    def retire(self, rep: Replica, reason: str) -> bool: ...
 
 
 class TaskStore(Protocol):
@@ -166,7 +174,8 @@ class TaskTable:
     records through the read-only views below and change them only through its methods:
 
     views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
-                ``listener_fd``; ``task(id)``
+                ``listener_fd``; ``task(id)``; ``waiting(task)`` (why it has not started),
+                ``workers(pool)`` (busy, idle, min, max, budget)
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
                 ``run_queues``
@@ -201,6 +210,7 @@ class TaskTable:
         self.result_max_bytes = result_max_bytes
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
         self._memory = TreeMemory(table.reactor.monotonic)
+        self._elastic = Elastic(table, self._memory, self._dispatch)  # an elastic pool's size
 
     # -- the listener -------------------------------------------------------------------
 
@@ -339,7 +349,7 @@ class TaskTable:
                 kill_in, lambda: self._kill(worker, f"task {task.id} did not stop after its {what}", renew=True))
         if worker.ready and not xp.closing:
             if not worker.tasks:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             elif len(worker.tasks) == 1 and self._room(xp, worker):
                 xp.single.append(worker)
 
@@ -547,6 +557,7 @@ class TaskTable:
                 continue
             worker = self._free_worker(xp)
             if worker is None:
+                self._elastic.want(xp)  # an elastic pool below max_workers grows
                 return
             xp.queue.popleft()
             self._send(xp, worker, task)
@@ -614,6 +625,8 @@ class TaskTable:
 
     def _free_worker(self, xp: ExecPool) -> Worker | None:
         for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
+            if holds and not self._elastic.may_hold(xp):
+                return None  # a growing pool's new worker takes it, unheld
             while waiting:
                 worker = waiting.popleft()  # an entry whose worker changed since is dropped
                 if not worker.closed and len(worker.tasks) == holds and self._room(xp, worker):
@@ -625,7 +638,8 @@ class TaskTable:
         Not while it has an ask to answer: which cancel word the next frame takes depends
         on that answer."""
         return (not xp.closing and worker.asked is None
-                and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks))
+                and (not xp.max_tasks or worker.done + len(worker.tasks) < xp.max_tasks)
+                and (worker.replica is None or worker.replica.state is not STOPPING))  # retiring, scaled down
 
     def _send(self, xp: ExecPool, worker: Worker, task: Task) -> None:
         """``task`` to ``worker``: it runs now, or waits there (still QUEUED) behind the one
@@ -637,6 +651,8 @@ class TaskTable:
             task.slot = worker.sent % w.WORDS
         task.asked_back = False
         worker.sent += 1
+        if worker.idle_timer is not None:
+            self._elastic.busy(worker)
         worker.tasks.append(task)
         payload = task.payload or b""
         if len(payload) < COPY_MAX:  # one write (one syscall, one read in the worker)
@@ -1026,7 +1042,7 @@ class TaskTable:
         if kind == w.READY:
             worker.ready = True
             if not xp.closing:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             self._dispatch(xp)
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
@@ -1081,7 +1097,7 @@ class TaskTable:
                 self.table.supervisor.renew(worker.replica, f"retired after {worker.done} tasks", now=True)
         elif not worker.tasks:
             if not xp.closing:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
         elif self._room(xp, worker):
             xp.single.append(worker)
         self._dispatch(xp)
@@ -1106,11 +1122,34 @@ class TaskTable:
             self._head(worker)
         if not xp.closing:
             if not worker.tasks:
-                xp.idle.append(worker)
+                self._now_idle(xp, worker)
             elif len(worker.tasks) == 1 and self._room(xp, worker):
                 xp.single.append(worker)
         self._dispatch(xp)
         self._check_quiet(xp)
+
+    def _now_idle(self, xp: ExecPool, worker: Worker) -> None:
+        """``worker`` has no task: first for the next one; an elastic pool's retires once
+        it has stayed so for its idle_timeout."""
+        xp.idle.append(worker)
+        self._elastic.idle(xp, worker)
+
+    # -- why a task waits, and a pool's workers (``tasks``, ``status``) -------------------
+
+    def waiting(self, task: Task) -> str | None:
+        """Why ``task`` has not started, in a few words ("all 4 workers busy", "worker
+        starting", "memory budget 512 MiB reached (480 MiB used)"); None unless QUEUED."""
+        if task.state is not T.QUEUED:
+            return None
+        worker = task.worker
+        if worker is not None:
+            return f"held by {self._name(worker)}, behind the task it runs"
+        return self._elastic.waiting(task.pool)
+
+    def workers(self, xp: ExecPool) -> Doc:
+        """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a
+        memory_budget, ``budget``: {used, limit} in bytes (elastic.Elastic.counts)."""
+        return self._elastic.counts(xp)
 
     def _released(self, task: Task) -> None:
         """No worker holds ``task`` any more: one that ended while a worker had it (a
@@ -1136,6 +1175,7 @@ class TaskTable:
         undisturbed until it answers or the pool's grace passes (then its tree is killed);
         ``then()`` once no worker is busy."""
         xp.closing = True
+        self._elastic.stop(xp)
         if xp.rss_timer is not None:
             xp.rss_timer.cancel()
         running = {wk.tasks[0].id for wk in xp.workers.values()
@@ -1164,6 +1204,7 @@ class TaskTable:
             self._close(worker)
 
     def _close(self, worker: Worker) -> None:
+        self._elastic.busy(worker)  # gone: it does not retire either
         if not worker.closed:
             self.table.reactor.remove_reader(worker.sock.fileno())
             worker.closed = True
