@@ -10,6 +10,7 @@ check runs in CI too, on the newest of them included.
 from __future__ import annotations
 
 import subprocess
+import tomllib
 import sys
 from pathlib import Path
 
@@ -27,3 +28,10 @@ def test_mypy_finds_no_error(tmp_path: Path) -> None:
     )
     if proc.returncode != 0:
         pytest.fail(f"mypy (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}", pytrace=False)
+
+
+def test_the_settings_are_strict() -> None:
+    # The check above is only as good as its settings: `strict` is what the house promises.
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        settings = tomllib.load(f)["tool"]["mypy"]
+    assert settings.get("strict") is True, settings
