@@ -200,7 +200,8 @@ def main() -> None:
     reader = _Reader(sock)
     got = reader.next()
     while got is not None and got[0] == w.CONFIG:
-        _grace = float(json.loads(bytes(got[2])).get("grace", _grace))
+        config: w.ConfigPayload = json.loads(bytes(got[2]))  # from the loop (its uid checked at connect)
+        _grace = float(config.get("grace", _grace))
         got = reader.next()
     if got is None or got[0] != w.WELCOME:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")

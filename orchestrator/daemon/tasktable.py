@@ -1032,7 +1032,8 @@ class TaskTable:
         worker.pid, worker.replica, worker.pool, worker.version = pid, rep, xp, version
         xp.workers[rep.id] = worker
         if version >= 2:
-            worker.writer.write(w.frame(w.CONFIG, 0, json.dumps({"grace": xp.grace}).encode()))
+            config: w.ConfigPayload = {"grace": xp.grace}
+            worker.writer.write(w.frame(w.CONFIG, 0, json.dumps(config).encode()))
         worker.writer.write(w.frame(w.WELCOME, xp.max_tasks, xp.init))
 
     def _frame(self, worker: Worker, kind: int, number: int, payload: bytes) -> None:
