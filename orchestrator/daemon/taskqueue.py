@@ -1,0 +1,214 @@
+"""An executor pool's queue (the task table's, loop thread only): which queued task starts next.
+
+The order, the "Scheduling contract" of the README's Executor section:
+
+- **Priority.** A task of a higher ``priority`` starts before any of a lower one.
+- **Tenants share by weight.** Within one priority, the tenants with queued tasks take
+  turns: weighted fair queuing (start-time fair queuing, as a network scheduler shares a
+  link). Each tenant's share has a virtual ``finish`` time; the next task is the oldest of
+  the share with the least one, which then moves on by ``1 / weight``. A tenant that
+  starts queueing joins at the lane's virtual time now (the ``finish`` of the latest
+  start), so it is served at the next start, however many tasks another tenant holds;
+  with weights 2:1, two of the first start for each of the second. FIFO within a tenant.
+  Tasks without a tenant are one tenant (``None``) of weight 1.
+- **Aging.** With ``max_wait`` (seconds), a task queued that long moves above every
+  priority (still shared between tenants by weight, FIFO within one): nothing waits forever
+  behind a stream of higher-priority work. It is checked when the next task is chosen (no
+  timer: the order matters only then), on the wall clock of ``queued_at``, which a restart
+  carries.
+- **A task given back** (a held task a worker gave back unstarted, one whose worker died
+  before it started, one queued again after a lost attempt): first again in its priority,
+  ``push_front``.
+
+A task that ends while queued (cancelled) is ``discard``-ed: ``len`` counts only what still
+waits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Iterator, Mapping, Protocol, TypeVar
+
+
+class Queued(Protocol):
+    """What the queue reads of a task (taskrecords.Task), and ``aged``, which it sets."""
+
+    priority: int
+    tenant: str | None
+    queued_at: float  # wall clock
+    aged: bool
+
+
+Task = TypeVar("Task", bound=Queued)
+
+AGED = (1, 0)  # the lane of tasks that waited max_wait: above every priority
+
+
+def lane_key(task: Queued) -> tuple[int, int]:
+    """Where ``task`` waits: (1, 0) once aged, else (0, its priority); higher starts first."""
+    return AGED if task.aged else (0, task.priority)
+
+
+@dataclass(slots=True, eq=False)
+class _Share(Generic[Task]):
+    """One tenant's tasks in one lane, and its place in the lane's turns."""
+
+    tasks: collections.deque[Task]
+    step: float  # 1 / its weight: how far a start moves its finish on
+    finish: float  # the virtual time of its next start
+    order: int  # ties between equal finishes: who joined first (a task given back: first)
+
+
+@dataclass(slots=True, eq=False)
+class _Lane(Generic[Task]):
+    """The tasks of one priority: tenants' shares, taken in turn by weight."""
+
+    key: tuple[int, int]
+    now: float = 0.0  # the lane's virtual time: the finish of its latest start
+    shares: dict[str | None, _Share[Task]] = field(default_factory=dict)
+    turns: list[tuple[float, int, str | None]] = field(default_factory=list)  # heap of (finish, order, tenant)
+
+
+class TaskQueue(Generic[Task]):
+    """The queued tasks of one executor pool, in the order they start (module docstring):
+    ``push``, ``push_front``, ``pop`` (the next, or None), ``discard`` (ended while queued),
+    ``len``/``bool`` (what waits), iteration (what waits, about in start order), and
+    ``configure`` (the pool's ``tenant_weights`` and ``max_wait``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, *, weights: Mapping[str, float] | None = None,
+                 max_wait: float | None = None) -> None:
+        """``clock``: the wall clock of ``Task.queued_at`` (the engine's ``time``)."""
+        self._clock = clock
+        self._weights: Mapping[str, float] = dict(weights or {})
+        self._max_wait = max_wait
+        self._lanes: dict[tuple[int, int], _Lane[Task]] = {}
+        self._keys: list[tuple[int, int]] = []  # the lanes' keys, ascending (the last starts first)
+        self._where: dict[Task, _Lane[Task]] = {}  # each task waiting -> its lane
+        self._order = itertools.count()
+        self._aging: list[tuple[float, int, Task]] = []  # heap of (due, order, task) with max_wait
+
+    def configure(self, weights: Mapping[str, float] | None, max_wait: float | None) -> None:
+        """The pool's options now (a config reload): a share made from now on takes its
+        tenant's weight; ``max_wait`` counts for every task waiting."""
+        self._weights = dict(weights or {})
+        if max_wait != self._max_wait:
+            self._max_wait = max_wait
+            self._aging = []
+            if max_wait is not None:
+                for task in self._where:
+                    if not task.aged:
+                        heapq.heappush(self._aging, (task.queued_at + max_wait, next(self._order), task))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __bool__(self) -> bool:
+        return bool(self._where)
+
+    def __contains__(self, task: object) -> bool:
+        return task in self._where
+
+    def __iter__(self) -> Iterator[Task]:
+        """What waits: the lanes from the highest, each tenant's tasks in its turn order."""
+        for key in reversed(self._keys):
+            lane = self._lanes[key]
+            for tenant in sorted(lane.shares, key=lambda t: (lane.shares[t].finish, lane.shares[t].order)):
+                yield from (t for t in lane.shares[tenant].tasks if self._where.get(t) is lane)
+
+    def push(self, task: Task) -> None:
+        """``task`` waits last of its tenant in its priority."""
+        self._put(task, front=False)
+        if self._max_wait is not None and not task.aged:
+            heapq.heappush(self._aging, (task.queued_at + self._max_wait, next(self._order), task))
+
+    def push_front(self, task: Task) -> None:
+        """``task`` (given back, or queued again) starts next of its priority."""
+        self._put(task, front=True)
+        if self._max_wait is not None and not task.aged:
+            heapq.heappush(self._aging, (task.queued_at + self._max_wait, next(self._order), task))
+
+    def discard(self, task: Task) -> None:
+        """``task`` no longer waits (it ended while queued); its entry is dropped when its
+        turn comes."""
+        self._where.pop(task, None)
+
+    def pop(self) -> Task | None:
+        """The next task to start, taken out of the queue; None if none waits."""
+        if self._aging and self._aging[0][0] <= self._clock():
+            self._age()
+        while self._keys:
+            lane = self._lanes[self._keys[-1]]
+            task = self._take(lane)
+            if task is not None:
+                return task
+            del self._lanes[self._keys.pop()]  # empty: its tasks all started or ended
+        return None
+
+    def _lane(self, key: tuple[int, int]) -> _Lane[Task]:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane[Task](key)
+            bisect.insort(self._keys, key)
+        return lane
+
+    def _put(self, task: Task, *, front: bool) -> None:
+        lane = self._lane(lane_key(task))
+        self._where[task] = lane
+        tenant = task.tenant
+        share = lane.shares.get(tenant)
+        if share is None:  # it joins the turns now: its first start is the next of its lane's
+            weight = self._weights.get(tenant, 1) if tenant is not None else 1
+            order = -next(self._order) if front else next(self._order)
+            share = lane.shares[tenant] = _Share[Task](collections.deque(), 1.0 / weight, lane.now, order)
+            heapq.heappush(lane.turns, (share.finish, share.order, tenant))
+        elif front and (share.finish, share.order) > (lane.now, 0):
+            # Given back: it had its turn already; it takes the next one again.
+            share.finish, share.order = lane.now, -next(self._order)
+            heapq.heappush(lane.turns, (share.finish, share.order, tenant))  # its older entry is stale now
+        if front:
+            share.tasks.appendleft(task)
+        else:
+            share.tasks.append(task)
+
+    def _take(self, lane: _Lane[Task]) -> Task | None:
+        """The next task of ``lane`` (None: none waits there), its tenant's turn moved on."""
+        turns, where = lane.turns, self._where
+        while turns:
+            finish, order, tenant = turns[0]
+            share = lane.shares.get(tenant)
+            if share is None or share.order != order or share.finish != finish:
+                heapq.heappop(turns)  # a stale entry: its share left, or took an earlier turn
+                continue
+            tasks = share.tasks
+            while tasks:
+                task = tasks.popleft()
+                if where.get(task) is lane:
+                    del where[task]
+                    lane.now = finish
+                    share.finish = finish + share.step
+                    if tasks:
+                        heapq.heapreplace(turns, (share.finish, order, tenant))
+                    else:
+                        heapq.heappop(turns)
+                        del lane.shares[tenant]
+                    return task
+            heapq.heappop(turns)  # only tasks that ended or moved were left
+            del lane.shares[tenant]
+        return None
+
+    def _age(self) -> None:
+        """Tasks queued for ``max_wait`` move to the lane above every priority, in the order
+        they came due."""
+        now = self._clock()
+        while self._aging and self._aging[0][0] <= now:
+            _, _, task = heapq.heappop(self._aging)
+            lane = self._where.get(task)
+            if lane is None or lane.key == AGED:
+                continue  # it started, ended or aged already
+            task.aged = True
+            self._put(task, front=False)  # its entry in the old lane is stale now
