@@ -12,7 +12,7 @@ import mmap
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from .. import protocol
 from .. import taskwire as w
@@ -218,6 +218,17 @@ def tenant_weights(raw: Any) -> dict[str, float]:
             raise InvalidSpec(f"the weight of tenant {name!r} must be a number above 0, got {weight!r}")
         out[name] = weight
     return out
+
+
+class QueuePlace(TypedDict):
+    priority: int
+    tenant: str | None
+
+
+def queue_place(row: Doc) -> QueuePlace:
+    """A stored or carried task's priority and tenant (a row of an earlier version has
+    neither: 0 and None)."""
+    return {"priority": int(row.get("priority") or 0), "tenant": row.get("tenant") or None}
 
 
 def priority(raw: Any) -> int:
