@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import enum
 import functools
 import itertools
 import os
@@ -62,6 +63,13 @@ _WORKER_TARGET = "orchestrator.taskworker:main"
 _STOP = ("stop", None, None, None)
 
 
+class _Pools(enum.Enum):
+    POOLS = "the pool's"  # an option a view leaves as its pool has it
+
+
+POOLS = _Pools.POOLS
+
+
 class Executor(futures_base.Executor):
     """A ``concurrent.futures.Executor`` whose tasks run in a supervised pool of worker
     processes. Every keyword is optional:
@@ -80,8 +88,10 @@ class Executor(futures_base.Executor):
     seconds from the exception raised inside a task (cancel, timeout) to SIGKILL of its
     worker's whole process tree. ``retries``: times a task whose worker died runs again on
     another worker (not after a kill for ``memory_max``: it would pass it again).
-    ``memory_max``: bytes per worker, its whole process tree counted. Where the cgroup
-    memory controller is enabled for worker cgroups it is the cgroup's ``memory.max``:
+    ``tenant_weights`` (``{"alice": 2}``; a tenant not named weighs 1) and ``max_wait``
+    (seconds): how queued tasks share the workers (``options(priority=, tenant=)``, the
+    README's "Priorities and tenants"). ``memory_max``: bytes per worker, its whole
+    process tree counted. Where the cgroup memory controller is enabled for worker cgroups it is the cgroup's ``memory.max``:
     exact, the kernel never lets the tree pass it. Elsewhere it is a poll of the tree's
     resident memory, every 20 ms while a task runs (every second while the pool is idle):
     an allocation faster than that passes the limit by up to its rate x 20 ms before the
@@ -96,8 +106,8 @@ class Executor(futures_base.Executor):
     running daemon and outlives this executor (until ``delete``). A pool that runs already
     is joined as it is (its size, which an operator may have scaled, and its preload);
     where a keyword would change how tasks run there (``initializer``/``initargs``,
-    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``, ``env``,
-    ``cwd``, the import path) and differs, InvalidSpec names it with both values.
+    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``,
+    ``tenant_weights``, ``max_wait``, ``env``, ``cwd``, the import path) and differs, InvalidSpec names it with both values.
 
     ``reconnect_timeout`` (daemon mode; 30 s): how long the executor waits for its daemon
     when it is gone (``stop`` then ``start``, a kill -9 then ``start``, an upgrade): it
@@ -131,6 +141,8 @@ class Executor(futures_base.Executor):
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         reconnect_timeout: float = 30.0,
+        tenant_weights: dict[str, float] | None = None,
+        max_wait: float | None = None,
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
@@ -146,7 +158,8 @@ class Executor(futures_base.Executor):
 
         self._pool = pool or f"tasks-{secrets.token_hex(4)}"
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
-                                   "grace": grace, "retries": retries, "memory_max": memory_max}
+                                   "grace": grace, "retries": retries, "memory_max": memory_max,
+                                   "tenant_weights": tenant_weights, "max_wait": max_wait}
         init = _init_payload(initializer, tuple(initargs), embedded=state_dir is None)
         # The worker's own module is preloaded too: each fresh worker starts with it imported
         # (a process per task would otherwise import it every time).
@@ -214,6 +227,24 @@ class Executor(futures_base.Executor):
     # -- the Executor API ---------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
+        return self._submit(fn, args, kwargs, None)
+
+    def options(self, *, priority: int = 0, tenant: str | None = None, timeout: float | None | _Pools = POOLS,
+                retries: int | _Pools = POOLS, key: str | None = None, retry_on: Any = None,
+                deadline: float | None = None) -> Options:
+        """A view of this executor whose ``submit`` and ``map`` give each task these
+        options (README, "Executor"): ``priority`` (a whole number; higher starts first),
+        ``tenant`` (a name: tenants with queued tasks share the workers by the pool's
+        ``tenant_weights``, FIFO within one), ``timeout`` (seconds, None: none) and
+        ``retries`` for its tasks instead of the pool's. ``key``, ``retry_on`` and
+        ``deadline`` are not available yet: a value for one is refused (TypeError), never
+        ignored. A view's ``options()`` narrows it further."""
+        return Options(self, {}).options(priority=priority, tenant=tenant, timeout=timeout, retries=retries,
+                                         key=key, retry_on=retry_on, deadline=deadline)
+
+    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                place: dict[str, Any] | None) -> TaskFuture:
+        """``submit``; ``place``: the task's options of a view (``options``), on the wire."""
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -233,6 +264,8 @@ class Executor(futures_base.Executor):
             if n is not None:
                 fut.task_id = f"{self._pool}/{n}"
             args_ = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload, "n": n}
+            if place:
+                args_.update(place)
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
@@ -244,14 +277,7 @@ class Executor(futures_base.Executor):
         """As ProcessPoolExecutor's: the results in order; ``chunksize`` items per task
         (one round trip and one pickling for each chunk, which fails whole if one item
         raises); ``timeout`` seconds from this call."""
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
-        if chunksize == 1:
-            return super().map(fn, *iterables, timeout=timeout)
-        from .taskworker import run_chunk
-
-        chunks = super().map(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
-        return (result for chunk in chunks for result in chunk)
+        return _map(super().map, fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As the standard library's: ``wait`` waits for the pending futures (after
@@ -550,6 +576,76 @@ def _shutdown_at_exit() -> None:
             executor._leave()
         else:
             executor.shutdown(wait=True)
+
+
+class Options(futures_base.Executor):
+    """``Executor.options(...)``: the executor with options for the tasks submitted
+    through it (its ``submit`` and ``map``; ``options()`` narrows it again). It owns
+    nothing: its ``shutdown`` does nothing, the executor's own ends the pool."""
+
+    def __init__(self, executor: Executor, place: dict[str, Any]) -> None:
+        self._executor = executor
+        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries
+
+    def options(self, *, priority: int | None = None, tenant: str | None = None,
+                timeout: float | None | _Pools = POOLS, retries: int | _Pools = POOLS, key: str | None = None,
+                retry_on: Any = None, deadline: float | None = None) -> Options:
+        """This view with these options too (each one given replaces this view's)."""
+        for name, value in (("key", key), ("retry_on", retry_on), ("deadline", deadline)):
+            if value is not None:
+                raise TypeError(f"options(): {name}= is not available yet (it comes with task keys and "
+                                f"deadlines); submit without it")
+        place = dict(self._place)
+        if priority is not None:
+            if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+                raise TypeError(f"options(): priority must be a whole number, got {priority!r}")
+            if priority or "priority" in place:
+                place["priority"] = priority
+        if tenant is not None:
+            if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
+                raise TypeError(f"options(): tenant must be a name of 1 to 200 characters, got {tenant!r}")
+            place["tenant"] = tenant
+        if timeout is not POOLS:
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not 0 < timeout < float("inf")):
+                raise ValueError(f"options(): timeout must be a number of seconds above 0 or None, got {timeout!r}")
+            place["timeout"] = timeout
+        if retries is not POOLS:
+            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+                raise ValueError(f"options(): retries must be a whole number of at least 0, got {retries!r}")
+            place["retries"] = retries
+        return Options(self._executor, place)
+
+    @property
+    def executor(self) -> Executor:
+        """The executor this is a view of."""
+        return self._executor
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
+        return self._executor._submit(fn, args, kwargs, self._place)
+
+    def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[Any]:
+        """As ``Executor.map``, each task with this view's options."""
+        return _map(super().map, fn, iterables, timeout, chunksize)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self._place.items()) or "as its pool"
+        return f"<options of executor {self._executor.pool}: {shown}>"
+
+
+def _map(base: Callable[..., Iterator[Any]], fn: Callable[..., Any], iterables: tuple[Any, ...],
+         timeout: float | None, chunksize: int) -> Iterator[Any]:
+    """``map`` over ``base`` (the standard library's, submitting through its executor):
+    ``chunksize`` items per task."""
+    if chunksize < 1:
+        raise ValueError("chunksize must be >= 1.")
+    if chunksize == 1:
+        return base(fn, *iterables, timeout=timeout)
+    from .taskworker import run_chunk
+
+    chunks = base(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
+    return (result for chunk in chunks for result in chunk)
 
 
 class Client(channel.Client):

@@ -24,6 +24,7 @@ from .protocol import error
 FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
 BLOCK_MAX = 1024  # ...up to this
 EMBEDDED_BLOCK = 1 << 31  # an embedded pool is its session's alone: one block that never runs out
+PLACE = ("priority", "tenant", "timeout", "retries")  # a task's options of Executor.options(), on the wire
 SPARE_WAIT = 5.0  # the next block, asked for with a batch, is waited for this long at most
 
 
@@ -259,7 +260,8 @@ class Remote(Backend):
     def _send_batch(self, batch: list[tuple[dict, Callable[[dict], None]]], want: int,
                     deliver: Callable[[list[int] | None], None]) -> None:
         first = batch[0][0]
-        tasks = [{"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
+        tasks = [{**{k: args[k] for k in PLACE if k in args},  # a view's options (Executor.options)
+                  "payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
                  for args, _ in batch]
         request: dict[str, Any] = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
         if want:
