@@ -28,6 +28,8 @@
     target = "app.tasks:handle" # optional: what `submit` without --target runs
     preload = ["app"]
     max_tasks_per_child = 100   # also: timeout, grace, retries, memory_max, env, cwd
+    tenant_weights = { alice = 2 }   # tenants share the workers by weight (default 1)
+    max_wait = 600              # seconds a queued task waits before it goes above every priority
 
 ``load(path)`` / ``parse(text, source)`` give a :class:`Config`, or raise :class:`ConfigError`,
 one line ``FILE:LINE: KEY: what is wrong``. An unknown key is an error (a typo must not be
@@ -84,7 +86,7 @@ POOL_KINDS = ("replicas", "executor")
 # is optional, the task a `submit` without --target runs.
 EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "env_file", "cwd", "memory_max",
                                   "max_tasks_per_child", "timeout", "grace", "retries", "log_max_bytes",
-                                  "log_backups")
+                                  "log_backups", "tenant_weights", "max_wait")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
@@ -394,7 +396,8 @@ class _Reader:
         target = table.get("target")
         if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
             raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
-        raw = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries") if k in table}
+        raw = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries", "tenant_weights",
+                                     "max_wait") if k in table}
         if "memory_max" in table:
             raw["memory_max"] = check("memory_max", parse_size)
         try:

@@ -213,9 +213,10 @@ def tenant_weights(raw: Any) -> dict[str, float]:
         raise InvalidSpec(f"tenant_weights must be an object of tenant: weight, got {raw!r}")
     out: dict[str, float] = {}
     for name, weight in raw.items():
-        tenant(name)
+        if not isinstance(name, str) or not name or len(name) > TENANT_MAX:
+            raise InvalidSpec(f"tenant_weights: a tenant must be a name of 1 to {TENANT_MAX} characters, got {name!r}")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-            raise InvalidSpec(f"the weight of tenant {name!r} must be a number above 0, got {weight!r}")
+            raise InvalidSpec(f"tenant_weights: the weight of {name!r} must be a number above 0, got {weight!r}")
         out[name] = weight
     return out
 
