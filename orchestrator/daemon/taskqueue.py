@@ -62,6 +62,7 @@ class _Share(Generic[Task]):
     step: float  # 1 / its weight: how far a start moves its finish on
     finish: float  # the virtual time of its next start
     order: int  # ties between equal finishes: who joined first (a task given back: first)
+    active: bool = True  # it has tasks waiting (an entry in its lane's turns)
 
 
 @dataclass(slots=True, eq=False)
@@ -70,8 +71,16 @@ class _Lane(Generic[Task]):
 
     key: tuple[int, int]
     now: float = 0.0  # the lane's virtual time: the finish of its latest start
+    # Every tenant's share, those with nothing waiting too (idle): a tenant that just had
+    # its turns comes back with the finish it had, not ahead of one that waits.
     shares: dict[str | None, _Share[Task]] = field(default_factory=dict)
     turns: list[tuple[float, int, str | None]] = field(default_factory=list)  # heap of (finish, order, tenant)
+    idle: int = 0  # shares with nothing waiting
+    listed: bool = False  # its key is in TaskQueue._keys
+
+
+IDLE_KEPT = 1024  # idle shares a lane remembers (then those with no turn owed to anyone go)
+EMPTY_KEPT = 64  # empty lanes remembered (then they go: their tenants start even again)
 
 
 class TaskQueue(Generic[Task]):
@@ -87,7 +96,7 @@ class TaskQueue(Generic[Task]):
         self._weights: Mapping[str, float] = dict(weights or {})
         self._max_wait = max_wait
         self._lanes: dict[tuple[int, int], _Lane[Task]] = {}
-        self._keys: list[tuple[int, int]] = []  # the lanes' keys, ascending (the last starts first)
+        self._keys: list[tuple[int, int]] = []  # the keys of lanes with tasks, ascending (the last starts first)
         self._where: dict[Task, _Lane[Task]] = {}  # each task waiting -> its lane
         self._order = itertools.count()
         self._aging: list[tuple[float, int, Task]] = []  # heap of (due, order, task) with max_wait
@@ -146,14 +155,20 @@ class TaskQueue(Generic[Task]):
             task = self._take(lane)
             if task is not None:
                 return task
-            del self._lanes[self._keys.pop()]  # empty: its tasks all started or ended
+            self._keys.pop()  # empty: its tasks all started or ended
+            lane.listed = False
+            if len(self._lanes) - len(self._keys) > EMPTY_KEPT:
+                for key in [k for k, ln in self._lanes.items() if not ln.listed]:
+                    del self._lanes[key]
         return None
 
     def _lane(self, key: tuple[int, int]) -> _Lane[Task]:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane[Task](key)
+        if not lane.listed:
             bisect.insort(self._keys, key)
+            lane.listed = True
         return lane
 
     def _put(self, task: Task, *, front: bool) -> None:
@@ -161,10 +176,17 @@ class TaskQueue(Generic[Task]):
         self._where[task] = lane
         tenant = task.tenant
         share = lane.shares.get(tenant)
-        if share is None:  # it joins the turns now: its first start is the next of its lane's
-            weight = self._weights.get(tenant, 1) if tenant is not None else 1
+        if share is None or not share.active:
+            # It joins the turns now: its next start is the lane's next, or where its last
+            # turns left it if that is later (a task given back: the next, whatever it owes).
             order = -next(self._order) if front else next(self._order)
-            share = lane.shares[tenant] = _Share[Task](collections.deque(), 1.0 / weight, lane.now, order)
+            if share is None:
+                weight = self._weights.get(tenant, 1) if tenant is not None else 1
+                share = lane.shares[tenant] = _Share[Task](collections.deque(), 1.0 / weight, lane.now, order)
+            else:
+                lane.idle -= 1
+                share.finish = lane.now if front else max(share.finish, lane.now)
+                share.order, share.active = order, True
             heapq.heappush(lane.turns, (share.finish, share.order, tenant))
         elif front and (share.finish, share.order) > (lane.now, 0):
             # Given back: it had its turn already; it takes the next one again.
@@ -181,7 +203,7 @@ class TaskQueue(Generic[Task]):
         while turns:
             finish, order, tenant = turns[0]
             share = lane.shares.get(tenant)
-            if share is None or share.order != order or share.finish != finish:
+            if share is None or not share.active or share.order != order or share.finish != finish:
                 heapq.heappop(turns)  # a stale entry: its share left, or took an earlier turn
                 continue
             tasks = share.tasks
@@ -195,11 +217,24 @@ class TaskQueue(Generic[Task]):
                         heapq.heapreplace(turns, (share.finish, order, tenant))
                     else:
                         heapq.heappop(turns)
-                        del lane.shares[tenant]
+                        self._idle(lane, share)
                     return task
             heapq.heappop(turns)  # only tasks that ended or moved were left
-            del lane.shares[tenant]
+            self._idle(lane, share)
         return None
+
+    @staticmethod
+    def _idle(lane: _Lane[Task], share: _Share[Task]) -> None:
+        """``share`` has nothing waiting: remembered (its finish), within IDLE_KEPT."""
+        share.active = False
+        lane.idle += 1
+        if lane.idle > IDLE_KEPT:  # forget those owed nothing (back, they would join at now anyway)...
+            for tenant in [t for t, sh in lane.shares.items() if not sh.active and sh.finish <= lane.now]:
+                del lane.shares[tenant]
+            if sum(not sh.active for sh in lane.shares.values()) > IDLE_KEPT:  # ...and then any
+                for tenant in [t for t, sh in lane.shares.items() if not sh.active]:
+                    del lane.shares[tenant]
+            lane.idle = sum(not sh.active for sh in lane.shares.values())
 
     def _age(self) -> None:
         """Tasks queued for ``max_wait`` move to the lane above every priority, in the order
