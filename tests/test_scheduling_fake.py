@@ -19,7 +19,7 @@ from orchestrator.daemon.taskrecords import Doc, ExecPool, Task, parse_options
 from orchestrator.daemon.tasktable import TaskTable
 from orchestrator.errors import InvalidSpec
 from orchestrator.states import TaskState as T
-from test_tasktable_fake import POOL, FakeEngine, FakeStore, FakeWorker, Harness, make  # noqa: F401 (fixture)
+from test_tasktable_fake import POOL, FakeEngine, FakeStore, FakeWorker, Harness, hand_over, make  # noqa: F401
 
 
 def submit(h: Harness, *, priority: int = 0, tenant: str | None = None) -> Task:
@@ -173,6 +173,26 @@ def test_a_restore_keeps_each_tasks_priority_and_tenant(make: Callable[..., Harn
         assert [t.id for t in xp.queue] == [f"{POOL}/4", f"{POOL}/2", f"{POOL}/3", f"{POOL}/1"]
         assert [(r["priority"], r["tenant"]) for r in (table.live[f"{POOL}/{n}"].record() for n in (1, 2))] == [
             (0, None), (3, "alice")]
+    finally:
+        table.close()
+        engine.reactor.close()
+
+
+def test_the_next_image_keeps_the_queues_order_priority_and_tenant(make: Callable[..., Harness]) -> None:
+    h = make(options={"tenant_weights": {"alice": 2}})
+    w1 = h.worker(ready=False)
+    low = submit(h, priority=0, tenant="bob")
+    high = [submit(h, priority=4, tenant="alice") for _ in range(2)]
+    h.turn()
+    engine, table = hand_over(h)
+    try:
+        xp = table.pools[POOL]
+        assert [t.id for t in xp.queue] == [high[0].id, high[1].id, low.id]
+        assert [(table.live[t.id].priority, table.live[t.id].tenant) for t in (low, high[0])] == [
+            (0, "bob"), (4, "alice")]
+        w1.sock.sendall(w.frame(w.READY, 0))
+        engine.reactor.run_once(0.0)
+        assert w1.tasks_sent(2) == [high[0].n, high[1].n]  # the next image hands them out in that order
     finally:
         table.close()
         engine.reactor.close()

@@ -576,7 +576,7 @@ class TaskTable:
         tasks that would have started before it are asked back."""
         if xp.closing or want <= 0:
             return
-        held: list[tuple[int, Worker]] = []
+        held: list[tuple[tuple[tuple[int, int], int], Worker]] = []
         for wk in xp.holders:
             task = wk.tasks[1] if len(wk.tasks) > 1 else None
             if task is None or task.state is not T.QUEUED or wk.closed:
