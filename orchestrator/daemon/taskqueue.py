@@ -99,7 +99,10 @@ class TaskQueue(Generic[Task]):
         self._keys: list[tuple[int, int]] = []  # the keys of lanes with tasks, ascending (the last starts first)
         self._where: dict[Task, _Lane[Task]] = {}  # each task waiting -> its lane
         self._order = itertools.count()
-        self._aging: list[tuple[float, int, Task]] = []  # heap of (due, order, task) with max_wait
+        # With max_wait, when each task waiting comes due: in the order they were queued
+        # (a deque: queued_at grows), those out of that order (restored, given back) in a heap.
+        self._due: collections.deque[tuple[float, Task]] = collections.deque()
+        self._late: list[tuple[float, int, Task]] = []
 
     def configure(self, weights: Mapping[str, float] | None, max_wait: float | None) -> None:
         """The pool's options now (a config reload): a share made from now on takes its
@@ -107,11 +110,11 @@ class TaskQueue(Generic[Task]):
         self._weights = dict(weights or {})
         if max_wait != self._max_wait:
             self._max_wait = max_wait
-            self._aging = []
+            self._due.clear()
+            self._late = []
             if max_wait is not None:
                 for task in self._where:
-                    if not task.aged:
-                        heapq.heappush(self._aging, (task.queued_at + max_wait, next(self._order), task))
+                    self._will_age(task)
 
     def __len__(self) -> int:
         return len(self._where)
@@ -132,14 +135,14 @@ class TaskQueue(Generic[Task]):
     def push(self, task: Task) -> None:
         """``task`` waits last of its tenant in its priority."""
         self._put(task, front=False)
-        if self._max_wait is not None and not task.aged:
-            heapq.heappush(self._aging, (task.queued_at + self._max_wait, next(self._order), task))
+        if self._max_wait is not None:
+            self._will_age(task)
 
     def push_front(self, task: Task) -> None:
         """``task`` (given back, or queued again) starts next of its priority."""
         self._put(task, front=True)
-        if self._max_wait is not None and not task.aged:
-            heapq.heappush(self._aging, (task.queued_at + self._max_wait, next(self._order), task))
+        if self._max_wait is not None:
+            self._will_age(task)
 
     def discard(self, task: Task) -> None:
         """``task`` no longer waits (it ended while queued); its entry is dropped when its
@@ -148,8 +151,10 @@ class TaskQueue(Generic[Task]):
 
     def pop(self) -> Task | None:
         """The next task to start, taken out of the queue; None if none waits."""
-        if self._aging and self._aging[0][0] <= self._clock():
-            self._age()
+        if self._due or self._late:
+            now = self._clock()
+            if self._due and self._due[0][0] <= now or self._late and self._late[0][0] <= now:
+                self._age(now)
         while self._keys:
             lane = self._lanes[self._keys[-1]]
             task = self._take(lane)
@@ -236,12 +241,27 @@ class TaskQueue(Generic[Task]):
                     del lane.shares[tenant]
             lane.idle = sum(not sh.active for sh in lane.shares.values())
 
-    def _age(self) -> None:
+    def _will_age(self, task: Task) -> None:
+        """``task`` (just put in the queue) ages once it has waited max_wait."""
+        assert self._max_wait is not None
+        if task.aged:
+            return
+        due = task.queued_at + self._max_wait
+        if not self._due or self._due[-1][0] <= due:
+            self._due.append((due, task))
+        else:
+            heapq.heappush(self._late, (due, next(self._order), task))
+
+    def _age(self, now: float) -> None:
         """Tasks queued for ``max_wait`` move to the lane above every priority, in the order
         they came due."""
-        now = self._clock()
-        while self._aging and self._aging[0][0] <= now:
-            _, _, task = heapq.heappop(self._aging)
+        while True:
+            if self._due and self._due[0][0] <= now and (not self._late or self._due[0][0] <= self._late[0][0]):
+                task = self._due.popleft()[1]
+            elif self._late and self._late[0][0] <= now:
+                task = heapq.heappop(self._late)[2]
+            else:
+                return
             lane = self._where.get(task)
             if lane is None or lane.key == AGED:
                 continue  # it started, ended or aged already
