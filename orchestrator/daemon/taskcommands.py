@@ -168,7 +168,9 @@ class TaskCommands:
         batch of them (``tasks``: a list of such objects); its id, or their ids. A task may
         name its number (``n``, of its session's block); ``resend``: the batch may have
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
-        session's next block of task numbers granted with it."""
+        session's next block of task numbers granted with it. Each task may name its own
+        ``timeout``, ``retries`` (else the pool's), ``priority`` and ``tenant`` (its place
+        in the queue: taskqueue.py)."""
         xp = self._exec_pool(args.get("pool"))
         session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")

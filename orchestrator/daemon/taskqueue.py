@@ -105,8 +105,8 @@ class TaskQueue(Generic[Task]):
         self._late: list[tuple[float, int, Task]] = []
 
     def configure(self, weights: Mapping[str, float] | None, max_wait: float | None) -> None:
-        """The pool's options now (a config reload): a share made from now on takes its
-        tenant's weight; ``max_wait`` counts for every task waiting."""
+        """The pool's options now (a config reload): a tenant's weight counts from its next
+        turn after it had nothing queued; ``max_wait`` counts for every task waiting."""
         self._weights = dict(weights or {})
         if max_wait != self._max_wait:
             self._max_wait = max_wait
@@ -190,6 +190,8 @@ class TaskQueue(Generic[Task]):
                 share = lane.shares[tenant] = _Share[Task](collections.deque(), 1.0 / weight, lane.now, order)
             else:
                 lane.idle -= 1
+                weight = self._weights.get(tenant, 1) if tenant is not None else 1
+                share.step = 1.0 / weight  # the weights may have changed since (configure)
                 share.finish = lane.now if front else max(share.finish, lane.now)
                 share.order, share.active = order, True
             heapq.heappush(lane.turns, (share.finish, share.order, tenant))

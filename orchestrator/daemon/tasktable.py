@@ -10,6 +10,8 @@ until it starts), so that it never waits for a round trip through the loop betwe
 but never while another worker of the pool is idle: then a held task is asked back
 (taskwire.py, "Taking a held task back") and, once its worker says it had not started it,
 handed to the idle one. Idle first: a queued task goes to an idle worker whenever one exists.
+Which queued task goes next is the queue's (taskqueue.py): a higher priority first, tenants
+by weight within one, FIFO within a tenant, ``max_wait`` aging.
 
     submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
                  ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
