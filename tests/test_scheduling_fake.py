@@ -245,3 +245,22 @@ def test_the_queue_alone_on_a_clock() -> None:
     now[0] = 6.0  # a1 and a2 waited past 5 s
     c1 = task(4, priority=3)
     assert queue.pop() is a1 and queue.pop() is a2 and queue.pop() is c1 and queue.pop() is None and not queue
+
+
+def test_a_reload_changes_weights_and_max_wait_for_what_waits(make: Callable[..., Harness]) -> None:
+    h = make()
+    wk = h.worker(ready=False)
+    old = submit(h, priority=0)
+    h.advance(100)
+    later = [submit(h, priority=1) for _ in range(2)]
+    h.tasks.set_options(h.xp, parse_options({"max_wait": 50, "tenant_weights": {"a": 3}}))  # a config reload
+    h.turn()
+    assert run_all(h, wk, 3) == [old.n, later[0].n, later[1].n]  # it had waited 100 s: over the new max_wait
+    queue = h.xp.queue
+    tasks = {t: [Task(f"{POOL}/x{t}{i}", 10_000 + i, h.xp, b"", None, None, None, 0, priority=1, tenant=t,
+                      queued_at=h.engine.time()) for i in range(12)] for t in ("a", "b")}
+    for i in range(12):
+        queue.push(tasks["b"][i])
+        queue.push(tasks["a"][i])
+    first8 = [queue.pop() for _ in range(8)]
+    assert sum(t is not None and t.tenant == "a" for t in first8) == 6  # weight 3 against 1, as reloaded
