@@ -28,6 +28,10 @@ in a rotating order (after a warm-up round), all with 2 workers but the fifth's 
    pebble's ``max_tasks=1``; loky has none). Here every pool runs its round at the same
    time: the tasks sleep, so they do not compete for the CPUs, and a round lasts as long
    as its longest task instead of that times the pools.
+6. **scheduling**: tiny tasks submitted back to back, then all waited for, through 8
+   tenants (weights 1 to 4, ``max_wait`` on) with 3 priorities mixed, against the same
+   tasks through a plain FIFO pool of ours, both open at once, interleaved: tasks/s and the
+   ratio (the queue's cost: priority lanes, weighted turns, aging).
 
 The tasks live in ``benchmarks/taskfns.py``, which imports nothing but ``os`` and ``time``:
 every pool imports them by name, and a fresh worker pays no import of this module's. Every
@@ -560,6 +564,43 @@ def part_head_of_line(quick: bool, progress: Callable[[str], None], install: boo
             "skipped": pools.skipped}
 
 
+# -- 6. scheduling ------------------------------------------------------------------------------
+
+SCHED_TENANTS = 8
+SCHED_VS_FIFO = 0.9  # scheduling costs at most 10% of a plain FIFO pool's tasks/s
+OURS_FIFO = "orchestrator.Executor, FIFO (no options)"
+OURS_SCHED = f"orchestrator.Executor, {SCHED_TENANTS} tenants x 3 priorities"
+
+
+def part_scheduling(quick: bool, progress: Callable[[str], None], rounds: int) -> dict[str, Any]:
+    pools = Pools()
+    try:
+        weights = {f"t{i}": 1 + i % 4 for i in range(SCHED_TENANTS)}
+        fifo = pools.ours()
+        sched = pools.ours(tenant_weights=weights, max_wait=60.0)
+        views = [sched.options(tenant=f"t{i}", priority=i % 3) for i in range(SCHED_TENANTS)]
+
+        def through(submits: list[Callable[..., cf.Future]]) -> Callable[[int], float]:
+            def go(n: int) -> float:
+                k = len(submits)
+                t0 = pc()
+                futs = [submits[i % k](noop, i) for i in range(n)]
+                got = [f.result(timeout=60) for f in futs]
+                took = pc() - t0
+                if got != list(range(n)):
+                    raise RuntimeError("the tasks returned other values than they were given")
+                return took
+            return go
+
+        n = 1000 if quick else 4000  # the same batch for both: the ratio compares like with like
+        variants = _rounds(progress, "scheduling", {OURS_FIFO: through([fifo.submit]),
+                                                    OURS_SCHED: through([v.submit for v in views])},
+                           1.0, rounds, {OURS_FIFO: (n, n), OURS_SCHED: (n, n)})
+        return {"variants": variants, "tenants": SCHED_TENANTS, "weights": weights, "priorities": 3}
+    finally:
+        pools.close()
+
+
 # -- the section -------------------------------------------------------------------------------
 
 def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = None,
@@ -576,11 +617,12 @@ def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = N
         cancel = part_cancel(quick, progress, install, rounds, fifo)
         kill = part_kill(quick, progress, install, max(1, rounds // 2), fifo)
         hol = part_head_of_line(quick, progress, install, max(1, rounds // 2))
+        sched = part_scheduling(quick, progress, rounds + 1 if quick else 2 * rounds)
     finally:
         fifo.close()
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {"workers": WORKERS, "tiny": tiny, "process_per_task": proc, "cancel": cancel,
-                              "kill": kill, "head_of_line": hol}
+                              "kill": kill, "head_of_line": hol, "scheduling": sched}
     result["targets"] = targets(result)
     return result
 
@@ -617,6 +659,10 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                     "goal": f"{goal:g}", "measured": lost, "shown": "-" if lost is None else str(lost), "unit": "",
                     "ok": None if lost is None else lost == goal,
                     "why": "" if lost is not None else "not measured in this run"})
+    sched = (res.get("scheduling") or {}).get("variants") or {}
+    ours, fifo = rate(sched, OURS_SCHED), rate(sched, OURS_FIFO)
+    add(f"{SCHED_TENANTS} tenants with mixed priorities vs a plain FIFO pool, tasks/s",
+        ours / fifo if ours and fifo else None, SCHED_VS_FIFO, True, "x")
     return out
 
 
@@ -680,7 +726,16 @@ def render(res: dict[str, Any]) -> list[str]:
             f"{b['shorts']} of {b['short_s']:g} s (the last short one can end at "
             f"~{-(-b['shorts'] // (b['workers'] - 1)) * b['short_s']:g} s)",
             *_table(["pool", "A: third ends", "A: second (3 s) ends", "B: last short ends", "B: long ends"], rows)]
-    for part in ("tiny", "process_per_task", "cancel", "kill", "head_of_line"):
-        for name, why in (res[part].get("skipped") or {}).items():
+    sched = res.get("scheduling")
+    if sched:
+        base = sched["variants"].get(OURS_FIFO, {}).get("rate") or float("nan")
+        rows = [[name, f"{v['rate']:,.0f}", f"{v['rate'] / base:.2f}x", f"{v['rounds']} x {v['tasks_per_round']}"]
+                for name, v in sched["variants"].items()]
+        out += [f"6. scheduling: tiny tasks submitted back to back, then waited for; {sched['tenants']} tenants "
+                f"(weights {sorted(set(sched['weights'].values()))}, max_wait on) x {sched['priorities']} "
+                "priorities vs the same pool without options",
+                *_table(["pool", "tasks/s", "vs FIFO", "rounds x tasks"], rows)]
+    for part in ("tiny", "process_per_task", "cancel", "kill", "head_of_line", "scheduling"):
+        for name, why in ((res.get(part) or {}).get("skipped") or {}).items():
             out.append(f"  not run ({part}): {name}: {why}")
     return out

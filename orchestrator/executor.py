@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import enum
 import functools
 import itertools
 import os
@@ -54,12 +55,19 @@ from .errors import (
     TaskTimeoutError, WorkerLost,
 )
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
-from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Answer, Backend, Numbers, NumbersAsk, Remote, Submit
+from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Answer, Backend, Numbers, NumbersAsk, Place, Remote, Submit
 
 __all__ = ["Client", "Executor"]
 
 _WORKER_TARGET = "orchestrator.taskworker:main"
 _STOP = ("stop", None, None, None)
+
+
+class _Pools(enum.Enum):
+    POOLS = "the pool's"  # an option a view leaves as its pool has it
+
+
+POOLS = _Pools.POOLS
 
 
 class Executor(futures_base.Executor):
@@ -80,6 +88,9 @@ class Executor(futures_base.Executor):
     seconds from the exception raised inside a task (cancel, timeout) to SIGKILL of its
     worker's whole process tree. ``retries``: times a task whose worker died runs again on
     another worker (not after a kill for ``memory_max``: it would pass it again).
+    ``tenant_weights`` (``{"alice": 2}``; a tenant not named weighs 1) and ``max_wait``
+    (seconds): how queued tasks share the workers (``options(priority=, tenant=)``, the
+    README's "Priorities and tenants").
     ``min_workers`` (default: ``max_workers``, a fixed pool): an elastic pool, which starts
     with ``min_workers`` and grows up to ``max_workers``: a task that finds no idle worker
     starts a new one (forked warm by the pool's spawner); a worker idle for
@@ -105,7 +116,8 @@ class Executor(futures_base.Executor):
     running daemon and outlives this executor (until ``delete``). A pool that runs already
     is joined as it is (its size, which an operator may have scaled, and its preload);
     where a keyword would change how tasks run there (``initializer``/``initargs``,
-    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``, an elastic
+    ``timeout``, ``grace``, ``retries``, ``memory_max``, ``max_tasks_per_child``,
+    ``tenant_weights``, ``max_wait``, an elastic
     pool's ``min_workers``/``max_workers``/``idle_timeout``/``memory_budget``, ``env``,
     ``cwd``, the import path) and differs, InvalidSpec names it with both values.
 
@@ -144,6 +156,8 @@ class Executor(futures_base.Executor):
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         reconnect_timeout: float = 30.0,
+        tenant_weights: dict[str, float] | None = None,
+        max_wait: float | None = None,
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
@@ -159,7 +173,8 @@ class Executor(futures_base.Executor):
 
         self._pool = pool or f"tasks-{secrets.token_hex(4)}"
         options: dict[str, Any] = {"max_tasks_per_child": max_tasks_per_child, "timeout": timeout,
-                                   "grace": grace, "retries": retries, "memory_max": memory_max}
+                                   "grace": grace, "retries": retries, "memory_max": memory_max,
+                                   "tenant_weights": tenant_weights, "max_wait": max_wait}
         if min_workers is not None or memory_budget is not None:  # an elastic pool (daemon/elastic.py)
             options.update(min_workers=min_workers, max_workers=max_workers, idle_timeout=idle_timeout,
                            memory_budget=memory_budget)
@@ -230,6 +245,24 @@ class Executor(futures_base.Executor):
     # -- the Executor API ---------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
+        return self._submit(fn, args, kwargs, None)
+
+    def options(self, *, priority: int = 0, tenant: str | None = None, timeout: float | None | _Pools = POOLS,
+                retries: int | _Pools = POOLS, key: str | None = None, retry_on: Any = None,
+                deadline: float | None = None) -> Options:
+        """A view of this executor whose ``submit`` and ``map`` give each task these
+        options (README, "Executor"): ``priority`` (a whole number; higher starts first),
+        ``tenant`` (a name: tenants with queued tasks share the workers by the pool's
+        ``tenant_weights``, FIFO within one), ``timeout`` (seconds, None: none) and
+        ``retries`` for its tasks instead of the pool's. ``key``, ``retry_on`` and
+        ``deadline`` are not available yet: a value for one is refused (TypeError), never
+        ignored. A view's ``options()`` narrows it further."""
+        return Options(self, {}).options(priority=priority, tenant=tenant, timeout=timeout, retries=retries,
+                                         key=key, retry_on=retry_on, deadline=deadline)
+
+    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                place: Place | None) -> TaskFuture:
+        """``submit``; ``place``: the task's options of a view (``options``), on the wire."""
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -248,7 +281,8 @@ class Executor(futures_base.Executor):
             n = self._number()
             if n is not None:
                 fut.task_id = f"{self._pool}/{n}"
-            args_: Submit = {"pool": self._pool, "session": self._session, "ref": ref, "payload": payload, "n": n}
+            args_: Submit = {**(place or Place()), "pool": self._pool, "session": self._session, "ref": ref,
+                             "payload": payload, "n": n}
             self._backend.submit(args_, lambda msg: self._submitted(ref, msg))
         except OrchestratorError as err:
             self._futures.pop(ref, None)
@@ -260,14 +294,7 @@ class Executor(futures_base.Executor):
         """As ProcessPoolExecutor's: the results in order; ``chunksize`` items per task
         (one round trip and one pickling for each chunk, which fails whole if one item
         raises); ``timeout`` seconds from this call."""
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
-        if chunksize == 1:
-            return super().map(fn, *iterables, timeout=timeout)
-        from .taskworker import run_chunk
-
-        chunks = super().map(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
-        return (result for chunk in chunks for result in chunk)
+        return _map(super().map, fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As the standard library's: ``wait`` waits for the pending futures (after
@@ -566,6 +593,76 @@ def _shutdown_at_exit() -> None:
             executor._leave()
         else:
             executor.shutdown(wait=True)
+
+
+class Options(futures_base.Executor):
+    """``Executor.options(...)``: the executor with options for the tasks submitted
+    through it (its ``submit`` and ``map``; ``options()`` narrows it again). It owns
+    nothing: its ``shutdown`` does nothing, the executor's own ends the pool."""
+
+    def __init__(self, executor: Executor, place: Place) -> None:
+        self._executor = executor
+        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries
+
+    def options(self, *, priority: int | None = None, tenant: str | None = None,
+                timeout: float | None | _Pools = POOLS, retries: int | _Pools = POOLS, key: str | None = None,
+                retry_on: Any = None, deadline: float | None = None) -> Options:
+        """This view with these options too (each one given replaces this view's)."""
+        for name, value in (("key", key), ("retry_on", retry_on), ("deadline", deadline)):
+            if value is not None:
+                raise TypeError(f"options(): {name}= is not available yet (it comes with task keys and "
+                                f"deadlines); submit without it")
+        place = Place(**self._place)
+        if priority is not None:
+            if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+                raise TypeError(f"options(): priority must be a whole number, got {priority!r}")
+            if priority or "priority" in place:
+                place["priority"] = priority
+        if tenant is not None:
+            if not isinstance(tenant, str) or not tenant or len(tenant) > 200:
+                raise TypeError(f"options(): tenant must be a name of 1 to 200 characters, got {tenant!r}")
+            place["tenant"] = tenant
+        if timeout is not POOLS:
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not 0 < timeout < float("inf")):
+                raise ValueError(f"options(): timeout must be a number of seconds above 0 or None, got {timeout!r}")
+            place["timeout"] = timeout
+        if retries is not POOLS:
+            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+                raise ValueError(f"options(): retries must be a whole number of at least 0, got {retries!r}")
+            place["retries"] = retries
+        return Options(self._executor, place)
+
+    @property
+    def executor(self) -> Executor:
+        """The executor this is a view of."""
+        return self._executor
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
+        return self._executor._submit(fn, args, kwargs, self._place)
+
+    def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[Any]:
+        """As ``Executor.map``, each task with this view's options."""
+        return _map(super().map, fn, iterables, timeout, chunksize)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self._place.items()) or "as its pool"
+        return f"<options of executor {self._executor.pool}: {shown}>"
+
+
+def _map(base: Callable[..., Iterator[Any]], fn: Callable[..., Any], iterables: tuple[Any, ...],
+         timeout: float | None, chunksize: int) -> Iterator[Any]:
+    """``map`` over ``base`` (the standard library's, submitting through its executor):
+    ``chunksize`` items per task."""
+    if chunksize < 1:
+        raise ValueError("chunksize must be >= 1.")
+    if chunksize == 1:
+        return base(fn, *iterables, timeout=timeout)
+    from .taskworker import run_chunk
+
+    chunks = base(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
+    return (result for chunk in chunks for result in chunk)
 
 
 class Client(channel.Client):

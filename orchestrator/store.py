@@ -27,8 +27,9 @@ Who writes, who reads
 * Not thread-safe: one thread at a time per Store object (the connection is created with
   ``check_same_thread=False`` so the daemon may open it in one thread and use it in another).
 
-Schema (``PRAGMA user_version`` = 1)
-------------------------------------
+Schema (``PRAGMA user_version`` = 2; a file of version 1 is migrated when a daemon opens it:
+storesql.MIGRATIONS, and read as it is until then)
+------------------------------------------------------------------------------------------
 ``pools(name TEXT PRIMARY KEY, spec TEXT /*JSON*/, desired INTEGER, next_n INTEGER)``
     ``next_n`` is monotonic (every write takes the max) and is also raised by every replica
     saved, so an id ``<pool>-<n>`` is never handed out twice even after its row was pruned.
@@ -39,10 +40,11 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     ``extra`` keeps any keys of the saved record beyond the known ones, so the control loop can
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
-started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL) WITHOUT ROWID``
+started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
+INTEGER, tenant TEXT) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
-    while the task is unfinished, so that a queued task runs after a restart; ``result`` once
-    it ended. Retention as for replicas, by ``retire_key`` (its end).
+    while the task is unfinished, so that a queued task runs after a restart (at its
+    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended. Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -103,7 +105,7 @@ from .states import TERMINAL
 from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
     REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
-    SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, dumps, loads,
+    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_SELECT_TASKS_V1, SQL_TASK, TASK_COLS, dumps, loads,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -282,6 +284,9 @@ class Store:
         try:
             for stmt in SCHEMA:
                 conn.execute(stmt)
+            for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a fresh file has the schema now
+                for stmt in MIGRATIONS[old]:
+                    conn.execute(stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -631,7 +636,8 @@ class Store:
         if pool is not None:
             where.append("pool = ?")
             args.append(pool)
-        sql = SQL_SELECT_TASKS + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
+        old = self._rows("PRAGMA user_version") == [(1,)]  # not migrated yet (read with no daemon of ours)
+        sql = (SQL_SELECT_TASKS_V1 if old else SQL_SELECT_TASKS) + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]

@@ -10,7 +10,7 @@ import json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Iterable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS pools (
@@ -63,10 +63,18 @@ SCHEMA = (
         payload    BLOB,
         kind       TEXT,
         result     BLOB,
-        retire_key REAL
+        retire_key REAL,
+        priority   INTEGER,
+        tenant     TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
+
+# What brings a file of version N (the key) to N + 1, in the writer's schema transaction.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE tasks ADD COLUMN priority INTEGER",  # a task's queue place (its executor's options())
+        "ALTER TABLE tasks ADD COLUMN tenant TEXT"),
+}
 
 # Constant SQL strings: sqlite3 caches the prepared statement per string.
 SQL_POOL = (
@@ -91,11 +99,14 @@ SQL_REPLICA = (
 SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
-             "started_at", "ended_at", "reason", "payload", "kind", "result", "retire_key")
+             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "retire_key")
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )
 SQL_SELECT_TASKS = "SELECT " + ", ".join(TASK_COLS) + " FROM tasks"
+# A file of version 1, read before a daemon of this version has opened (migrated) it.
+SQL_SELECT_TASKS_V1 = "SELECT " + ", ".join(c if c not in ("priority", "tenant") else "NULL" for c in TASK_COLS) + \
+    " FROM tasks"
 
 REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
                  "created_at", "ended_at")

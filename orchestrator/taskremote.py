@@ -30,9 +30,19 @@ R = TypeVar("R")
 F = TypeVar("F")  # the executor's future
 
 
-class Submit(TypedDict):
+class Place(TypedDict, total=False):
+    """A task's own options, from a view of its executor (``Executor.options``): where it
+    goes in its pool's queue, and its timeout and retries in place of the pool's."""
+
+    priority: int
+    tenant: str
+    timeout: float | None
+    retries: int
+
+
+class Submit(Place):
     """One task as an executor hands it to its ``Backend`` (``task_submit``'s arguments, from
-    an embedded executor as they are)."""
+    an embedded executor as they are); a view's options (``Place``) too."""
 
     pool: str
     session: str
@@ -49,7 +59,7 @@ class NumbersAsk(TypedDict):
     count: int
 
 
-class BatchTask(TypedDict):
+class BatchTask(Place):
     """A task in a ``task_submit`` batch on the daemon's channel (JSON: no bytes)."""
 
     payload: str  # base64 of Submit's payload
@@ -313,9 +323,7 @@ class Remote(Backend):
     def _send_batch(self, batch: list[tuple[Submit, Answer]], want: int,
                     deliver: Callable[[list[int] | None], None]) -> None:
         first = batch[0][0]
-        tasks: list[BatchTask] = [
-            {"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
-            for args, _ in batch]
+        tasks = [_batch_task(args) for args, _ in batch]
         request: SubmitBatch = {"pool": first["pool"], "session": first["session"], "tasks": tasks}
         if want:
             request["numbers"] = want
@@ -354,3 +362,17 @@ class Remote(Backend):
         with self._link:
             self._link.notify_all()
         self.handle.close()
+
+
+def _batch_task(args: Submit) -> BatchTask:
+    """A task of a batch on the channel: its payload as base64 text, a view's options kept."""
+    task: BatchTask = {"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
+    if "priority" in args:
+        task["priority"] = args["priority"]
+    if "tenant" in args:
+        task["tenant"] = args["tenant"]
+    if "timeout" in args:
+        task["timeout"] = args["timeout"]
+    if "retries" in args:
+        task["retries"] = args["retries"]
+    return task

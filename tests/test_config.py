@@ -488,13 +488,16 @@ grace = 2
 retries = 1
 log_max_bytes = "1M"
 log_backups = 2
+tenant_weights = { alice = 2, bob = 0.5 }
+max_wait = 60
 """
     elastic = {"min_workers", "idle_timeout", "memory_budget"}  # test_elastic_fake.py reads those
     assert set(tomllib.loads(text)["pools"]["tasks"]) | {"env_file"} | elastic == set(config.EXECUTOR_KEYS)
     decl = load(write(tmp_path, text)).pools["tasks"]
     assert decl.size == 4
     assert decl.executor == {"max_tasks_per_child": 100, "timeout": 30.0, "grace": 2.0, "retries": 1,
-                             "memory_max": 200 << 20, "target": "app.tasks:handle"}
+                             "memory_max": 200 << 20, "target": "app.tasks:handle",
+                             "tenant_weights": {"alice": 2, "bob": 0.5}, "max_wait": 60.0}
     assert decl.spec["target"] == "orchestrator.taskworker:main"
     assert decl.spec["preload"] == ["orchestrator.taskworker", "json"]
     assert decl.spec["cwd"] == str(tmp_path / "code") and decl.spec["env"] == {"MODE": "prod"}
@@ -507,6 +510,9 @@ log_backups = 2
     ('kind = "executor"\ntarget = "nocolon"', "target"),
     ('kind = "jobs"', "kind"),
     ('kind = "executor"\nsize = 0', "size"),
+    ('kind = "executor"\ntenant_weights = { alice = -2 }', "tenant_weights"),
+    ('kind = "executor"\ntenant_weights = 2', "tenant_weights"),
+    ('kind = "executor"\nmax_wait = 0', "max_wait"),
 ])
 def test_a_bad_executor_pool_is_one_line(tmp_path, body, key):
     with pytest.raises(ConfigError) as info:

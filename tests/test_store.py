@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import TERMINAL_STATES, Store, StoreError
+from orchestrator.store import SCHEMA_VERSION, TERMINAL_STATES, Store, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
 LIFECYCLE = ("PENDING", "STARTING", "RUNNING", "STOPPING", "TERMINATED")
@@ -406,6 +406,38 @@ def test_newer_schema_is_refused_not_moved_aside(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="schema version 99"):
         Store(db)
     assert list(tmp_path.glob("*.corrupt-*")) == []
+
+
+V1_TASKS = """CREATE TABLE tasks (
+    id TEXT PRIMARY KEY, pool TEXT NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL,
+    attempts INTEGER NOT NULL, retries INTEGER NOT NULL, timeout REAL, worker TEXT, queued_at REAL,
+    started_at REAL, ended_at REAL, reason TEXT, payload BLOB, kind TEXT, result BLOB, retire_key REAL
+) WITHOUT ROWID"""  # the tasks table of schema version 1, as a file of that version has it
+
+
+def test_a_file_of_schema_1_is_read_as_it_is_and_migrated_by_the_writer(tmp_path: Path) -> None:
+    """Version 2 adds a task's priority and tenant: a version 1 file is read with neither
+    (a CLI with the daemon down) and gains both columns when a writer opens it."""
+    db = tmp_path / "state.db"
+    conn = sqlite3.connect(db)
+    conn.execute(V1_TASKS)
+    conn.execute("INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
+                 "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with Store(db, readonly=True) as r:
+        (row,) = r.tasks()
+        assert (row["id"], row["priority"], row["tenant"]) == ("jobs/1", None, None)
+    with Store(db) as s:
+        (row,) = s.tasks()
+        assert (row["priority"], row["tenant"]) == (None, None)
+        s.save_task({**row, "priority": 4, "tenant": "alice"})
+        s.commit()
+        assert [(r["priority"], r["tenant"]) for r in s.tasks()] == [(4, "alice")]
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    conn.close()
 
 
 # --------------------------------------------------------------------------- readers

@@ -226,7 +226,7 @@ def test_cancel_of_queued_tasks_and_result_without_wait(daemon: DaemonUnderTest,
     table = cli(daemon.state_dir, "tasks")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split()[:3] == ["ID", "STATE", "WORKER"], lines
+    assert lines[0].split()[:5] == ["ID", "STATE", "PRIO", "TENANT", "WORKER"], lines
     assert [line.split()[:2] for line in lines[1:]] == [[running_id, "RUNNING"], [queued_id, "QUEUED"]]
 
     proc = cli(daemon.state_dir, "cancel", queued_id, running_id)

@@ -33,7 +33,7 @@ P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
-           "ended_at", "reason", "kind")
+           "ended_at", "reason", "kind", "priority", "tenant")
 
 
 def _json_value(text: str) -> Any:
@@ -45,6 +45,13 @@ def _json_value(text: str) -> Any:
         return json.loads(text, parse_constant=refuse)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({err})") from None
+
+
+def _priority(text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
 
 
 def _kwarg(text: str) -> tuple[str, Any]:
@@ -69,6 +76,11 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
                    help="seconds the task may run (default: the pool's)")
     p.add_argument("--retries", type=natural, metavar="N",
                    help="runs again this often if its worker dies (default: the pool's)")
+    p.add_argument("--priority", type=_priority, metavar="N",
+                   help="a whole number: a task of a higher priority starts first (default 0)")
+    p.add_argument("--tenant", metavar="T",
+                   help="whose task it is: the tenants with queued tasks share the workers by the pool's "
+                        "tenant_weights (default: none, one tenant of weight 1)")
     p.add_argument("--wait", action="store_true", help="print its result once it ends; exit 1 if it did not succeed")
     p.add_argument("--json", action="store_true", help="the id (or with --wait the outcome) as JSON")
 
@@ -109,6 +121,10 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
         call["timeout"] = args.timeout
     if args.retries is not None:
         call["retries"] = args.retries
+    if args.priority is not None:
+        call["priority"] = args.priority
+    if args.tenant is not None:
+        call["tenant"] = args.tenant
     with _client(paths) as client:
         task_id = client.call("task_submit", call)
         if not args.wait:
@@ -278,10 +294,13 @@ def _table(rows: Sequence[dict[str, Any]], *, running: bool) -> str:
         return "\n".join([*out, "no tasks"])
     width = max(len("ID"), *(len(r["id"]) for r in rows))
     worker = max(len("WORKER"), *(len(r["worker"] or "") for r in rows))
-    out.append(f"{'ID':<{width}} {'STATE':<11} {'WORKER':<{worker}} {'QUEUED':<19} {'STARTED':<19} {'ENDED':<19} REASON")
+    tenant = max(len("TENANT"), *(len(r.get("tenant") or "") for r in rows))
+    out.append(f"{'ID':<{width}} {'STATE':<11} {'PRIO':>4} {'TENANT':<{tenant}} {'WORKER':<{worker}} {'QUEUED':<19} "
+               f"{'STARTED':<19} {'ENDED':<19} REASON")
     for r in rows:
         state = r["state"] if running else f"({r['state']})"
-        out.append(f"{r['id']:<{width}} {state:<11} {r['worker'] or '-':<{worker}} {clock(r['queued_at']):<19} "
+        out.append(f"{r['id']:<{width}} {state:<11} {r.get('priority') or 0:>4} {r.get('tenant') or '-':<{tenant}} "
+                   f"{r['worker'] or '-':<{worker}} {clock(r['queued_at']):<19} "
                    f"{clock(r['started_at']):<19} {clock(r['ended_at']):<19} {_why(r)}".rstrip())
     return "\n".join(out)
 

@@ -31,6 +31,8 @@
     min_workers = 1             # elastic: starts with 1, grows to `size` on demand
     idle_timeout = 60           # ...a worker idle this long above min_workers retires
     memory_budget = "2G"        # ...no worker starts past this, all workers together
+    tenant_weights = { alice = 2 }   # tenants share the workers by weight (default 1)
+    max_wait = 600              # seconds a queued task waits before it goes above every priority
 
 ``load(path)`` / ``parse(text, source)`` give a :class:`Config`, or raise :class:`ConfigError`,
 one line ``FILE:LINE: KEY: what is wrong``. An unknown key is an error (a typo must not be
@@ -87,7 +89,8 @@ POOL_KINDS = ("replicas", "executor")
 # is optional, the task a `submit` without --target runs.
 EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "env_file", "cwd", "memory_max",
                                   "max_tasks_per_child", "timeout", "grace", "retries", "log_max_bytes",
-                                  "log_backups", "min_workers", "idle_timeout", "memory_budget")
+                                  "log_backups", "min_workers", "idle_timeout", "memory_budget",
+                                  "tenant_weights", "max_wait")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
                "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
 TOP_KEYS = ("daemon", "pools")
@@ -398,7 +401,7 @@ class _Reader:
         if target is not None and (not isinstance(target, str) or not _TARGET.fullmatch(target)):
             raise self.fail((*here, "target"), f'must be "module:function", got {target!r}')
         raw: dict[str, Any] = {k: table[k] for k in ("max_tasks_per_child", "timeout", "grace", "retries", "min_workers",
-                                     "idle_timeout") if k in table}
+                                     "idle_timeout", "tenant_weights", "max_wait") if k in table}
         for key in ("memory_max", "memory_budget"):
             if key in table:
                 raw[key] = check(key, parse_size)

@@ -22,7 +22,7 @@ from ..errors import InvalidSpec
 from ..states import TaskState as T
 from .pools import Pool
 from .reactor import BufferedWriter, Timer
-from .taskrecords import Doc, ExecPool, Task, Worker, as_bytes, as_text, parse_options
+from .taskrecords import Doc, ExecPool, Task, Worker, as_bytes, as_text, parse_options, queue_place
 from .tasktable import Table, TaskTable, log
 
 
@@ -64,7 +64,7 @@ class TaskCarry:
                 task = Task(row["id"], int(row["n"]), xp, row["payload"], None, None, row["timeout"],
                             int(row["retries"]), state=T(row["state"]), attempts=int(row["attempts"]),
                             worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
-                            started_at=row["started_at"])
+                            started_at=row["started_at"], **queue_place(row))
                 tasks.add(task)
                 if task.state is T.RUNNING:
                     if task.attempts <= task.retries and task.payload:
@@ -161,7 +161,8 @@ class TaskCarry:
                         row.get("ref"), owner, row["timeout"], int(row["retries"]), state=T(row["state"]),
                         attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
                         started_at=row["started_at"], slot=int(row.get("slot") or 0),
-                        asked_back=bool(row.get("asked_back")), stopping=bool(row.get("stopping")))
+                        asked_back=bool(row.get("asked_back")), stopping=bool(row.get("stopping")),
+                        **queue_place(row))
             if row.get("timer") is not None:
                 tasks.arm_timeout(task, max(0.0, float(row["timer"]) - now))
             tasks.add(task)

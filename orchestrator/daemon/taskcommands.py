@@ -18,8 +18,8 @@ Joining a pool (``executor`` naming a pool that runs): the joiner takes the pool
 its size (an operator may have scaled it) and its preload (it only warms a worker's
 start); what would change how the joiner's tasks run is a conflict, named in the error
 with both values: the options (``max_tasks_per_child``, ``timeout``, ``grace``,
-``retries``, ``memory_max``, and an elastic pool's ``min_workers``, ``max_workers``,
-``idle_timeout``, ``memory_budget``), the initializer and its arguments, and the workers' ``env``,
+``retries``, ``memory_max``, ``tenant_weights``, ``max_wait``, and an elastic pool's ``min_workers``,
+``max_workers``, ``idle_timeout``, ``memory_budget``), the initializer and its arguments, and the workers' ``env``,
 ``cwd`` and import path.
 """
 
@@ -32,7 +32,9 @@ from .. import taskwire as w
 from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
-from .taskrecords import Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, target_payload
+from .taskrecords import (
+    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, target_payload, tenant,
+)
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
 NUMBERS_MAX = 1 << 31  # task numbers granted to a session at a time (an embedded executor's: all it needs)
@@ -124,7 +126,7 @@ class TaskCommands:
         not ASKED`` (see the module docstring for which keywords conflict, and why)."""
         out = [f"{key}={xp.options.get(key)!r}, not {options.get(key)!r}"
                for key in ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "min_workers",
-                           "max_workers", "idle_timeout", "memory_budget")
+                           "max_workers", "idle_timeout", "memory_budget", "tenant_weights", "max_wait")
                if xp.options.get(key) != options.get(key)]
         if xp.init != init:
             runs = xp.about or ("another initializer" if xp.init else "none")
@@ -181,7 +183,9 @@ class TaskCommands:
         batch of them (``tasks``: a list of such objects); its id, or their ids. A task may
         name its number (``n``, of its session's block); ``resend``: the batch may have
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
-        session's next block of task numbers granted with it."""
+        session's next block of task numbers granted with it. Each task may name its own
+        ``timeout``, ``retries`` (else the pool's), ``priority`` and ``tenant`` (its place
+        in the queue: taskqueue.py)."""
         xp = self._exec_pool(args.get("pool"))
         session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
@@ -274,7 +278,8 @@ class TaskCommands:
         n = one.get("n")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 < n < xp.next_n):
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
-        return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries)
+        return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries,
+                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")))
 
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
@@ -412,7 +417,7 @@ class TaskCommands:
         xp = self.tasks.pools.get(name)
         if xp is None:
             return None
-        queued = sum(1 for t in xp.queue if t.state is T.QUEUED)
+        queued = len(xp.queue)
         running = sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.RUNNING)
         queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
         return {"queued": queued, "running": running,

@@ -12,7 +12,7 @@ import mmap
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from .. import protocol
 from .. import taskwire as w
@@ -20,14 +20,17 @@ from ..errors import InvalidSpec
 from ..states import Replica
 from ..states import TaskState as T
 from .reactor import BufferedWriter, Timer
+from .taskqueue import TaskQueue
 
 Doc = dict[str, Any]  # a JSON object: a command's arguments, a reply, a task's row
 Reply = protocol.ReplyTo
 Event = tuple[str, Any, Any, "str | None"]  # (kind, ref, data, task id): TaskTable's module docstring
 Sink = Callable[[list[Event]], Any]  # called with a turn's events
 OPTION_KEYS = ("max_tasks_per_child", "timeout", "grace", "retries", "memory_max", "target",
-               "min_workers", "max_workers", "idle_timeout", "memory_budget")
+               "min_workers", "max_workers", "idle_timeout", "memory_budget", "tenant_weights", "max_wait")
 IDLE_TIMEOUT = 60.0  # an elastic pool's worker idle this long above min_workers retires
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1  # a task's priority (a store's INTEGER either way)
+TENANT_MAX = 200  # characters of a tenant's name
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +58,9 @@ class Task:
     asked_back: bool = False  # its worker was asked to give it back (another is idle): no answer yet
     stopping: bool = False  # it ended while a worker held it: "stopped" is told once that worker is done
     waiters: list[tuple[Reply, Any]] = field(default_factory=list)  # (reply, cmd_id) of `result --wait`s
+    priority: int = 0  # higher starts first (taskqueue.py)
+    tenant: str | None = None  # whose: tenants share the workers by weight
+    aged: bool = False  # it waited its pool's max_wait: above every priority now
 
     def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
@@ -65,6 +71,7 @@ class Task:
                 "worker": self.worker_id if self.state is not T.QUEUED else None, "last_worker": self.worker_id,
                 "queued_at": self.queued_at, "started_at": self.started_at,
                 "ended_at": self.ended_at, "reason": self.reason,
+                "priority": self.priority, "tenant": self.tenant,
                 "payload": self.payload if not self.state.terminal else None,
                 "kind": self.kind, "result": self.result}
 
@@ -109,7 +116,7 @@ class ExecPool:
     name: str
     options: Doc
     init: bytes
-    queue: collections.deque[Task] = field(default_factory=collections.deque)
+    queue: TaskQueue[Task] = field(default_factory=TaskQueue)  # the table gives its own clock (adopt)
     idle: collections.deque[Worker] = field(default_factory=collections.deque)  # workers with no task
     single: collections.deque[Worker] = field(default_factory=collections.deque)  # workers that may take a second
     workers: dict[str, Worker] = field(default_factory=dict)  # replica id -> its connection
@@ -220,6 +227,14 @@ def parse_options(raw: Any) -> Doc:
         if not isinstance(target, str) or ":" not in target:
             raise InvalidSpec(f"target must be MODULE:FUNCTION, got {target!r}")
         out["target"] = target  # what a task given without one runs
+    weights = raw.get("tenant_weights")
+    if weights is not None:
+        out["tenant_weights"] = tenant_weights(weights)
+    if raw.get("max_wait") is not None:
+        wait = protocol.seconds(raw["max_wait"], "max_wait")
+        if not wait:
+            raise InvalidSpec("max_wait must be a number of seconds above 0")
+        out["max_wait"] = wait
     out.update(_elastic(raw, mem))
     return out
 
@@ -258,6 +273,47 @@ def _elastic(raw: Doc, memory_max: int | None) -> Doc:
     if budget is not None:
         out["memory_budget"] = budget
     return out
+
+
+def tenant_weights(raw: Any) -> dict[str, float]:
+    """``{tenant: weight}``, each weight a number above 0 (InvalidSpec, one line)."""
+    if not isinstance(raw, dict):
+        raise InvalidSpec(f"tenant_weights must be an object of tenant: weight, got {raw!r}")
+    out: dict[str, float] = {}
+    for name, weight in raw.items():
+        if not isinstance(name, str) or not name or len(name) > TENANT_MAX:
+            raise InvalidSpec(f"tenant_weights: a tenant must be a name of 1 to {TENANT_MAX} characters, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise InvalidSpec(f"tenant_weights: the weight of {name!r} must be a number above 0, got {weight!r}")
+        out[name] = weight
+    return out
+
+
+class QueuePlace(TypedDict):
+    priority: int
+    tenant: str | None
+
+
+def queue_place(row: Doc) -> QueuePlace:
+    """A stored or carried task's priority and tenant (a row of an earlier version has
+    neither: 0 and None)."""
+    return {"priority": int(row.get("priority") or 0), "tenant": row.get("tenant") or None}
+
+
+def priority(raw: Any) -> int:
+    """A task's priority: a whole number (InvalidSpec, one line)."""
+    if isinstance(raw, bool) or not isinstance(raw, int) or not PRIORITY_MIN <= raw <= PRIORITY_MAX:
+        raise InvalidSpec(f"priority must be a whole number, got {raw!r}")
+    return raw
+
+
+def tenant(raw: Any) -> str | None:
+    """A task's tenant: a name (None: no tenant; InvalidSpec, one line)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw or len(raw) > TENANT_MAX:
+        raise InvalidSpec(f"tenant must be a name of 1 to {TENANT_MAX} characters, got {raw!r}")
+    return raw
 
 
 def target_payload(one: Doc) -> bytes:

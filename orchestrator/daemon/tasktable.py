@@ -10,6 +10,8 @@ until it starts), so that it never waits for a round trip through the loop betwe
 but never while another worker of the pool is idle: then a held task is asked back
 (taskwire.py, "Taking a held task back") and, once its worker says it had not started it,
 handed to the idle one. Idle first: a queued task goes to an idle worker whenever one exists.
+Which queued task goes next is the queue's (taskqueue.py): a higher priority first, tenants
+by weight within one, FIFO within a tenant, ``max_wait`` aging.
 
     submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
                  ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
@@ -62,6 +64,7 @@ from .elastic import Elastic
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
+from .taskqueue import TaskQueue, lane_key
 from .taskrecords import (
     Doc, ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
     size_text,
@@ -411,7 +414,9 @@ class TaskTable:
               ended: Mapping[str, int] | None = None) -> ExecPool:
         """``pool`` is an executor pool from now on (made, restored from the store, or carried
         across an upgrade: ``said`` and ``ended`` as the image before had them)."""
-        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, next_n=next_n, reserved=0, said=said)
+        queue = TaskQueue[Task](self.table.os.time, weights=options.get("tenant_weights"),
+                                max_wait=options.get("max_wait"))
+        xp = self._pools[pool.name] = ExecPool(pool.name, options, init, queue, next_n=next_n, reserved=0, said=said)
         xp.ended.update(ended or {})
         pool.make_executor(xp)
         self._reserve(xp, pool)
@@ -445,6 +450,7 @@ class TaskTable:
         """``xp``'s options (checked: taskrecords.parse_options) in force for the tasks
         handed out from now on (a config reload)."""
         xp.options = options
+        xp.queue.configure(options.get("tenant_weights"), options.get("max_wait"))
         self._watch_memory(xp)
 
     def grant(self, xp: ExecPool, count: int) -> list[int]:
@@ -507,7 +513,7 @@ class TaskTable:
         task.id = f"{xp.name}/{task.n}"
         task.queued_at = self.table.os.time()
         self.add(task)
-        xp.queue.append(task)
+        xp.queue.push(task)
         self._save(task, None)
         self._dispatch(xp)
         if task.state is T.QUEUED:
@@ -524,7 +530,7 @@ class TaskTable:
     def enqueue(self, task: Task) -> None:
         """A QUEUED task already the table's (``add``) waits last in its pool's queue; it is
         handed out with the next dispatch (``run_queues``, or a worker's READY)."""
-        task.pool.queue.append(task)
+        task.pool.queue.push(task)
 
     def arm_timeout(self, task: Task, delay: float) -> None:
         """``task``, RUNNING, times out in ``delay`` seconds (its clock carried across an
@@ -550,37 +556,48 @@ class TaskTable:
         that goes to a free worker while an older one is held behind a busy worker has that
         one asked back (it is the next free worker's); workers still idle at the end ask
         held tasks back too."""
-        while xp.queue:
-            task = xp.queue[0]
-            if task.state is not T.QUEUED:
-                xp.queue.popleft()
-                continue
+        queue = xp.queue
+        while queue:
             worker = self._free_worker(xp)
             if worker is None:
                 self._elastic.want(xp)  # an elastic pool below max_workers grows
                 return
-            xp.queue.popleft()
+            task = queue.pop()  # the next in the queue's order (taskqueue.py)
+            if task is None or task.state is not T.QUEUED:  # neither can be: an ended task leaves the queue
+                self._offer(xp, worker)
+                if task is None:
+                    return
+                continue
             self._send(xp, worker, task)
             if xp.holders and len(worker.tasks) == 1:
-                self._take_back(xp, 1, older_than=task.n)
+                self._take_back(xp, 1, before=task)
         if xp.idle and xp.holders:
             idle = {wk for wk in xp.idle if not wk.closed and wk.ready and not wk.tasks and self._room(xp, wk)}
             self._take_back(xp, len(idle))
 
-    def _take_back(self, xp: ExecPool, want: int, *, older_than: int | None = None) -> None:
-        """Ask up to ``want`` held, unstarted tasks back from busy workers, oldest first
-        (each is handed on once its worker gives it back); asks still unanswered count."""
+    def _offer(self, xp: ExecPool, worker: Worker) -> None:
+        """``worker``, taken from the free ones for a task that was not sent, is free again."""
+        if not worker.tasks:
+            xp.idle.appendleft(worker)
+        elif self._room(xp, worker):
+            xp.single.appendleft(worker)
+
+    def _take_back(self, xp: ExecPool, want: int, *, before: Task | None = None) -> None:
+        """Ask up to ``want`` held, unstarted tasks back from busy workers, the first in
+        order first (each is handed on once its worker gives it back); asks still
+        unanswered count. ``before``: a task that just went to a free worker; only held
+        tasks that would have started before it are asked back."""
         if xp.closing or want <= 0:
             return
-        held: list[tuple[int, Worker]] = []
+        held: list[tuple[tuple[tuple[int, int], int], Worker]] = []
         for wk in xp.holders:
             task = wk.tasks[1] if len(wk.tasks) > 1 else None
             if task is None or task.state is not T.QUEUED or wk.closed:
                 continue
             if wk.asked is not None:
-                want -= older_than is None
-            elif wk.version >= 2 and (older_than is None or task.n < older_than):
-                held.append((task.n, wk))
+                want -= before is None
+            elif wk.version >= 2 and (before is None or _ahead(task, before)):
+                held.append((_rank(task), wk))
         for _, wk in sorted(held, key=lambda h: h[0])[:max(0, want)]:
             self._ask_back(wk, wk.tasks[1])
 
@@ -750,6 +767,8 @@ class TaskTable:
         if worker is not None and worker.task is task:  # it runs: the worker answers for it when it stops
             task.stopping = True
             self._tell(task, TaskEvent.STOPPING, None)
+        if old is T.QUEUED and worker is None:
+            task.pool.queue.discard(task)  # it waits no longer
         task.worker = None
         task.kind = kind
         task.payload = None
@@ -1118,7 +1137,7 @@ class TaskTable:
         if task.worker is worker:
             task.worker = None
         if task.state is T.QUEUED:
-            xp.queue.appendleft(task)
+            xp.queue.push_front(task)  # at its place: next of its priority
         if head and worker.tasks:
             self._head(worker)
         if not xp.closing:
@@ -1249,7 +1268,7 @@ class TaskTable:
             never.worker = None
             never.asked_back = False
             if never.state is T.QUEUED:
-                xp.queue.appendleft(never)
+                xp.queue.push_front(never)
         if task is not None and task.state is T.RUNNING:
             task.worker = None
             memory = self._memory_reason(xp, worker, rep)  # it passed memory_max: it would again
@@ -1274,7 +1293,7 @@ class TaskTable:
             task.timer = None
         task.worker = None
         task.asked_back = False
-        task.pool.queue.appendleft(task)
+        task.pool.queue.push_front(task)
         self._save(task, old)
         log.info("%s: %s; queued again (attempt %d of %d)", task.id, why, task.attempts + 1, task.retries + 1)
 
@@ -1304,8 +1323,7 @@ class TaskTable:
                 why += f" ({xp.said})"
         else:
             return
-        while xp.queue:
-            task = xp.queue.popleft()
+        while (task := xp.queue.pop()) is not None:
             if task.state is T.QUEUED:
                 self.end(task, T.FAILED, "unrun", why)
 
@@ -1394,3 +1412,16 @@ class TaskTable:
                     os.unlink(self._address)
                 except OSError:
                     pass
+
+
+def _rank(task: Task) -> tuple[tuple[int, int], int]:
+    """Which of two held tasks starts first: the higher lane (taskqueue.lane_key), then the
+    older (its number), as a sort key."""
+    key = lane_key(task)
+    return (-key[0], -key[1]), task.n
+
+
+def _ahead(held: Task, sent: Task) -> bool:
+    """Would ``held`` (sent to a busy worker to wait there) have started before ``sent``
+    (which a free worker took)? Then it is asked back for the next free worker."""
+    return _rank(held) < _rank(sent)
