@@ -64,6 +64,15 @@ class Gate:
         wait_for(reader_there, 30, "the gated task to start")
 
 
+def queued_in_the_loop(ex: Executor, count: int) -> None:
+    """Until the loop holds ``count`` queued tasks: a submit returns before its task reaches
+    the loop, and the order is the loop's only once they are all there."""
+    def there() -> bool:
+        return sum(p.get("tasks", {}).get("queued", 0) for p in ex.orchestrator.status()["pools"]) >= count
+
+    wait_for(there, 60, f"{count} tasks queued in the loop")
+
+
 def test_a_second_tenants_task_starts_next_while_the_first_has_a_thousand_queued(
         make_executor: MakeExecutor, tmp_path: Path) -> None:
     ex = make_executor(1)
@@ -73,6 +82,7 @@ def test_a_second_tenants_task_starts_next_while_the_first_has_a_thousand_queued
     alice = ex.options(tenant="alice")
     a = [alice.submit(schedfns.now) for _ in range(1000)]
     b = ex.options(tenant="bob").submit(schedfns.now)
+    queued_in_the_loop(ex, 1001)
     gate.open()
     assert first.result(timeout=60) == "open"
     ran_b = b.result(timeout=60)
@@ -91,6 +101,7 @@ def test_a_higher_priority_starts_first(make_executor: MakeExecutor, tmp_path: P
     low = [ex.options(priority=-1).submit(schedfns.now) for _ in range(3)]
     plain = [ex.submit(schedfns.now) for _ in range(3)]
     urgent = ex.options(priority=10).submit(schedfns.now)
+    queued_in_the_loop(ex, 8)
     gate.open()
     assert first.result(timeout=60) == "open"
     order = sorted((f.result(timeout=60), name) for name, f in
