@@ -179,7 +179,8 @@ def test_task_metrics_status_and_events(daemon: DaemonUnderTest, jobs: Path) -> 
         assert [_result(client, t)["state"] for t in ids] == ["DONE"] * 3
         pool = [p for p in client.status()["pools"] if p["name"] == "jobs"][0]
     assert pool["kind"] == "executor" and pool["tasks"] == {"queued": 0, "running": 0, "done": 3, "failed": 0,
-                                                                "cancelled": 0, "timed_out": 0, "lost": 0}
+                                                                "cancelled": 0, "timed_out": 0, "lost": 0,
+                                                                "tenants": {}}
     text = cli(daemon.state_dir, "metrics").stdout
     assert 'orchestrator_tasks_ended_total{pool="jobs",state="DONE"} 3.0' in text
     assert 'orchestrator_task_run_seconds_count{pool="jobs"} 3.0' in text

@@ -121,7 +121,7 @@ class FakeEngine:
     def event(self, kind: str, doc: Doc) -> None:
         pass
 
-    def task_started(self, pool: str, waited: float) -> None:
+    def task_started(self, pool: str, waited: float, tenant: str | None) -> None:
         pass
 
     def task_ended(self, pool: str, state: str, ran: float | None) -> None:
@@ -311,7 +311,7 @@ def test_idle_workers_first_then_one_held_task_per_busy_worker(make: Callable[..
     assert [x.state for x in t] == [T.RUNNING, T.RUNNING, T.QUEUED, T.QUEUED, T.QUEUED]
     assert list(h.xp.queue) == [t[4]]
     assert h.commands.pool_counts(POOL) == {"queued": 3, "running": 2, "done": 0, "failed": 0, "cancelled": 0,
-                                            "timed_out": 0, "lost": 0}
+                                            "timed_out": 0, "lost": 0, "tenants": {"": {"queued": 3, "running": 2}}}
     assert h.kinds(t[0].ref) == ["started"] and h.kinds(t[2].ref) == []
     w1.send(w.RESULT, t[0].n, b"r1")
     assert t[0].state is T.DONE and t[2].state is T.RUNNING  # the held one started as its predecessor ended

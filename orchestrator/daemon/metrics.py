@@ -45,6 +45,8 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     tasks_ended_total{pool,state}           counter    DONE, FAILED, CANCELLED, TIMED_OUT, LOST
     tasks{pool,state}                       gauge      from status: QUEUED and RUNNING tasks of each executor pool
     task_queue_wait_seconds{pool}           histogram  queued -> handed to a worker
+    tenant_tasks{pool,tenant,state}         gauge      from status: QUEUED and RUNNING tasks by tenant
+    tenant_task_queue_wait_seconds{pool,tenant}  histogram  queued -> started, by tenant
     task_run_seconds{pool}                  histogram  handed to a worker -> ended
     http_requests_total{outcome}            counter    what MetricsServer did with a client
     daemon_start_time_seconds               gauge      wall clock
@@ -53,6 +55,13 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     build_info{version}                     gauge      1, when the daemon dict has a version
 
 Free text (a pool's ``reason``) is never a label; label values are escaped anyway.
+
+Tenants (an executor's ``options(tenant=...)``): ``tenant=""`` is the tasks with no tenant
+(a tenant's name is never empty). The label set is bounded per pool: the wait histograms
+keep the first ``MAX_TENANTS`` tenants a pool started tasks of, the later ones' waits are
+observed under ``tenant="other"``; the gauges show the ``MAX_TENANTS`` tenants with the most
+unfinished tasks now, the rest summed under ``"other"`` (a tenant named "other" is counted
+with them). The per-pool series count every task either way.
 """
 
 from __future__ import annotations
@@ -92,6 +101,9 @@ CHURN_WINDOW = 60  # seconds
 LAG_WINDOW = 60.0  # seconds
 LAG_LIMIT = 1.0  # seconds: a loop later than this is unhealthy
 MAX_OPS = 64  # distinct command ops kept as labels; the rest is "other"
+MAX_TENANTS = 100  # tenants of one pool kept as labels; the rest is "other"
+NO_TENANT = ""  # the tenant label of a task submitted without one
+OTHER = "other"
 _OP = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
@@ -153,6 +165,7 @@ class Metrics:
         self._tasks_ended: dict[tuple[str, str], int] = collections.Counter()
         self._task_wait: dict[str, _Histogram] = {}
         self._task_run: dict[str, _Histogram] = {}
+        self._tenant_wait: dict[str, dict[str, _Histogram]] = {}  # pool -> tenant label -> waits
         self._churn: collections.deque[list[int]] = collections.deque()  # [second, launches]
         self._collector = _Collector(self)
         self._registry = CollectorRegistry(auto_describe=False)
@@ -202,8 +215,16 @@ class Metrics:
     def store_failure(self) -> None:
         self._store_failures += 1
 
-    def task_started(self, pool: str, waited: float) -> None:
-        _observe(self._task_wait, str(pool), waited)
+    def task_started(self, pool: str, waited: float, tenant: str | None = None) -> None:
+        """A task started after ``waited`` seconds queued: in its pool's histogram and its
+        tenant's (``tenant`` None: no tenant; past MAX_TENANTS of the pool: "other")."""
+        pool = str(pool)
+        _observe(self._task_wait, pool, waited)
+        by_tenant = self._tenant_wait.setdefault(pool, {})
+        label = NO_TENANT if tenant is None else str(tenant)
+        if label not in by_tenant and len(by_tenant) >= MAX_TENANTS:
+            label = OTHER
+        _observe(by_tenant, label, waited)
 
     def task_ended(self, pool: str, state: str, ran: float | None) -> None:
         self._tasks_ended[(str(pool), str(state))] += 1
@@ -228,6 +249,7 @@ class Metrics:
             del self._tasks_ended[key]
         self._task_wait.pop(pool, None)
         self._task_run.pop(pool, None)
+        self._tenant_wait.pop(pool, None)
 
     # -- churn --
 
@@ -331,13 +353,21 @@ class Metrics:
 
     def _task_families(self, pools: list[Mapping[str, Any]]) -> Iterator[Metric]:
         queued_running = []
+        by_tenant: list[tuple[tuple[str, str, str], float]] = []
         for p in sorted(pools, key=lambda p: str(p.get("name"))):
             counts = p.get("tasks")
             if isinstance(counts, Mapping):
-                queued_running += [((str(p.get("name")), "QUEUED"), _number(counts.get("queued"))),
-                                   ((str(p.get("name")), "RUNNING"), _number(counts.get("running")))]
+                name = str(p.get("name"))
+                queued_running += [((name, "QUEUED"), _number(counts.get("queued"))),
+                                   ((name, "RUNNING"), _number(counts.get("running")))]
+                tenants = counts.get("tenants")
+                if isinstance(tenants, Mapping):
+                    for tenant, (queued, running) in _bounded_tenants(tenants):
+                        by_tenant += [((name, tenant, "QUEUED"), queued), ((name, tenant, "RUNNING"), running)]
         yield _family(GaugeMetricFamily, "tasks", "Unfinished tasks of each executor pool, by state.",
                       ("pool", "state"), queued_running)
+        yield _family(GaugeMetricFamily, "tenant_tasks", "Unfinished tasks of each executor pool, by tenant "
+                      "(\"\": none) and state.", ("pool", "tenant", "state"), by_tenant)
         yield _family(CounterMetricFamily, "tasks_ended", "Tasks ended, by pool and state.", ("pool", "state"),
                       sorted(self._tasks_ended.items()))
         for name, by_pool, text in (("task_queue_wait_seconds", self._task_wait, "Time tasks waited in their queue."),
@@ -347,6 +377,29 @@ class Metrics:
                 h = by_pool[pool]
                 family.add_metric((pool,), buckets=h.buckets(), sum_value=h.sum)
             yield family
+        waits = HistogramMetricFamily(PREFIX + "tenant_task_queue_wait_seconds",
+                                      "Time tasks waited in their queue, by tenant (\"\": none).",
+                                      labels=("pool", "tenant"))
+        for pool in sorted(self._tenant_wait):
+            for tenant, h in sorted(self._tenant_wait[pool].items()):
+                waits.add_metric((pool, tenant), buckets=h.buckets(), sum_value=h.sum)
+        yield waits
+
+
+def _bounded_tenants(tenants: Mapping[Any, Any]) -> list[tuple[str, tuple[float, float]]]:
+    """``(tenant, (queued, running))`` by tenant label, from a status row's ``tenants``: the
+    MAX_TENANTS with the most unfinished tasks, the rest summed under "other"."""
+    rows: list[tuple[str, float, float]] = []
+    for tenant, counts in tenants.items():
+        if isinstance(counts, Mapping):
+            rows.append((str(tenant), _number(counts.get("queued")), _number(counts.get("running"))))
+    rows.sort(key=lambda r: (-(r[1] + r[2]), r[0]))
+    out: dict[str, tuple[float, float]] = {}
+    for i, (tenant, queued, running) in enumerate(rows):
+        label = tenant if i < MAX_TENANTS else OTHER
+        had = out.get(label, (0.0, 0.0))
+        out[label] = (had[0] + queued, had[1] + running)
+    return sorted(out.items())
 
 
 def _observe(by_pool: dict[str, _Histogram], pool: str, seconds: float) -> None:

@@ -413,12 +413,24 @@ class TaskCommands:
     def pool_counts(self, name: str) -> Doc | None:
         """An executor pool's tasks for ``status``: queued and running now; ended since the
         daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
-        timed_out, lost (the daemon died while it ran)."""
+        timed_out, lost (the daemon died while it ran); ``tenants``: the queued and running
+        by tenant, for each tenant that has either (``""``: the tasks with no tenant)."""
         xp = self.tasks.pools.get(name)
         if xp is None:
             return None
-        queued = len(xp.queue)
-        running = sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.RUNNING)
-        queued += sum(1 for wk in xp.workers.values() for t in wk.tasks if t.state is T.QUEUED)
-        return {"queued": queued, "running": running,
-                **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal}}
+        tenants: dict[str, dict[str, int]] = {}
+
+        def count(tenant: str | None, state: str, n: int) -> None:
+            by_state = tenants.setdefault(tenant or "", {"queued": 0, "running": 0})
+            by_state[state] += n
+
+        for who, n in xp.queue.tenants().items():
+            count(who, "queued", n)
+        for wk in xp.workers.values():
+            for t in wk.tasks:  # the one it runs, and one held behind it (still QUEUED)
+                if t.state is T.RUNNING or t.state is T.QUEUED:
+                    count(t.tenant, t.state.value.lower(), 1)
+        return {"queued": sum(c["queued"] for c in tenants.values()),
+                "running": sum(c["running"] for c in tenants.values()),
+                **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal},
+                "tenants": tenants}

@@ -86,7 +86,8 @@ EMPTY_KEPT = 64  # empty lanes remembered (then they go: their tenants start eve
 class TaskQueue(Generic[Task]):
     """The queued tasks of one executor pool, in the order they start (module docstring):
     ``push``, ``push_front``, ``pop`` (the next, or None), ``discard`` (ended while queued),
-    ``len``/``bool`` (what waits), iteration (what waits, about in start order), and
+    ``len``/``bool`` (what waits), ``tenants`` (what waits, counted by tenant), iteration
+    (what waits, about in start order), and
     ``configure`` (the pool's ``tenant_weights`` and ``max_wait``)."""
 
     def __init__(self, clock: Callable[[], float] = time.time, *, weights: Mapping[str, float] | None = None,
@@ -124,6 +125,11 @@ class TaskQueue(Generic[Task]):
 
     def __contains__(self, task: object) -> bool:
         return task in self._where
+
+    def tenants(self) -> collections.Counter[str | None]:
+        """How many tasks wait, by tenant (None: no tenant); walked when asked (a metrics
+        scrape, ``status``), not kept up on each push and pop."""
+        return collections.Counter(task.tenant for task in self._where)
 
     def __iter__(self) -> Iterator[Task]:
         """What waits: the lanes from the highest, each tenant's tasks in its turn order."""

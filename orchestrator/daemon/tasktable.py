@@ -139,7 +139,7 @@ class Journal(Protocol):
 class Metrics(Protocol):
     """The task counters of metrics.Metrics."""
 
-    def task_started(self, pool: str, waited: float) -> None: ...
+    def task_started(self, pool: str, waited: float, tenant: str | None) -> None: ...
     def task_ended(self, pool: str, state: str, ran: float | None) -> None: ...
 
 
@@ -703,7 +703,7 @@ class TaskTable:
         task.started_at = self.table.os.time()
         self._memory_busy(worker.pool)
         self._save(task, T.QUEUED)
-        self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at)
+        self.table.metrics.task_started(task.pool.name, task.started_at - task.queued_at, task.tenant)
         if task.timeout is not None:
             self.arm_timeout(task, task.timeout)
         self._tell(task, TaskEvent.STARTED, task.id)
