@@ -112,3 +112,32 @@ def test_the_tenant_labels_are_bounded_per_pool() -> None:
     counts = values(fams["orchestrator_tenant_task_queue_wait_seconds"],
                     "orchestrator_tenant_task_queue_wait_seconds_count")
     assert {dict(k)["pool"] for k in counts} == {"small"}
+
+
+def test_tasks_says_why_a_task_waits_behind_higher_priorities_and_other_tenants(make: Callable[..., Harness]) -> None:
+    # A fixed pool (no min_workers): what waits behind busy workers, whatever the order
+    # that put it there, says so; one held behind a running task names its worker.
+    h = make(options={"tenant_weights": {"alice": 3}})
+    w1, w2 = h.worker(), h.worker()
+    urgent = [Task("", 0, h.xp, b"u", n, h.session, None, 0, priority=5, tenant="alice") for n in (1, 2, 3, 4)]
+    for task in urgent:
+        h.tasks.submit(h.xp, task)
+    late = submit(h, "bob")  # priority 0, another tenant: behind all of alice's
+    mine = submit(h, None)
+    h.turn()
+    assert w1.tasks_sent(2) == [1, 3] and w2.tasks_sent(2) == [2, 4]
+    rows = h.commands.commands()["tasks"]({}, lambda msg: None, 1)
+    waiting = {r["id"]: r["waiting"] for r in rows}
+    assert waiting == {urgent[0].id: None, urgent[1].id: None,
+                       urgent[2].id: "held by px-1, behind the task it runs",
+                       urgent[3].id: "held by px-2, behind the task it runs",
+                       late.id: "all 2 workers busy", mine.id: "all 2 workers busy"}
+    w1.send(w.RESULT, 1, b"r")  # the held one starts, bob's is sent to be held behind it
+    assert w1.tasks_sent(1) == [late.n]
+    assert h.tasks.waiting(late) == "held by px-1, behind the task it runs" and h.tasks.waiting(urgent[2]) is None
+    w1.send(w.RESULT, 3, b"r")
+    assert h.tasks.waiting(late) is None and state(late) is T.RUNNING
+
+
+def state(task: Task) -> T:
+    return task.state  # read again after the loop turned
