@@ -2,11 +2,14 @@
 (queued and running by tenant, from the task table at scrape time, as ``status`` gives
 them) and the ``tenant_task_queue_wait_seconds`` histogram (observed at each start), on the
 fake table of test_tasktable_fake.py with the real ``Metrics``; and the bound on the tenant
-labels (MAX_TENANTS per pool, the rest "other")."""
+labels (MAX_TENANTS per pool, the rest "other"); why a queued task waits (``tasks``) in a
+fixed pool; and the README's table naming every metric rendered.
 
 from __future__ import annotations
 
 import collections
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -141,3 +144,20 @@ def test_tasks_says_why_a_task_waits_behind_higher_priorities_and_other_tenants(
 
 def state(task: Task) -> T:
     return task.state  # read again after the loop turned
+
+
+def test_the_readme_names_every_metric_the_daemon_renders() -> None:
+    class Lag:
+        last = 0.0
+
+        def max_recent(self) -> float:
+            return 0.0
+
+    m = Metrics(lag=Lag())  # render reads only these two of a LagMonitor
+    m.task_started("px", 0.1, "alice")
+    status = {"pools": [{"name": "px", "kind": "executor", "tasks": {"queued": 0, "running": 0, "tenants": {}}}]}
+    rendered = {f.name for f in text_string_to_metric_families(m.render(status, {"started_at": 1.0, "version": "1"}))}
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("The metric names, all prefixed `orchestrator_`")[1].split("\n\n")[1]
+    named = {name.removesuffix("_total") for name in re.findall(r"`([a-z_]+)(?:\{[a-z_,]*\})?`", table)}
+    assert {n.removeprefix("orchestrator_") for n in rendered} <= named, sorted(rendered)
