@@ -3,7 +3,7 @@
 them) and the ``tenant_task_queue_wait_seconds`` histogram (observed at each start), on the
 fake table of test_tasktable_fake.py with the real ``Metrics``; and the bound on the tenant
 labels (MAX_TENANTS per pool, the rest "other"); why a queued task waits (``tasks``) in a
-fixed pool; and the README's table naming every metric rendered.
+fixed pool; and the README's table naming every metric rendered."""
 
 from __future__ import annotations
 
