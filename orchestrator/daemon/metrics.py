@@ -45,9 +45,10 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     tasks_ended_total{pool,state}           counter    DONE, FAILED, CANCELLED, TIMED_OUT, LOST
     tasks{pool,state}                       gauge      from status: QUEUED and RUNNING tasks of each executor pool
     task_queue_wait_seconds{pool}           histogram  queued -> handed to a worker
-    tenant_tasks{pool,tenant,state}         gauge      from status: QUEUED and RUNNING tasks by tenant
-    tenant_task_queue_wait_seconds{pool,tenant}  histogram  queued -> started, by tenant
     task_run_seconds{pool}                  histogram  handed to a worker -> ended
+    tenant_tasks{pool,tenant,state}         gauge      from status: tasks{pool,state} by tenant
+    tenant_task_queue_wait_seconds{pool,tenant}
+                                            histogram  task_queue_wait_seconds by tenant
     http_requests_total{outcome}            counter    what MetricsServer did with a client
     daemon_start_time_seconds               gauge      wall clock
     daemon_uptime_seconds                   gauge
