@@ -2,7 +2,8 @@
 (``start --config FILE`` with executor pools of one worker): a joiner that asks for other
 ones is refused naming them, a gated run starts tenants' tasks by the file's weights, a
 task queued past the file's ``max_wait`` starts before a higher priority, ``tasks --json``
-says why a queued task waits, and the metrics count queued tasks and waits by tenant.
+says why a queued task waits, the metrics count queued tasks and waits by tenant, and a
+``reload`` of the file's new weights is what a joiner must match then.
 Tasks are held back by a gate (a FIFO the test opens), never by a sleep."""
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ def test_the_files_weights_share_the_worker_and_a_joiner_with_others_is_refused(
         assert metric(text, "orchestrator_tenant_task_queue_wait_seconds_count", pool="shares",
                       tenant=tenant) == started
     assert metric(text, "orchestrator_task_queue_wait_seconds_count", pool="shares") == 7
+    conf.write_text(conf.read_text().replace("alice = 2", "alice = 3"))  # a reload takes the file's new weights
+    reloaded = cli(daemon.state_dir, "reload")
+    assert reloaded.returncode == 0, reloaded.stderr
+    with Client(daemon.state_dir) as client:
+        with pytest.raises(InvalidSpec) as refused:
+            client.executor("shares", max_workers=1, cwd=str(TESTS), tenant_weights={"alice": 2}, max_wait=600)
+        assert "tenant_weights={'alice': 3}, not {'alice': 2}" in str(refused.value)
 
 
 def test_a_task_queued_past_the_files_max_wait_starts_before_a_higher_priority(daemon: DaemonUnderTest,
