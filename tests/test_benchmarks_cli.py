@@ -58,8 +58,9 @@ def test_tiny_churn_writes_json_with_figures(tmp_path: Path) -> None:
 
 @pytest.mark.long
 def test_tiny_tasks_section_compares_the_executor_with_its_peers(tmp_path: Path) -> None:
-    """One round of each part: every figure of ours is there, a worker's kill -9 loses one
-    future (none with retries=1), and the section's targets reach the targets block."""
+    """One round of each part: every figure of ours is there (the scheduling part's too), a
+    worker's kill -9 loses one future (none with retries=1), and the section's targets
+    reach the targets block."""
     done = _run("--only", "tasks", "--quick", "--batches", "1", "--no-install", "--no-plots",
                 "--out", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -83,6 +84,9 @@ def test_tiny_tasks_section_compares_the_executor_with_its_peers(tmp_path: Path)
     assert kill["orchestrator.Executor, retries=1"]["futures_lost"] == [0]
     assert kill["orchestrator.Executor"]["usable_after"] is True
     assert kill["ProcessPoolExecutor (default context: fork)"]["usable_after"] is False
+    sched = res["scheduling"]["variants"]
+    assert sched["orchestrator.Executor, FIFO (no options)"]["rate"] > 0
+    assert sched["orchestrator.Executor, 8 tenants x 3 priorities"]["rate"] > 0
     names = [t["target"] for t in json.loads((tmp_path / "results.json").read_text())["targets"]]
-    assert sum(n.startswith("tasks: ") for n in names) == len(res["targets"]) == 6
+    assert sum(n.startswith("tasks: ") for n in names) == len(res["targets"]) == 7
     assert "1. tiny tasks" in done.stdout and "4. kill -9" in done.stdout
