@@ -272,9 +272,13 @@ def test_lag_is_near_zero_when_idle(reactor):
 
     assert reactor.run_until(lambda: samples_taken() >= 5, limit=5.0)
     assert time.monotonic() - t0 >= 0.45
-    assert mon.last < 0.05
-    assert mon.max_recent() < 0.05
-    assert mon.current() < 0.05
+    # An idle loop reads near zero. One reading may still be late by however long the
+    # machine kept this process off a CPU (seen: 63 ms on 2 loaded cores), so the best
+    # reading is held to that, and every reading to well below a blocked loop's (next test).
+    lags = [lag for _, lag in mon._samples]
+    assert min(lags) < 0.05, lags
+    assert mon.max_recent() == max(lags) < 0.25, lags
+    assert 0 <= mon.last <= mon.current() < 0.25
     mon.stop()
     n = samples_taken()
     reactor.run_until(lambda: False, limit=0.3)
