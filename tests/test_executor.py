@@ -162,7 +162,9 @@ def test_cancel_of_a_running_task_raises_cancelled_in_it(make_executor: MakeExec
     started, marker = tmp_path / "started", tmp_path / "marker"
     fut = ex.submit(taskfns.wait_for_cancel, str(started), str(marker))
     wait_for(started.exists, 30, "the task to start")
-    assert fut.running()
+    # The loop tells the future its task started as the worker's word of it arrives, and
+    # the collector thread marks it: that may come just after the task's own first write.
+    wait_for(fut.running, 10, "the future to say it runs")
     assert fut.cancel() is True
     assert fut.cancelled() and fut.done()
     with pytest.raises(cf.CancelledError):
