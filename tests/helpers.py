@@ -413,3 +413,21 @@ def cgroup_unusable() -> str | None:
         return f"cannot create a cgroup under {own}: {err.strerror} (needs root, a delegated unit or a writable cgroupfs)"
     os.rmdir(probe)
     return None
+
+
+@contextlib.contextmanager
+def module_of_tasks(where: Path, name: str, source: str, monkeypatch: Any) -> Iterator[Any]:
+    """Module ``name`` written in ``where`` from ``source``: importable here (its functions
+    pickled by reference) and on the PYTHONPATH an executor pool made meanwhile records for
+    its workers; forgotten again at the end."""
+    where.mkdir()
+    (where / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(where))
+    monkeypatch.setenv("PYTHONPATH", str(where))
+    sys.modules.pop(name, None)
+    import importlib
+
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)

@@ -36,8 +36,9 @@ def make_executor(procs: ProcessTracker, orch_test_tag: str) -> Iterator[MakeExe
         kwargs["env"] = {**kwargs.get("env", {}), TAG_VAR: orch_test_tag}
         ex = Executor(*args, **kwargs)
         made.append(ex)
-        procs.track(ex.orchestrator.watchdog_pid)
-        procs.exempt.append(lambda: ex.orchestrator.spawner_pids)
+        if kwargs.get("state_dir") is None:  # embedded: its watchdog and spawners are this test's
+            procs.track(ex.orchestrator.watchdog_pid)
+            procs.exempt.append(lambda: ex.orchestrator.spawner_pids)
         return ex
 
     try:

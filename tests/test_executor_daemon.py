@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import DaemonUnderTest, cli, wait_for
+from helpers import DaemonUnderTest, cli, module_of_tasks, wait_for
 from orchestrator import (
     ChannelError, Client, Executor, InvalidSpec, OrchestratorError, TaskInterrupted, UnknownTask, WorkerLost,
 )
@@ -66,16 +66,8 @@ JOBS = textwrap.dedent("""
 def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """A module of tasks, importable here (pickled by reference) and on the PYTHONPATH an
     executor pool made here records for its workers."""
-    where = tmp_path / "code"
-    where.mkdir()
-    (where / "clientjobs.py").write_text(JOBS)
-    monkeypatch.syspath_prepend(str(where))
-    monkeypatch.setenv("PYTHONPATH", str(where))
-    sys.modules.pop("clientjobs", None)
-    import clientjobs  # type: ignore[import-not-found]
-
-    yield clientjobs
-    sys.modules.pop("clientjobs", None)
+    with module_of_tasks(tmp_path / "code", "clientjobs", JOBS, monkeypatch) as module:
+        yield module
 
 
 def _lines(log: Path) -> list[str]:

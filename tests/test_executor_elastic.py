@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from helpers import DaemonUnderTest, Ident, cli, wait_for
+from helpers import DaemonUnderTest, Ident, cli, module_of_tasks, wait_for
 from orchestrator import Client, Executor, InvalidSpec
 
 MiB = 1 << 20
@@ -53,16 +52,8 @@ JOBS = textwrap.dedent("""
 @pytest.fixture
 def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A module of tasks, importable here (pickled by reference) and by the workers."""
-    where = tmp_path / "code"
-    where.mkdir()
-    (where / "elasticjobs.py").write_text(JOBS)
-    monkeypatch.syspath_prepend(str(where))
-    monkeypatch.setenv("PYTHONPATH", str(where))
-    sys.modules.pop("elasticjobs", None)
-    import elasticjobs  # type: ignore[import-not-found]
-
-    yield elasticjobs
-    sys.modules.pop("elasticjobs", None)
+    with module_of_tasks(tmp_path / "code", "elasticjobs", JOBS, monkeypatch) as module:
+        yield module
 
 
 def _pool(daemon: DaemonUnderTest, name: str) -> dict[str, Any]:

@@ -10,36 +10,14 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
 
 import pytest
 
 import schedfns
-from conftest import TAG_VAR, ProcessTracker
+from conftest import TAG_VAR
 from helpers import TESTS, DaemonUnderTest, cli, cli_env, one_line_error, wait_for
 from orchestrator import Client, Executor, InvalidSpec, TaskTimeoutError
-
-MakeExecutor = Callable[..., Executor]
-
-
-@pytest.fixture
-def make_executor(procs: ProcessTracker, orch_test_tag: str) -> Iterator[MakeExecutor]:
-    made: list[Executor] = []
-
-    def make(*args: Any, **kwargs: Any) -> Executor:
-        kwargs["env"] = {**kwargs.get("env", {}), TAG_VAR: orch_test_tag}
-        ex = Executor(*args, **kwargs)
-        made.append(ex)
-        if kwargs.get("state_dir") is None:
-            procs.track(ex.orchestrator.watchdog_pid)
-            procs.exempt.append(lambda: ex.orchestrator.spawner_pids)
-        return ex
-
-    try:
-        yield make
-    finally:
-        for ex in made:
-            ex.shutdown(wait=True, cancel_futures=True)
+from test_executor import MakeExecutor, make_executor  # noqa: F401  # the fixture
 
 
 class Gate:
