@@ -431,3 +431,15 @@ def module_of_tasks(where: Path, name: str, source: str, monkeypatch: Any) -> It
         yield importlib.import_module(name)
     finally:
         sys.modules.pop(name, None)
+
+
+def start_with_shadow(daemon: DaemonUnderTest, shadow: Path) -> int:
+    """Start ``daemon`` with ``shadow`` first on its PYTHONPATH (an install that ``upgrade``
+    would exec, which a test then breaks); its pid, recorded on ``daemon``."""
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
+    got = subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "start"],
+                         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert got.returncode == 0, got.stderr
+    daemon.pid = int(got.stdout)
+    return daemon.pid

@@ -25,7 +25,9 @@ import psutil
 import pytest
 
 from conftest import TAG_VAR
-from helpers import ROOT, TESTS, DaemonUnderTest, cli, cli_env, no_leftovers, one_line_error, wait_for
+from helpers import (
+    ROOT, TESTS, DaemonUnderTest, cli, cli_env, no_leftovers, one_line_error, start_with_shadow, wait_for,
+)
 from orchestrator import Client, Executor, OrchestratorError
 from test_security import NOBODY
 
@@ -219,12 +221,7 @@ def test_an_install_whose_helper_does_not_import_is_refused(daemon: DaemonUnderT
     goes on as it was (same pid, not upgraded, its replicas and helpers untouched)."""
     sd = daemon.state_dir
     shadow = tmp_path / "shadow"
-    env = cli_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
-    got = subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(sd), "start"], env=env,
-                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert got.returncode == 0, got.stderr
-    daemon.pid = pid = int(got.stdout)
+    pid = start_with_shadow(daemon, shadow)
     cli(sd, "launch", "--pool", "a", "--count", "2", "--wait", "--", "sleep", "1000", check=True)
     before = daemon.status()
     kept = {r["id"]: r["pid"] for r in before["replicas"]}

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    ROOT, DaemonUnderTest, Ident, cli, cli_env, free_port_range, one_line_error, survivors, wait_for, wait_gone,
+    ROOT, DaemonUnderTest, Ident, cli, cli_env, free_port_range, one_line_error, start_with_shadow, survivors,
+    wait_for, wait_gone,
 )
 
 
@@ -146,12 +147,7 @@ def test_upgrade_keeps_every_replica(daemon: DaemonUnderTest) -> None:
 def test_broken_install_is_refused_in_one_line(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     sd = daemon.state_dir
     shadow = tmp_path / "shadow"
-    env = cli_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
-    got = subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", str(sd), "start"], env=env,
-                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert got.returncode == 0, got.stderr
-    daemon.pid = pid = int(got.stdout)
+    pid = start_with_shadow(daemon, shadow)
     cli(sd, "launch", "--pool", "a", "--count", "2", "--wait", "--", "sleep", "1000", check=True)
     kept = _idents(daemon.status(), {"a"})
     # The install the daemon would exec now: the package with a module that does not import.
