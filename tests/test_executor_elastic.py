@@ -127,8 +127,11 @@ def test_a_memory_budget_keeps_a_second_worker_from_starting(daemon: DaemonUnder
         assert row["workers"]["budget"]["used"] >= 100 * MiB
         assert not second.exists()
         release.write_text("")
-        assert first.result(timeout=30) == queued.result(timeout=30)  # it ran on the one worker
-        assert _pool(daemon, "mem")["desired"] == 1
+        # Once the first task's memory is freed the budget no longer holds the pool back: the
+        # queued task may run on the first worker or on a second one started meanwhile.
+        first.result(timeout=30)
+        queued.result(timeout=30)
+        assert second.exists()
 
 
 def test_embedded_a_burst_grows_and_idle_retires_the_extra_workers(jobs: Any, tmp_path: Path) -> None:
