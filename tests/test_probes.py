@@ -963,7 +963,8 @@ def test_daemon_log_is_rotated_and_bounded(daemon, tmp_path):
     config.chmod(0o600)
     daemon.start("--config", str(config))
     # Each failed liveness check is a warning in daemon.log, and so is each replacement.
-    cli(daemon.state_dir, "launch", "--pool", "flaky", "--live", "exec:false", "--live-interval", "0.05", "--live-failures", "1",
+    # The probe's command is in every warning: a long one fills the 16K files in fewer cycles.
+    cli(daemon.state_dir, "launch", "--pool", "flaky", "--live", "exec:false " + "x" * 1500, "--live-interval", "0.05", "--live-failures", "1",
          "--restart", "always", "--backoff", "0.01:0.01", "--max-restarts", "100000/1", "--grace", "0.5",
          "--", "sleep", "1000", check=True)
     logs = daemon.state_dir / "logs"
