@@ -1,5 +1,6 @@
 """``Client(DIR).task(ID)``: a task of an executor pool of the daemon, found again from any
-process by its id (``fut.task_id`` in the submitter, what ``submit`` prints).
+process by its id (``fut.task_id`` in the submitter, what ``submit`` prints) or by its key
+(``POOL/@KEY``: the task that key names now; the handle keeps that task's id).
 
     handle = Client(state_dir).task("jobs/7")
     handle.info()            # its record, as `tasks --json` shows it
@@ -47,11 +48,13 @@ class TaskHandle:
 
     def __init__(self, client: _Client, task_id: str, *, reconnect_timeout: float = 30.0) -> None:
         if not isinstance(task_id, str) or "/" not in task_id:
-            raise InvalidSpec(f"not a task id (POOL/N): {task_id!r}")
+            raise InvalidSpec(f"not a task id (POOL/N or POOL/@KEY): {task_id!r}")
         self.client = client
         self.id = task_id
         self.reconnect_timeout = reconnect_timeout
-        self.info()  # an unknown id is an error now, not at the first result()
+        # An unknown id is an error now, not at the first result(); a key is its task's id
+        # from now on (a later task of that key, once this one's record is gone, is another).
+        self.id = str(self.info()["id"])
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id}>"
@@ -83,7 +86,7 @@ class TaskHandle:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"task {self.id} has not ended within {timeout:g} s (it is {got['state']})")
 
-    def future(self) -> Future[Any]:
+    def future(self) -> TaskFuture:
         """A ``concurrent.futures.Future`` of the task: it ends when the task does, as the
         submitter's future would (its ``cancel()`` is this handle's). A thread of this
         process waits for it."""
