@@ -25,10 +25,15 @@ from helpers import TESTS, DaemonUnderTest, cli, cli_env, one_line_error, wait_f
 from orchestrator import Client, InvalidSpec, UnknownTask
 from orchestrator import taskwire as w
 from orchestrator.daemon import tasktable
+from orchestrator.daemon.pools import Pool
+from orchestrator.daemon.taskcarry import TaskCarry
 from orchestrator.daemon.taskrecords import Doc, Task
+from orchestrator.daemon.tasktable import TaskTable
 from orchestrator.states import TaskState as T
 from test_executor import MakeExecutor, make_executor  # noqa: F401  # the fixture
-from test_tasktable_fake import POOL, Harness, make, state  # noqa: F401  # the fake's fixture
+from test_tasktable_fake import (  # noqa: F401  # the fake's fixture
+    POOL, FakeEngine, FakeStore, Harness, hand_over, make, state,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -380,3 +385,30 @@ def test_the_key_index_is_the_tables_while_in_memory_then_the_stores(make: Calla
         h.commands.task_id(f"{POOL}/@k9")
     assert len(h.tasks.live) == 0  # nothing ran twice, nothing new queued
 
+
+
+def test_a_tasks_key_goes_across_an_upgrade_and_a_restart(make: Callable[..., Harness]) -> None:  # noqa: F811
+    h = make()
+    h.worker()
+    got = h.commands.commands()["task_submit"]({"pool": POOL, "session": "s1", "payload": b"p", "key": "k",
+                                                 "ref": 1}, lambda m: None, 1)
+    engine, table = hand_over(h)
+    try:
+        carried = table.by_key(POOL, "k")
+        assert carried is not None and carried.id == got["id"] and carried.key == "k"
+    finally:
+        table.close()
+        engine.reactor.close()
+    engine = FakeEngine()
+    pool = Pool(POOL, None, stored_executor=h.pool.executor.stored() if h.pool.executor is not None else None)
+    engine.pools[POOL] = pool
+    row = {"id": f"{POOL}/1", "pool": POOL, "n": 1, "payload": b"p", "timeout": None, "retries": 0,
+           "state": "QUEUED", "attempts": 0, "worker": None, "queued_at": 1.0, "started_at": None, "key": "k"}
+    restored = TaskTable(engine)
+    try:
+        TaskCarry(restored, engine).restore([pool], FakeStore([row], {POOL: 1}))
+        again = restored.by_key(POOL, "k")
+        assert again is not None and again.id == f"{POOL}/1" and again.state is T.QUEUED
+    finally:
+        restored.close()
+        engine.reactor.close()

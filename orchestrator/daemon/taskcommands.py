@@ -51,6 +51,13 @@ def _with_size(raw: Any, size: int) -> Any:
     return raw
 
 
+def _unheard(task_id: str) -> UnknownTask:
+    """A task whose number its pool handed out, of which there is no record: its submit has
+    not arrived (a client's batch on its way), or it ended long ago and its record was pruned."""
+    return UnknownTask(f"task {task_id!r} is not here: its submit has not arrived yet, or it ended long ago "
+                       "and its record was pruned")
+
+
 def _count(value: Any, what: str) -> int:
     """How many task numbers a session asks for."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= NUMBERS_MAX:
@@ -447,7 +454,7 @@ class TaskCommands:
             task = self._find(task_id)
             row = task.record() if task is not None else self._stored(task_id)
             if row is None:
-                raise UnknownTask(f"task {task_id!r} ended long ago: its record was pruned")
+                raise _unheard(task_id)
             return [listing(row)]
         pool = args.get("pool")
         if pool is not None and pool not in self.tasks.pools:
@@ -473,7 +480,7 @@ class TaskCommands:
         if task is None:
             row = self._stored(task_id)
             if row is None:
-                raise UnknownTask(f"task {task_id!r} ended long ago: its record was pruned")
+                raise _unheard(task_id)
             return outcome(row)
         if task.state.terminal or not args.get("wait"):
             return outcome(task.record())
