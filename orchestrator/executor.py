@@ -658,7 +658,7 @@ class Options(futures_base.Executor):
 
     def __init__(self, executor: Executor, place: Place) -> None:
         self._executor = executor
-        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries
+        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries, key
 
     def options(self, *, priority: int | None = None, tenant: str | None = None,
                 timeout: float | None | _Pools = POOLS, retries: int | _Pools = POOLS, key: str | None = None,

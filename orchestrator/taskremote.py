@@ -32,7 +32,7 @@ F = TypeVar("F")  # the executor's future
 
 class Place(TypedDict, total=False):
     """A task's own options, from a view of its executor (``Executor.options``): where it
-    goes in its pool's queue, and its timeout and retries in place of the pool's."""
+    goes in its pool's queue, its timeout and retries in place of the pool's, its key."""
 
     priority: int
     tenant: str

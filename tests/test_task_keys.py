@@ -412,3 +412,31 @@ def test_a_tasks_key_goes_across_an_upgrade_and_a_restart(make: Callable[..., Ha
     finally:
         restored.close()
         engine.reactor.close()
+
+
+def test_a_cancel_by_key_or_id_on_the_fake_writes_that_tasks_word_alone(
+        make: Callable[..., Harness]) -> None:  # noqa: F811
+    """Both orders of the race, decided here: a cancel that comes after a's result finds it
+    ended (False, no word written); one that comes while a runs writes a's word, never the
+    word of b, held behind it on the same worker."""
+    h = make()
+    worker = h.worker()
+    submit, cancel = h.commands.commands()["task_submit"], h.commands.commands()["task_cancel"]
+    for round_, late in enumerate((True, False)):
+        a_id = submit({"pool": POOL, "payload": b"a", "key": f"a{round_}"}, lambda m: None, 1)
+        b_id = submit({"pool": POOL, "payload": b"b"}, lambda m: None, 2)
+        a, b = h.tasks.task(a_id), h.tasks.task(b_id)
+        assert a is not None and b is not None
+        assert worker.tasks_sent(2) == [a.n, b.n]
+        if late:
+            worker.send(w.RESULT, a.n, b"done")
+        name = f"{POOL}/@a{round_}" if late else a_id
+        assert cancel({"ids": [name]}, lambda m: None, 3) == [not late]
+        assert worker.word(b.slot) == 0  # b's word: nothing, either way
+        assert worker.word(a.slot) == (0 if late else w.cancel_word(a.n, w.CANCEL))
+        if not late:
+            assert state(a) is T.CANCELLED
+            worker.send(w.STOPPED, a.n)
+        assert state(b) is T.RUNNING
+        worker.send(w.RESULT, b.n, b"b")
+        assert (state(a), state(b)) == ((T.DONE if late else T.CANCELLED), T.DONE)

@@ -34,8 +34,8 @@ from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, queue_place, target_payload,
-    tenant,
+    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, queue_place,
+    target_payload, tenant,
 )
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
@@ -215,11 +215,15 @@ class TaskCommands:
         # All checked before any is queued; one that names a number the pool has is the task
         # it has (a batch sent again: ``resend``), attached to the session, not run again.
         resend = bool(args.get("resend"))
-        keyed: dict[str, Task] = {}  # the new tasks of this batch by key: a key twice in it is one task
+        keyed: dict[str, Task] | None = None  # the new tasks of this batch by key: a key twice in it is one task
         made = []
         for one in batch:
+            if not isinstance(one, dict) or one.get("key") is None:
+                made.append(self._known(xp, session, one, resend) or self._task(xp, session, one))
+                continue
+            keyed = {} if keyed is None else keyed
             task = self._known(xp, session, one, resend) or self._keyed(xp, session, one, shared) \
-                or self._batch_key(keyed, one) or self._task(xp, session, one)
+                or keyed.get(one["key"]) or self._task(xp, session, one)
             if task.key is not None and not task.id:
                 keyed.setdefault(task.key, task)
             made.append(task)
@@ -233,17 +237,11 @@ class TaskCommands:
                 shared.add(task.id)
             ids.append(task.id)
         answer: Doc = {"ids": ids}
-        if any(isinstance(one, dict) and one.get("key") is not None for one in batch):
+        if keyed is not None:
             answer["shared"] = sorted(shared)
         if args.get("numbers") is not None:  # the session's next block, with no round trip of its own
             answer["numbers"] = self.tasks.grant(xp, _count(args["numbers"], "numbers"))
         return answer if len(answer) > 1 else ids
-
-    @staticmethod
-    def _batch_key(keyed: dict[str, Task], one: Any) -> Task | None:
-        """The task made earlier in this batch for ``one``'s key, if there is one."""
-        raw = one.get("key") if isinstance(one, dict) else None
-        return keyed.get(raw) if isinstance(raw, str) else None
 
     def _keyed(self, xp: ExecPool, session: Session | None, one: Any, shared: set[str]) -> Task | None:
         """The task ``one``'s key names (in memory, or ended and in the store), or None (no
