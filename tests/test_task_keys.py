@@ -253,9 +253,11 @@ def test_a_cancel_from_another_process_lands_in_its_task_alone(daemon: DaemonUnd
     try:
         assert other.stdin is not None and other.stdout is not None
         for i in range(200):
-            # Keyed: its submit returns once the daemon has it (a plain one's id may reach the
-            # other process before its batch reaches the daemon).
-            a = ex.options(key=f"a{i}").submit(keyfns.brief, f"a{i}", rng.choice([0.0, 0.001, 0.002, 0.004, 0.05]))
+            # By id: a plain submit, whose id may reach the other process before its batch
+            # reaches the daemon (the handle asks again); by key: a keyed one.
+            runs = rng.choice([0.0, 0.001, 0.002, 0.004, 0.05])
+            a = ex.submit(keyfns.brief, f"a{i}", runs) if i % 2 else \
+                ex.options(key=f"a{i}").submit(keyfns.brief, f"a{i}", runs)
             b = ex.submit(keyfns.brief, f"b{i}", 0.0)
             named.add(a.task_id)
             name = a.task_id if i % 2 else f"jobs/@a{i}"
@@ -440,3 +442,40 @@ def test_a_cancel_by_key_or_id_on_the_fake_writes_that_tasks_word_alone(
         assert state(b) is T.RUNNING
         worker.send(w.RESULT, b.n, b"b")
         assert (state(a), state(b)) == ((T.DONE if late else T.CANCELLED), T.DONE)
+
+
+class ArrivingClient:
+    """A daemon's client as a handle sees it: ``tasks`` says "not arrived" ``late`` times."""
+
+    def __init__(self, late: int, unheard: bool = True) -> None:
+        self.late, self.unheard, self.asked = late, unheard, 0
+
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        assert op == "tasks" and args is not None
+        self.asked += 1
+        if self.asked <= self.late:
+            err = UnknownTask(f"task {args['id']!r} is not here")
+            err.data = {"unheard": True} if self.unheard else None
+            raise err
+        return [{"id": args["id"], "state": "QUEUED"}]
+
+    def close_thread(self) -> None:
+        pass
+
+    def through_restart(self, attempt: Callable[[], Any], err: Any, window: float, stop: Any = None) -> Any:
+        raise err
+
+
+def test_a_handle_asks_again_while_its_tasks_submit_may_be_on_its_way() -> None:
+    from orchestrator.client.taskhandle import TaskHandle
+
+    late = ArrivingClient(3)
+    assert TaskHandle(late, "jobs/7").id == "jobs/7" and late.asked == 4
+    never = ArrivingClient(10**6)
+    with pytest.raises(UnknownTask):
+        TaskHandle(never, "jobs/8")
+    assert 10 < never.asked < 200  # bounded: a backoff over ARRIVAL_WINDOW
+    unknown = ArrivingClient(1, unheard=False)  # an id never handed out: at once
+    with pytest.raises(UnknownTask):
+        TaskHandle(unknown, "jobs/9")
+    assert unknown.asked == 1

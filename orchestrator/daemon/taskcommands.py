@@ -53,9 +53,12 @@ def _with_size(raw: Any, size: int) -> Any:
 
 def _unheard(task_id: str) -> UnknownTask:
     """A task whose number its pool handed out, of which there is no record: its submit has
-    not arrived (a client's batch on its way), or it ended long ago and its record was pruned."""
-    return UnknownTask(f"task {task_id!r} is not here: its submit has not arrived yet, or it ended long ago "
-                       "and its record was pruned")
+    not arrived (a client's batch on its way), or it ended long ago and its record was pruned
+    (``data``: ``{"unheard": true}``, so that a handle may ask again a little later)."""
+    err = UnknownTask(f"task {task_id!r} is not here: its submit has not arrived yet, or it ended long ago "
+                      "and its record was pruned")
+    err.data = {"unheard": True}
+    return err
 
 
 def _count(value: Any, what: str) -> int:
