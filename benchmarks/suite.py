@@ -39,7 +39,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "scale": ("benchmarks.scale", "2,000 live replicas"),
     "soak": ("benchmarks.soak", "soak: RSS, fds, loop lag over time"),
     "daemon-tasks": ("benchmarks.sec_daemon_tasks", "tasks in the daemon: tiny tasks/s through 1 and 4 clients, "
-                     "queue-to-start latency, the embedded executor beside them"),
+                     "queue-to-start latency, a cancel by id from another process, the embedded "
+                     "executor beside them"),
 }
 
 

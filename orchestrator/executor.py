@@ -254,9 +254,13 @@ class Executor(futures_base.Executor):
         options (README, "Executor"): ``priority`` (a whole number; higher starts first),
         ``tenant`` (a name: tenants with queued tasks share the workers by the pool's
         ``tenant_weights``, FIFO within one), ``timeout`` (seconds, None: none) and
-        ``retries`` for its tasks instead of the pool's. ``key``, ``retry_on`` and
-        ``deadline`` are not available yet: a value for one is refused (TypeError), never
-        ignored. A view's ``options()`` narrows it further."""
+        ``retries`` for its tasks instead of the pool's; ``key`` (a str of 1 to 200 bytes,
+        no ``/``): it names one task of the pool among its unfinished and kept ones, so that
+        a second submit with that key (from this executor, another one, or a client that
+        restarted) returns a future of that same task, never a second run; its submit waits
+        for the loop's answer (one round trip). ``retry_on`` and ``deadline`` are not
+        available yet: a value for one is refused (TypeError), never ignored. A view's
+        ``options()`` narrows it further."""
         return Options(self, {}).options(priority=priority, tenant=tenant, timeout=timeout, retries=retries,
                                          key=key, retry_on=retry_on, deadline=deadline)
 
@@ -277,6 +281,8 @@ class Executor(futures_base.Executor):
             if not isinstance(err, Exception):
                 raise  # a Ctrl-C (or SystemExit) while it pickled is the caller's, not the task's
             return fut
+        if place is not None and "key" in place:
+            return self._submit_keyed(fut, ref, payload, place)
         try:
             n = self._number()
             if n is not None:
@@ -288,6 +294,56 @@ class Executor(futures_base.Executor):
             self._futures.pop(ref, None)
             fail(fut, err)
         return fut
+
+    def _submit_keyed(self, fut: TaskFuture, ref: int, payload: bytes, place: Place) -> TaskFuture:
+        """A submit with a key: the loop says which task the key names (a new one, or the
+        one it named already), and whether this future hears of it (``shared``: another
+        future does; this executor's own is returned, else one that follows the task by id,
+        as ``Client(DIR).task(ID).future()``). A new task takes the next number of the
+        session's block; a key of a task there already leaves that number unused."""
+        answered = threading.Event()
+        box: list[Mapping[str, Any]] = []
+
+        def on_reply(msg: Mapping[str, Any]) -> None:
+            box.append(msg)
+            answered.set()
+
+        try:
+            self._backend.submit({**place, "pool": self._pool, "session": self._session, "ref": ref,
+                                  "payload": payload, "n": self._number()}, on_reply)
+        except OrchestratorError as err:
+            self._futures.pop(ref, None)
+            fail(fut, err)
+            return fut
+        answered.wait()  # bounded: the loop answers, or the channel gives up (reconnect_timeout)
+        msg = box[0]
+        if not msg.get("ok"):
+            from .protocol import raise_reply
+
+            self._futures.pop(ref, None)
+            try:
+                raise_reply(dict(msg))
+            except Exception as err:
+                fail(fut, err)
+            return fut
+        got = msg["result"]
+        task_id = got["id"]
+        if not got.get("shared"):
+            fut.task_id = task_id
+            return fut
+        self._futures.pop(ref, None)  # the loop tells this ref nothing: another future has the task
+        with self._lock:
+            mine = next((f for f in list(self._futures.values()) if f.task_id == task_id), None)
+        if mine is not None:
+            return mine
+        from .client.taskhandle import TaskHandle
+
+        client = self._backend.handle if isinstance(self._backend, Remote) else _LoopClient(self._backend.handle)
+        try:
+            return TaskHandle(client, task_id).future()
+        except OrchestratorError as err:
+            fail(fut, err)
+            return fut
 
     def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
             chunksize: int = 1) -> Iterator[Any]:
@@ -602,17 +658,24 @@ class Options(futures_base.Executor):
 
     def __init__(self, executor: Executor, place: Place) -> None:
         self._executor = executor
-        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries
+        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries, key
 
     def options(self, *, priority: int | None = None, tenant: str | None = None,
                 timeout: float | None | _Pools = POOLS, retries: int | _Pools = POOLS, key: str | None = None,
                 retry_on: Any = None, deadline: float | None = None) -> Options:
         """This view with these options too (each one given replaces this view's)."""
-        for name, value in (("key", key), ("retry_on", retry_on), ("deadline", deadline)):
+        for name, value in (("retry_on", retry_on), ("deadline", deadline)):
             if value is not None:
                 raise TypeError(f"options(): {name}= is not available yet (it comes with task keys and "
                                 f"deadlines); submit without it")
         place = Place(**self._place)
+        if key is not None:
+            from .protocol import task_key
+
+            try:
+                place["key"] = task_key(key)
+            except InvalidSpec as err:
+                raise InvalidSpec(f"options(): {err}") from None
         if priority is not None:
             if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
                 raise TypeError(f"options(): priority must be a whole number, got {priority!r}")
@@ -643,7 +706,9 @@ class Options(futures_base.Executor):
 
     def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
             chunksize: int = 1) -> Iterator[Any]:
-        """As ``Executor.map``, each task with this view's options."""
+        """As ``Executor.map``, each task with this view's options (not a key: it names one task)."""
+        if "key" in self._place:
+            raise TypeError("map() of a view with a key: a key names one task, give each submit its own")
         return _map(super().map, fn, iterables, timeout, chunksize)
 
     def __repr__(self) -> str:
@@ -663,6 +728,24 @@ def _map(base: Callable[..., Iterator[Any]], fn: Callable[..., Any], iterables: 
 
     chunks = base(functools.partial(run_chunk, fn), _chunks(iterables, chunksize), timeout=timeout)
     return (result for chunk in chunks for result in chunk)
+
+
+class _LoopClient:
+    """The embedded loop as a ``TaskHandle`` asks of its client (the handle that follows a
+    task another future of this executor had: ``_submit_keyed``)."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        return self.loop.call(op, args, timeout)
+
+    def close_thread(self) -> None:
+        pass
+
+    def through_restart(self, attempt: Callable[[], Any], err: OrchestratorError, window: float,
+                        stop: threading.Event | None = None) -> Any:
+        raise err  # the loop in this process does not come back
 
 
 class Client(channel.Client):

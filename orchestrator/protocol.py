@@ -130,6 +130,39 @@ def parse_replica_id(rid: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+KEY_MAX = 200  # bytes of a task's key (UTF-8)
+
+
+def task_key(raw: Any) -> str:
+    """A task's key (``options(key=)``, ``submit --key``): a str of 1 to KEY_MAX bytes in
+    UTF-8, without ``/`` (``POOL/@KEY`` names its task); else InvalidSpec, one line."""
+    if not isinstance(raw, str):
+        raise InvalidSpec(f"a task key must be a str, got {type(raw).__name__}")
+    try:
+        size = len(raw.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidSpec(f"a task key must be text that UTF-8 can encode, got {raw[:40]!r}") from None
+    if not size or size > KEY_MAX:
+        raise InvalidSpec(f"a task key must be 1 to {KEY_MAX} bytes in UTF-8, got {size}")
+    if "/" in raw:
+        raise InvalidSpec(f"a task key must not contain '/', got {raw[:40]!r}")
+    return raw
+
+
+def parse_task_ref(text: Any) -> tuple[str, int | str] | None:
+    """A task named by its id (``POOL/N``: (pool, n)) or by its key (``POOL/@KEY``: (pool,
+    key)); None if ``text`` is neither (a key is checked as ``task_key`` checks it)."""
+    if not isinstance(text, str):
+        return None
+    pool, sep, rest = text.partition("/")
+    if sep and rest.startswith("@") and _POOL_NAME.fullmatch(pool):
+        try:
+            return pool, task_key(rest[1:])
+        except InvalidSpec:
+            return None
+    return parse_task_id(text)
+
+
 def parse_task_id(task_id: Any) -> tuple[str, int] | None:
     """(pool, n) of a task id as the daemon hands them out (``<pool>/<n>``, n from 1, no
     leading zero), else None. ASCII digits only: ``jobs/²`` passes str.isdigit() and breaks

@@ -27,8 +27,8 @@ Who writes, who reads
 * Not thread-safe: one thread at a time per Store object (the connection is created with
   ``check_same_thread=False`` so the daemon may open it in one thread and use it in another).
 
-Schema (``PRAGMA user_version`` = 2; a file of version 1 is migrated when a daemon opens it:
-storesql.MIGRATIONS, and read as it is until then)
+Schema (``PRAGMA user_version`` = 3; a file of an earlier version is migrated when a daemon
+opens it: storesql.MIGRATIONS, and read as it is until then)
 ------------------------------------------------------------------------------------------
 ``pools(name TEXT PRIMARY KEY, spec TEXT /*JSON*/, desired INTEGER, next_n INTEGER)``
     ``next_n`` is monotonic (every write takes the max) and is also raised by every replica
@@ -41,10 +41,12 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
-INTEGER, tenant TEXT) WITHOUT ROWID``
+INTEGER, tenant TEXT, key TEXT) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart (at its
-    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended. Retention as for replicas, by ``retire_key`` (its end).
+    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended; ``key``, its
+    submitter's name for it (version 3; a partial index on (pool, key) finds it by that).
+    Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -104,8 +106,9 @@ from .retention import KEEP_EVENTS, KEEP_REPLICAS, KEEP_SECONDS
 from .states import TERMINAL
 from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
-    REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
-    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_SELECT_TASKS_V1, SQL_TASK, TASK_COLS, dumps, loads,
+    INDEXES, MIGRATIONS, REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL,
+    SQL_REPLICA, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, TASK_COLS_SINCE, dumps, loads,
+    sql_select_tasks,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -287,6 +290,8 @@ class Store:
             for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a fresh file has the schema now
                 for stmt in MIGRATIONS[old]:
                     conn.execute(stmt)
+            for stmt in INDEXES:
+                conn.execute(stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -624,20 +629,29 @@ class Store:
         return pools, self.replicas(include_terminal=False)
 
     def tasks(self, *, pool: str | None = None, include_terminal: bool = False, task_id: str | None = None,
-              limit: int | None = None) -> list[dict[str, Any]]:
+              key: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """Task records (committed state) in (pool, n) order: unfinished ones, with ended
-        ones too if ``include_terminal``; one with ``task_id``."""
+        ones too if ``include_terminal``; one with ``task_id``; those of ``key`` (with
+        ``pool``: the one it names)."""
+        version = self._rows("PRAGMA user_version")
+        version_n = int(version[0][0]) if version else SCHEMA_VERSION
         where, args = [], []
+        if key is not None:
+            if version_n < TASK_COLS_SINCE["key"]:
+                return []  # a file from before keys: none has one
+            where.append("key = ?")
+            args.append(key)
         if task_id is not None:
             where.append("id = ?")
             args.append(task_id)
-        elif not include_terminal:
+        elif not include_terminal and key is None:
             where.append("retire_key IS NULL")
         if pool is not None:
             where.append("pool = ?")
             args.append(pool)
-        old = self._rows("PRAGMA user_version") == [(1,)]  # not migrated yet (read with no daemon of ours)
-        sql = (SQL_SELECT_TASKS_V1 if old else SQL_SELECT_TASKS) + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
+        # A file not migrated yet (read with no daemon of ours) lacks the newer columns.
+        select = SQL_SELECT_TASKS if version_n >= SCHEMA_VERSION else sql_select_tasks(version_n)
+        sql = select + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]

@@ -10,7 +10,7 @@ import json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Iterable
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS pools (
@@ -65,7 +65,8 @@ SCHEMA = (
         result     BLOB,
         retire_key REAL,
         priority   INTEGER,
-        tenant     TEXT
+        tenant     TEXT,
+        key        TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
@@ -74,7 +75,15 @@ SCHEMA = (
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE tasks ADD COLUMN priority INTEGER",  # a task's queue place (its executor's options())
         "ALTER TABLE tasks ADD COLUMN tenant TEXT"),
+    2: (  # one ALTER a line: each concern adds its own
+        "ALTER TABLE tasks ADD COLUMN key TEXT",  # its submitter's name for it (options(key=))
+    ),
 }
+# Run after the migrations (they may need a column a migration adds), on every open.
+INDEXES = (
+    # A keyed submit whose task is no longer in memory finds it here (its pool's, by key).
+    "CREATE INDEX IF NOT EXISTS tasks_key ON tasks(pool, key) WHERE key IS NOT NULL",
+)
 
 # Constant SQL strings: sqlite3 caches the prepared statement per string.
 SQL_POOL = (
@@ -99,14 +108,22 @@ SQL_REPLICA = (
 SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
-             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "retire_key")
+             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "key",
+             "retire_key")
+# The schema version that added each column of TASK_COLS after the first: a file of an
+# earlier version, read before a daemon of this version has opened (migrated) it, has NULL.
+TASK_COLS_SINCE = {"priority": 2, "tenant": 2, "key": 3}
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )
 SQL_SELECT_TASKS = "SELECT " + ", ".join(TASK_COLS) + " FROM tasks"
-# A file of version 1, read before a daemon of this version has opened (migrated) it.
-SQL_SELECT_TASKS_V1 = "SELECT " + ", ".join(c if c not in ("priority", "tenant") else "NULL" for c in TASK_COLS) + \
-    " FROM tasks"
+
+
+def sql_select_tasks(version: int) -> str:
+    """SQL_SELECT_TASKS for a file of schema ``version`` (not migrated yet)."""
+    return "SELECT " + ", ".join(c if TASK_COLS_SINCE.get(c, 1) <= version else "NULL" for c in TASK_COLS) + \
+        " FROM tasks"
+
 
 REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
                  "created_at", "ended_at")

@@ -32,12 +32,13 @@ F = TypeVar("F")  # the executor's future
 
 class Place(TypedDict, total=False):
     """A task's own options, from a view of its executor (``Executor.options``): where it
-    goes in its pool's queue, and its timeout and retries in place of the pool's."""
+    goes in its pool's queue, its timeout and retries in place of the pool's, its key."""
 
     priority: int
     tenant: str
     timeout: float | None
     retries: int
+    key: str  # names one task of the pool: a second submit with it is that task
 
 
 class Submit(Place):
@@ -335,6 +336,7 @@ class Remote(Backend):
                     if want:  # None from a daemon that grants none with a batch
                         deliver(got.get("numbers") if isinstance(got, dict) else None)
                         want = 0
+                    self._keyed_answers(batch, got)
                     return
                 except AWAY as err:
                     # Perhaps it arrived, perhaps not: sent again once back, each task
@@ -348,6 +350,15 @@ class Remote(Backend):
         finally:
             if want:
                 deliver(None)  # none came: a submit that waits for them asks itself
+
+    @staticmethod
+    def _keyed_answers(batch: list[tuple[Submit, Answer]], got: Any) -> None:
+        """Each keyed submit of ``batch`` waits for its task's id (``got``, the batch's
+        answer: its ids, and which of them another future has: ``shared``)."""
+        ids, shared = (got["ids"], set(got.get("shared") or ())) if isinstance(got, dict) else (got, set())
+        for (args, on_reply), task_id in zip(batch, ids):
+            if "key" in args:
+                on_reply({"ok": True, "result": {"id": task_id, "shared": task_id in shared}})
 
     def drain(self) -> None:
         """No more submits; returns once the sender delivered what it holds (or gave up)."""
@@ -375,4 +386,6 @@ def _batch_task(args: Submit) -> BatchTask:
         task["timeout"] = args["timeout"]
     if "retries" in args:
         task["retries"] = args["retries"]
+    if "key" in args:
+        task["key"] = args["key"]
     return task

@@ -99,7 +99,6 @@ def test_the_view_applies_its_options_and_refuses_bad_ones(make_executor: MakeEx
     with pytest.raises(TaskTimeoutError):
         ex.options(timeout=0.3).submit(schedfns.sleep, 30).result(timeout=30)
     for bad, kind, line in [
-        (dict(key="req-1"), TypeError, "options(): key= is not available yet"),
         (dict(retry_on=(OSError,)), TypeError, "options(): retry_on= is not available yet"),
         (dict(deadline=5.0), TypeError, "options(): deadline= is not available yet"),
         (dict(priority="1"), TypeError, "options(): priority must be a whole number, got '1'"),

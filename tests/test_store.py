@@ -415,17 +415,21 @@ V1_TASKS = """CREATE TABLE tasks (
 ) WITHOUT ROWID"""  # the tasks table of schema version 1, as a file of that version has it
 
 
+def _old_file(db: Path, version: int, *statements: str) -> None:
+    """A state db of schema ``version``: the version 1 tasks table, then ``statements``."""
+    conn = sqlite3.connect(db)
+    for statement in (V1_TASKS, *statements, f"PRAGMA user_version = {version}"):
+        conn.execute(statement)
+    conn.commit()
+    conn.close()
+
+
 def test_a_file_of_schema_1_is_read_as_it_is_and_migrated_by_the_writer(tmp_path: Path) -> None:
     """Version 2 adds a task's priority and tenant: a version 1 file is read with neither
     (a CLI with the daemon down) and gains both columns when a writer opens it."""
     db = tmp_path / "state.db"
-    conn = sqlite3.connect(db)
-    conn.execute(V1_TASKS)
-    conn.execute("INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
-                 "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")
-    conn.execute("PRAGMA user_version = 1")
-    conn.commit()
-    conn.close()
+    _old_file(db, 1, "INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
+                     "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")
     with Store(db, readonly=True) as r:
         (row,) = r.tasks()
         assert (row["id"], row["priority"], row["tenant"]) == ("jobs/1", None, None)
@@ -436,7 +440,30 @@ def test_a_file_of_schema_1_is_read_as_it_is_and_migrated_by_the_writer(tmp_path
         s.commit()
         assert [(r["priority"], r["tenant"]) for r in s.tasks()] == [(4, "alice")]
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    conn.close()
+
+
+def test_a_file_of_schema_2_is_read_without_keys_and_migrated_by_the_writer(tmp_path: Path) -> None:
+    """Version 3 adds a task's key: a version 2 file is read with none (and no task found
+    by one) and gains the column, with its index, when a writer opens it."""
+    db = tmp_path / "state.db"
+    _old_file(db, 2, "ALTER TABLE tasks ADD COLUMN priority INTEGER", "ALTER TABLE tasks ADD COLUMN tenant TEXT",
+              "INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload, tenant) "
+              "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00', 'alice')")
+    with Store(db, readonly=True) as r:
+        (row,) = r.tasks()
+        assert (row["tenant"], row["key"]) == ("alice", None)
+        assert r.tasks(pool="jobs", key="req-1") == []
+    with Store(db) as s:
+        (row,) = s.tasks()
+        s.save_task({**row, "key": "req-1"})
+        s.commit()
+        assert [r["id"] for r in s.tasks(pool="jobs", key="req-1")] == ["jobs/1"]
+        assert s.tasks(pool="jobs", key="req-2") == []
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'tasks_key'").fetchone() == ("tasks_key",)
     conn.close()
 
 

@@ -147,7 +147,7 @@ class Client(Verbs):
 
     def task(self, task_id: str, *, reconnect_timeout: float = 30.0) -> TaskHandle:
         """A handle on task ``task_id`` (``<pool>/<n>``, as ``fut.task_id`` and ``submit``
-        give it) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
+        give it, or ``<pool>/@<key>``: the task that key names) of this daemon, from any process: ``result(timeout)``, ``cancel()``,
         ``future()``, ``info()``. UnknownTask if the daemon has no such task. Its calls
         wait through a restart of the daemon for up to ``reconnect_timeout`` seconds."""
         from .taskhandle import TaskHandle  # here, not above: a command that makes no handle need not load it

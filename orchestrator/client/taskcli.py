@@ -1,7 +1,8 @@
 """``orchestrator submit | tasks | cancel | result``: the tasks of executor pools from the
 command line. Client side: it speaks the daemon's task commands (daemon/taskcommands.py has their
 meaning) and, with the daemon down, reads the journal (state.db) read-only, so a finished
-task's result can be fetched later from any shell.
+task's result can be fetched later from any shell. A task is named by its id (``POOL/N``)
+or by its key (``POOL/@KEY``, ``submit --key``), wherever a command takes one.
 
 The CLI imports this module for its parsers: what only a command needs is imported in it.
 
@@ -20,9 +21,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
-from ..errors import ChannelError, DaemonNotRunning, OrchestratorError, UnknownTask
+from ..errors import ChannelError, DaemonNotRunning, InvalidSpec, OrchestratorError, UnknownTask
 from ..paths import Paths, running_pid
-from ..protocol import parse_task_id
+from ..protocol import parse_task_ref, task_key
 from .argtypes import natural, positive_seconds, seconds
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
-           "ended_at", "reason", "kind", "priority", "tenant")
+           "ended_at", "reason", "kind", "priority", "tenant", "key")
 
 
 def _json_value(text: str) -> Any:
@@ -52,6 +53,13 @@ def _priority(text: str) -> int:
         return int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def _key(text: str) -> str:
+    try:
+        return task_key(text)
+    except InvalidSpec as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _kwarg(text: str) -> tuple[str, Any]:
@@ -81,10 +89,14 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
     p.add_argument("--tenant", metavar="T",
                    help="whose task it is: the tenants with queued tasks share the workers by the pool's "
                         "tenant_weights (default: none, one tenant of weight 1)")
+    p.add_argument("--key", type=_key, metavar="K",
+                   help="names the task in its pool (POOL/@K): a task there with this key already is that task, "
+                        "not a second run (1 to 200 bytes, no '/')")
     p.add_argument("--wait", action="store_true", help="print its result once it ends; exit 1 if it did not succeed")
     p.add_argument("--json", action="store_true", help="the id (or with --wait the outcome) as JSON")
 
     p = sub.add_parser("tasks", parents=[common], help="queued and running tasks of executor pools")
+    p.add_argument("id", nargs="?", metavar="TASK", help="this task's record alone (POOL/N or POOL/@KEY)")
     p.add_argument("--pool", metavar="P", help="this pool's only")
     p.add_argument("--all", action="store_true", help="finished tasks too")
     p.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -125,6 +137,8 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
         call["priority"] = args.priority
     if args.tenant is not None:
         call["tenant"] = args.tenant
+    if args.key is not None:
+        call["key"] = args.key
     with _client(paths) as client:
         task_id = client.call("task_submit", call)
         if not args.wait:
@@ -138,11 +152,21 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
 
 
 def _well_formed(task_ids: Sequence[str]) -> None:
-    """What cannot be an id the daemon handed out (``jobs/²``, ``jobs/１``) is refused here,
-    in one line, whether the daemon runs or not."""
+    """What cannot be an id the daemon handed out (``jobs/²``, ``jobs/１``) nor a key
+    (``jobs/@``, ``jobs/@a/b``) is refused here, in one line, whether the daemon runs or not."""
     for task_id in task_ids:
-        if parse_task_id(task_id) is None:
-            raise UnknownTask(f"unknown task {task_id!r}: a task id is POOL/N")
+        if parse_task_ref(task_id) is None:
+            raise UnknownTask(f"unknown task {task_id!r}: a task is POOL/N or POOL/@KEY "
+                              "(a key of 1 to 200 bytes, no '/')")
+
+
+def _stored_rows(store: Any, task: str) -> list[dict[str, Any]]:
+    """The stored record of ``task`` (an id, or ``POOL/@KEY``: the task that key names)."""
+    ref = parse_task_ref(task)
+    if ref is not None and isinstance(ref[1], str):
+        rows: list[dict[str, Any]] = store.tasks(pool=ref[0], key=ref[1])
+        return rows[-1:]
+    return list(store.tasks(task_id=task))
 
 
 def cmd_result(args: argparse.Namespace, paths: Paths) -> int:
@@ -189,7 +213,7 @@ def _stored_outcome(paths: Paths, task_id: str) -> dict[str, Any]:
     if paths.db.exists():
         store = open_store_readonly(paths)
         try:
-            rows = store.tasks(task_id=task_id)
+            rows = _stored_rows(store, task_id)
         finally:
             store.close()
     down = f"no daemon is running for {paths.state_dir}"
@@ -267,20 +291,33 @@ def cmd_tasks(args: argparse.Namespace, paths: Paths) -> int:
 
 
 def _listing(args: argparse.Namespace, paths: Paths) -> tuple[int, list[dict[str, Any]]]:
-    """(exit code, tasks): the daemon's answer, or with it down (exit 3) the journal's."""
+    """(exit code, tasks): the daemon's answer, or with it down (exit 3) the journal's;
+    with a TASK, that task's record alone."""
+    if args.id is not None:
+        _well_formed([args.id])
     if running_pid(paths) is not None:
         try:
             with _client(paths) as client:
+                if args.id is not None:
+                    return EXIT_OK, client.call("tasks", {"id": args.id})
                 return EXIT_OK, client.call("tasks", {"pool": args.pool, "all": args.all})
         except DaemonNotRunning:
             pass
     if not paths.db.exists():
+        if args.id is not None:
+            raise DaemonNotRunning(f"no daemon is running for {paths.state_dir}, and it has no journal")
         return EXIT_NOT_RUNNING, []
     from .display import open_store_readonly
 
     store = open_store_readonly(paths)
     try:
-        rows = store.tasks(pool=args.pool, include_terminal=args.all)
+        if args.id is not None:
+            rows = _stored_rows(store, args.id)
+            if not rows:
+                raise DaemonNotRunning(f"no daemon is running for {paths.state_dir}, and its journal has no "
+                                       f"task {args.id!r}")
+        else:
+            rows = store.tasks(pool=args.pool, include_terminal=args.all)
     finally:
         store.close()
     return EXIT_NOT_RUNNING, [{k: row.get(k) for k in LISTING} for row in rows]

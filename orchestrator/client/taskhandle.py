@@ -1,5 +1,6 @@
 """``Client(DIR).task(ID)``: a task of an executor pool of the daemon, found again from any
-process by its id (``fut.task_id`` in the submitter, what ``submit`` prints).
+process by its id (``fut.task_id`` in the submitter, what ``submit`` prints) or by its key
+(``POOL/@KEY``: the task that key names now; the handle keeps that task's id).
 
     handle = Client(state_dir).task("jobs/7")
     handle.info()            # its record, as `tasks --json` shows it
@@ -22,7 +23,9 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, Callable, Protocol, TypeVar
 
 from .. import taskwire as w
-from ..errors import AWAY, InvalidSpec, OrchestratorError, TaskInterrupted, TaskTimeoutError, WorkerLost
+from ..errors import (
+    AWAY, InvalidSpec, OrchestratorError, TaskInterrupted, TaskTimeoutError, UnknownTask, WorkerLost,
+)
 from ..states import TaskState
 from ..taskfutures import TaskFuture, fail, remote_exception, resolve
 
@@ -38,6 +41,7 @@ class _Client(Protocol):
                         stop: threading.Event | None = None) -> R: ...
 
 WAIT_CHUNK = 30.0  # a wait is a series of bounded waits: a daemon that goes away is noticed within one
+ARRIVAL_WINDOW = 2.0  # a task whose submit may still be on its way is asked for again this long
 
 
 class TaskHandle:
@@ -47,11 +51,13 @@ class TaskHandle:
 
     def __init__(self, client: _Client, task_id: str, *, reconnect_timeout: float = 30.0) -> None:
         if not isinstance(task_id, str) or "/" not in task_id:
-            raise InvalidSpec(f"not a task id (POOL/N): {task_id!r}")
+            raise InvalidSpec(f"not a task id (POOL/N or POOL/@KEY): {task_id!r}")
         self.client = client
         self.id = task_id
         self.reconnect_timeout = reconnect_timeout
-        self.info()  # an unknown id is an error now, not at the first result()
+        # An unknown id is an error now, not at the first result(); a key is its task's id
+        # from now on (a later task of that key, once this one's record is gone, is another).
+        self.id = str(self._first_info()["id"])
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id}>"
@@ -61,6 +67,21 @@ class TaskHandle:
         attempts, worker, queued/started/ended times, reason, kind)."""
         (row,) = self._call("tasks", {"id": self.id})
         return dict(row)
+
+    def _first_info(self) -> dict[str, Any]:
+        """``info()``, asked again for up to ARRIVAL_WINDOW seconds while the daemon says the
+        task's submit may not have arrived: a submitter knows its task's id (``fut.task_id``)
+        before its batch reaches the daemon, and may hand it to another process at once."""
+        deadline, delay = time.monotonic() + ARRIVAL_WINDOW, 0.001
+        while True:
+            try:
+                return self.info()
+            except UnknownTask as err:
+                unheard = isinstance(err.data, dict) and err.data.get("unheard")
+                if not unheard or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def cancel(self) -> bool:
         """Cancel the task, as ``future.cancel()`` does in the submitter: True if it is
@@ -83,7 +104,7 @@ class TaskHandle:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"task {self.id} has not ended within {timeout:g} s (it is {got['state']})")
 
-    def future(self) -> Future[Any]:
+    def future(self) -> TaskFuture:
         """A ``concurrent.futures.Future`` of the task: it ends when the task does, as the
         submitter's future would (its ``cancel()`` is this handle's). A thread of this
         process waits for it."""

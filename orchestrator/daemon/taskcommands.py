@@ -3,7 +3,8 @@
 pool, with a session), ``task_numbers`` (a block of task numbers a session hands out
 itself), ``task_submit``, ``task_attach`` (a session registered again takes its tasks back),
 ``task_cancel``, ``executor_close``, ``task_events`` (a client's long poll), ``tasks``,
-``task_result``; a config file's executor pools (``declare``); each pool's counts for
+``task_result``; each that takes a task takes ``POOL/@KEY`` too (``task_id``, the one
+resolver); a config file's executor pools (``declare``); each pool's counts for
 ``status``; and the sessions' lifecycle (opened by ``executor``, kept alive by a client's
 polls, dropped when closed or idle; the table keeps them). Loop thread only.
 
@@ -33,7 +34,8 @@ from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, target_payload, tenant,
+    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, queue_place,
+    target_payload, tenant,
 )
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
@@ -47,6 +49,16 @@ def _with_size(raw: Any, size: int) -> Any:
     if isinstance(raw, dict) and raw.get("min_workers") is not None and raw.get("max_workers") is None:
         return {**raw, "max_workers": size}
     return raw
+
+
+def _unheard(task_id: str) -> UnknownTask:
+    """A task whose number its pool handed out, of which there is no record: its submit has
+    not arrived (a client's batch on its way), or it ended long ago and its record was pruned
+    (``data``: ``{"unheard": true}``, so that a handle may ask again a little later)."""
+    err = UnknownTask(f"task {task_id!r} is not here: its submit has not arrived yet, or it ended long ago "
+                      "and its record was pruned")
+    err.data = {"unheard": True}
+    return err
 
 
 def _count(value: Any, what: str) -> int:
@@ -185,22 +197,76 @@ class TaskCommands:
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
         session's next block of task numbers granted with it. Each task may name its own
         ``timeout``, ``retries`` (else the pool's), ``priority`` and ``tenant`` (its place
-        in the queue: taskqueue.py)."""
+        in the queue: taskqueue.py), and ``key``: a key that names a task of the pool
+        already (unfinished, or ended and kept) is that task, not a second run. A session's
+        keyed task is answered ``{"id", "shared"}`` (a batch with one: ``{"ids",
+        "shared"}``, the ids among them): shared, the task is another future's (another
+        session's, or another ref's), and this ref hears nothing of it (its submitter
+        follows it by id)."""
         xp = self._exec_pool(args.get("pool"))
         session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
+        shared: set[str] = set()
         if batch is None:
-            return (self._known(xp, session, args, False) or self.tasks.submit(xp, self._task(xp, session, args))).id
+            task = self._known(xp, session, args, False) or self._keyed(xp, session, args, shared) \
+                or self.tasks.submit(xp, self._task(xp, session, args))
+            if session is not None and args.get("key") is not None:
+                return {"id": task.id, "shared": task.id in shared}
+            return task.id
         if not isinstance(batch, list):
             raise InvalidSpec("tasks must be a list")
         # All checked before any is queued; one that names a number the pool has is the task
         # it has (a batch sent again: ``resend``), attached to the session, not run again.
         resend = bool(args.get("resend"))
-        made = [self._known(xp, session, one, resend) or self._task(xp, session, one) for one in batch]
-        ids = [task.id or self.tasks.submit(xp, task).id for task in made]
+        keyed: dict[str, Task] | None = None  # the new tasks of this batch by key: a key twice in it is one task
+        made = []
+        for one in batch:
+            if not isinstance(one, dict) or one.get("key") is None:
+                made.append(self._known(xp, session, one, resend) or self._task(xp, session, one))
+                continue
+            keyed = {} if keyed is None else keyed
+            task = self._known(xp, session, one, resend) or self._keyed(xp, session, one, shared) \
+                or keyed.get(one["key"]) or self._task(xp, session, one)
+            if task.key is not None and not task.id:
+                keyed.setdefault(task.key, task)
+            made.append(task)
+        new: set[int] = set()  # id() of the tasks this batch queues
+        ids = []
+        for task in made:
+            if not task.id:
+                self.tasks.submit(xp, task)
+                new.add(id(task))
+            elif id(task) in new:  # its key again, later in the batch: the first ref's
+                shared.add(task.id)
+            ids.append(task.id)
+        answer: Doc = {"ids": ids}
+        if keyed is not None:
+            answer["shared"] = sorted(shared)
         if args.get("numbers") is not None:  # the session's next block, with no round trip of its own
-            return {"ids": ids, "numbers": self.tasks.grant(xp, _count(args["numbers"], "numbers"))}
-        return ids
+            answer["numbers"] = self.tasks.grant(xp, _count(args["numbers"], "numbers"))
+        return answer if len(answer) > 1 else ids
+
+    def _keyed(self, xp: ExecPool, session: Session | None, one: Any, shared: set[str]) -> Task | None:
+        """The task ``one``'s key names (in memory, or ended and in the store), or None (no
+        key, or a key of no task yet). It is attached to ``session`` under ``one``'s ref if
+        it is nobody's (ended, or its session gone) or already that; else its id goes into
+        ``shared``: another future follows it."""
+        raw = one.get("key") if isinstance(one, dict) else None
+        if raw is None:
+            return None
+        key = protocol.task_key(raw)
+        task = self.tasks.by_key(xp.name, key)
+        if task is None:
+            row = self._stored_key(xp.name, key)
+            task = self._from_row(xp, row) if row is not None else None
+        if task is None:
+            return None
+        ref = one.get("ref")
+        if task.state.terminal or task.session is None or (task.session is session and task.ref == ref):
+            self.tasks.attach(session, ref, task)
+        else:
+            shared.add(task.id)
+        return task
 
     def _known(self, xp: ExecPool, session: Session | None, one: Any, resend: bool) -> Task | None:
         """The task of ``one``'s number if the pool has it already, attached to ``session``;
@@ -244,7 +310,7 @@ class TaskCommands:
         """An ended task the store keeps (no longer in memory), as a record to tell its end."""
         task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
                     state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
-                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"])
+                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"], **queue_place(row))
         task.ended_at, task.reason, task.kind, task.result = row["ended_at"], row["reason"], row["kind"], row["result"]
         return task
 
@@ -278,8 +344,9 @@ class TaskCommands:
         n = one.get("n")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 < n < xp.next_n):
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
+        key = protocol.task_key(one["key"]) if one.get("key") is not None else None
         return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries,
-                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")))
+                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")), key=key)
 
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
@@ -289,6 +356,7 @@ class TaskCommands:
             ids = args["ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
                 raise InvalidSpec("ids must be a non-empty list of task ids")
+            ids = [self.task_id(i) for i in ids]
             found = [self._find(i) for i in ids]  # all or nothing
             return [self.tasks.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
                     for i, t in zip(ids, found)]
@@ -297,6 +365,24 @@ class TaskCommands:
         # result on its way, which stands.
         return [self.tasks.cancel(task) if (task := session.tasks.get(ref)) is not None else False
                 for ref in args.get("refs") or ()]
+
+    def task_id(self, text: Any) -> str:
+        """The id of the task ``text`` names: an id (``POOL/N``) as it is, or ``POOL/@KEY``
+        the id of the task that key names (in memory, or ended and in the store);
+        UnknownTask if none. Every command that takes a task resolves it here."""
+        if not isinstance(text, str):
+            raise InvalidSpec(f"not a task id: {text!r}")
+        pool, _, rest = text.partition("/")
+        if not rest.startswith("@"):
+            return text
+        key = protocol.task_key(rest[1:])
+        task = self.tasks.by_key(pool, key)
+        if task is not None:
+            return task.id
+        row = self._stored_key(pool, key)
+        if row is not None:
+            return str(row["id"])
+        raise UnknownTask(f"unknown task {text!r}: no task of pool {pool!r} has that key")
 
     def _find(self, task_id: Any) -> Task | None:
         """The task in memory; None if it ended long ago (in the store only); UnknownTask
@@ -317,6 +403,12 @@ class TaskCommands:
         store = self.table.journal.store
         rows = store.tasks(task_id=task_id) if store is not None else []
         return rows[0] if rows else None
+
+    def _stored_key(self, pool: str, key: str) -> Doc | None:
+        """The stored task of ``pool`` that ``key`` names (one no longer in memory)."""
+        store = self.table.journal.store
+        rows = store.tasks(pool=pool, key=key) if store is not None else []
+        return rows[-1] if rows else None
 
     def _stored_state(self, task_id: str) -> str | None:
         row = self._stored(task_id)
@@ -359,10 +451,11 @@ class TaskCommands:
         """Unfinished tasks (``all``: the ended ones the store keeps too), oldest first;
         with ``id``, that task's alone (UnknownTask if there is none)."""
         if args.get("id") is not None:
-            task = self._find(args["id"])
-            row = task.record() if task is not None else self._stored(args["id"])
+            task_id = self.task_id(args["id"])
+            task = self._find(task_id)
+            row = task.record() if task is not None else self._stored(task_id)
             if row is None:
-                raise UnknownTask(f"task {args['id']!r} ended long ago: its record was pruned")
+                raise _unheard(task_id)
             return [listing(row)]
         pool = args.get("pool")
         if pool is not None and pool not in self.tasks.pools:
@@ -383,14 +476,12 @@ class TaskCommands:
         """A task's outcome: ``{"id", "state", "kind", "result", "reason"}`` (``result``: the
         pickled value or exception, bytes). Unfinished: that state at once, or with
         ``wait`` the outcome once it has ended (or, at ``timeout``, the state then)."""
-        task_id = args.get("id")
-        if not isinstance(task_id, str):
-            raise InvalidSpec(f"not a task id: {task_id!r}")
+        task_id = self.task_id(args.get("id"))
         task = self._find(task_id)
         if task is None:
             row = self._stored(task_id)
             if row is None:
-                raise UnknownTask(f"task {task_id!r} ended long ago: its record was pruned")
+                raise _unheard(task_id)
             return outcome(row)
         if task.state.terminal or not args.get("wait"):
             return outcome(task.record())

@@ -61,6 +61,7 @@ class Task:
     priority: int = 0  # higher starts first (taskqueue.py)
     tenant: str | None = None  # whose: tenants share the workers by weight
     aged: bool = False  # it waited its pool's max_wait: above every priority now
+    key: str | None = None  # its submitter's name for it (options(key=)): one task of its pool per key
 
     def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
@@ -71,7 +72,7 @@ class Task:
                 "worker": self.worker_id if self.state is not T.QUEUED else None, "last_worker": self.worker_id,
                 "queued_at": self.queued_at, "started_at": self.started_at,
                 "ended_at": self.ended_at, "reason": self.reason,
-                "priority": self.priority, "tenant": self.tenant,
+                "priority": self.priority, "tenant": self.tenant, "key": self.key,
                 "payload": self.payload if not self.state.terminal else None,
                 "kind": self.kind, "result": self.result}
 
@@ -292,12 +293,14 @@ def tenant_weights(raw: Any) -> dict[str, float]:
 class QueuePlace(TypedDict):
     priority: int
     tenant: str | None
+    key: str | None
 
 
 def queue_place(row: Doc) -> QueuePlace:
-    """A stored or carried task's priority and tenant (a row of an earlier version has
-    neither: 0 and None)."""
-    return {"priority": int(row.get("priority") or 0), "tenant": row.get("tenant") or None}
+    """A stored or carried task's priority, tenant and key (a row of an earlier version
+    has none: 0 and None)."""
+    return {"priority": int(row.get("priority") or 0), "tenant": row.get("tenant") or None,
+            "key": row.get("key") or None}
 
 
 def priority(raw: Any) -> int:

@@ -124,7 +124,7 @@ class TaskStore(Protocol):
 
     def save_task(self, rec: Doc) -> None: ...
     def tasks(self, *, pool: str | None = None, include_terminal: bool = False,
-              task_id: str | None = None) -> list[Doc]: ...
+              task_id: str | None = None, key: str | None = None) -> list[Doc]: ...
     def task_numbers(self) -> dict[str, int]: ...
 
 
@@ -177,7 +177,7 @@ class TaskTable:
     records through the read-only views below and change them only through its methods:
 
     views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
-                ``listener_fd``; ``task(id)``; ``waiting(task)`` (why it has not started),
+                ``listener_fd``; ``task(id)``, ``by_key(pool, key)``; ``waiting(task)`` (why it has not started),
                 ``workers(pool)`` (busy, idle, min, max, budget)
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
@@ -209,6 +209,7 @@ class TaskTable:
         self._live: dict[str, Task] = {}  # unfinished tasks by id
         self._ended: collections.OrderedDict[str, Task] = collections.OrderedDict()  # the latest KEEP_ENDED
         self._ended_bytes = 0
+        self._keys: dict[tuple[str, str], Task] = {}  # (pool, key) -> its task, while in memory
         self.stop_reason = stop_reason
         self.result_max_bytes = result_max_bytes
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
@@ -257,6 +258,10 @@ class TaskTable:
     def task(self, task_id: str) -> Task | None:
         """The task of ``task_id`` in memory (unfinished, or among the latest ended)."""
         return self._live.get(task_id) or self._ended.get(task_id)
+
+    def by_key(self, pool: str, key: str) -> Task | None:
+        """The task of ``pool`` that ``key`` names, if it is in memory (as ``task``)."""
+        return self._keys.get((pool, key))
 
     def listen(self) -> None:
         """Bind the workers' listener at ``address``, once (the first executor pool)."""
@@ -526,6 +531,8 @@ class TaskTable:
         if task.session is not None and task.ref is not None:
             task.session.tasks[task.ref] = task
         self._live[task.id] = task
+        if task.key is not None:
+            self._keys[(task.pool.name, task.key)] = task
 
     def enqueue(self, task: Task) -> None:
         """A QUEUED task already the table's (``add``) waits last in its pool's queue; it is
@@ -788,6 +795,8 @@ class TaskTable:
         while self._ended and (len(self._ended) > KEEP_ENDED or self._ended_bytes > KEEP_ENDED_BYTES):
             _, old_task = self._ended.popitem(last=False)  # the store still has it
             self._ended_bytes -= len(old_task.result or b"")
+            if old_task.key is not None and self._keys.get((old_task.pool.name, old_task.key)) is old_task:
+                del self._keys[(old_task.pool.name, old_task.key)]  # the store finds it by its key from now on
         self._save(task, old)
         for reply, cmd_id in task.waiters:
             self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
