@@ -27,8 +27,8 @@ Who writes, who reads
 * Not thread-safe: one thread at a time per Store object (the connection is created with
   ``check_same_thread=False`` so the daemon may open it in one thread and use it in another).
 
-Schema (``PRAGMA user_version`` = 2; a file of version 1 is migrated when a daemon opens it:
-storesql.MIGRATIONS, and read as it is until then)
+Schema (``PRAGMA user_version`` = 3; a file of an earlier version is migrated when a daemon
+opens it: storesql.MIGRATIONS, and read as it is until then)
 ------------------------------------------------------------------------------------------
 ``pools(name TEXT PRIMARY KEY, spec TEXT /*JSON*/, desired INTEGER, next_n INTEGER)``
     ``next_n`` is monotonic (every write takes the max) and is also raised by every replica
@@ -41,10 +41,12 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
-INTEGER, tenant TEXT) WITHOUT ROWID``
+INTEGER, tenant TEXT, deadline REAL, backoff_min REAL, backoff_max REAL, waits INTEGER,
+wait_until REAL, wait_reason TEXT) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart (at its
-    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended. Retention as for replicas, by ``retire_key`` (its end).
+    ``priority``, its ``tenant``'s: version 2), a WAITING one at its ``wait_until``, each
+    bounded by its ``deadline`` (version 3: daemon/taskwait.py); ``result`` once it ended. Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -105,7 +107,7 @@ from .states import TERMINAL
 from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
     REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
-    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_SELECT_TASKS_V1, SQL_TASK, TASK_COLS, dumps, loads,
+    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_TASK, TASK_COLS, dumps, loads, select_tasks,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
@@ -286,7 +288,7 @@ class Store:
                 conn.execute(stmt)
             for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a fresh file has the schema now
                 for stmt in MIGRATIONS[old]:
-                    conn.execute(stmt)
+                    _migrate(conn, stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -427,7 +429,7 @@ class Store:
         if self.readonly:
             self._writer()
         g = rec.get
-        retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING") else None
+        retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING", "WAITING") else None
         self._tasks[rec["id"]] = tuple(g(k) for k in TASK_COLS[:-1]) + (retire,)
 
     @property
@@ -636,8 +638,9 @@ class Store:
         if pool is not None:
             where.append("pool = ?")
             args.append(pool)
-        old = self._rows("PRAGMA user_version") == [(1,)]  # not migrated yet (read with no daemon of ours)
-        sql = (SQL_SELECT_TASKS_V1 if old else SQL_SELECT_TASKS) + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
+        version = self._rows("PRAGMA user_version")  # older: not migrated yet (read with no daemon of ours)
+        sql = select_tasks(version[0][0] if version else 0) + (" WHERE " + " AND ".join(where) if where else "") + \
+            " ORDER BY pool, n"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
@@ -716,3 +719,14 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, readonly={self.readonly})"
+
+
+def _migrate(conn: sqlite3.Connection, stmt: str) -> None:
+    """One statement of a migration; an ``ALTER TABLE T ADD COLUMN C`` whose column is there
+    already (a file a development build migrated part of the way) is skipped."""
+    words = stmt.split()
+    if words[:5] == ["ALTER", "TABLE", words[2], "ADD", "COLUMN"] and len(words) > 5:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({words[2]})")}
+        if words[5] in have:
+            return
+    conn.execute(stmt)

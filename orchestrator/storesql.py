@@ -10,7 +10,7 @@ import json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Iterable
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS pools (
@@ -65,7 +65,13 @@ SCHEMA = (
         result     BLOB,
         retire_key REAL,
         priority   INTEGER,
-        tenant     TEXT
+        tenant     TEXT,
+        deadline    REAL,
+        backoff_min REAL,
+        backoff_max REAL,
+        waits       INTEGER,
+        wait_until  REAL,
+        wait_reason TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
@@ -74,6 +80,14 @@ SCHEMA = (
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE tasks ADD COLUMN priority INTEGER",  # a task's queue place (its executor's options())
         "ALTER TABLE tasks ADD COLUMN tenant TEXT"),
+    2: (  # a task's deadline and retry_on backoff, and a WAITING task's time and reason (daemon/taskwait.py)
+        "ALTER TABLE tasks ADD COLUMN deadline REAL",
+        "ALTER TABLE tasks ADD COLUMN backoff_min REAL",
+        "ALTER TABLE tasks ADD COLUMN backoff_max REAL",
+        "ALTER TABLE tasks ADD COLUMN waits INTEGER",
+        "ALTER TABLE tasks ADD COLUMN wait_until REAL",
+        "ALTER TABLE tasks ADD COLUMN wait_reason TEXT",
+    ),
 }
 
 # Constant SQL strings: sqlite3 caches the prepared statement per string.
@@ -99,14 +113,27 @@ SQL_REPLICA = (
 SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
-             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "retire_key")
+             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant",
+             "deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason", "retire_key")
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )
 SQL_SELECT_TASKS = "SELECT " + ", ".join(TASK_COLS) + " FROM tasks"
-# A file of version 1, read before a daemon of this version has opened (migrated) it.
-SQL_SELECT_TASKS_V1 = "SELECT " + ", ".join(c if c not in ("priority", "tenant") else "NULL" for c in TASK_COLS) + \
-    " FROM tasks"
+
+
+def _added(version: int) -> set[str]:
+    """The task columns a file of ``version`` does not have yet (its MIGRATIONS add them)."""
+    return {stmt.split()[5] for old in range(version, SCHEMA_VERSION) for stmt in MIGRATIONS[old]
+            if stmt.startswith("ALTER TABLE tasks ADD COLUMN ")}
+
+
+def select_tasks(version: int) -> str:
+    """SQL_SELECT_TASKS for a file of an earlier ``version``, read before a daemon of this
+    version has opened (migrated) it: what it lacks reads as NULL."""
+    if version >= SCHEMA_VERSION or version <= 0:
+        return SQL_SELECT_TASKS
+    missing = _added(version)
+    return "SELECT " + ", ".join("NULL" if c in missing else c for c in TASK_COLS) + " FROM tasks"
 
 REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
                  "created_at", "ended_at")

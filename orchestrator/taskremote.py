@@ -32,12 +32,15 @@ F = TypeVar("F")  # the executor's future
 
 class Place(TypedDict, total=False):
     """A task's own options, from a view of its executor (``Executor.options``): where it
-    goes in its pool's queue, and its timeout and retries in place of the pool's."""
+    goes in its pool's queue, its timeout and retries in place of the pool's, its deadline
+    and backoff (its retry_on travels in its pickled call: the loop loads no payload)."""
 
     priority: int
     tenant: str
     timeout: float | None
     retries: int
+    deadline: float  # seconds from the submit: past it the task is TIMED_OUT
+    backoff: list[float]  # [MIN, MAX] seconds before a re-run after an exception of retry_on
 
 
 class Submit(Place):
@@ -375,4 +378,8 @@ def _batch_task(args: Submit) -> BatchTask:
         task["timeout"] = args["timeout"]
     if "retries" in args:
         task["retries"] = args["retries"]
+    if "deadline" in args:
+        task["deadline"] = args["deadline"]
+    if "backoff" in args:
+        task["backoff"] = args["backoff"]
     return task

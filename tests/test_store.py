@@ -415,17 +415,25 @@ V1_TASKS = """CREATE TABLE tasks (
 ) WITHOUT ROWID"""  # the tasks table of schema version 1, as a file of that version has it
 
 
+def _old_file(db: Path, version: int, *columns: str) -> None:
+    """A state.db of an earlier ``version``: the version 1 tasks table with ``columns``
+    ("NAME TYPE") added, and one queued task in it."""
+    conn = sqlite3.connect(db)
+    conn.execute(V1_TASKS)
+    for column in columns:
+        conn.execute(f"ALTER TABLE tasks ADD COLUMN {column}")
+    conn.execute("INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
+                 "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.commit()
+    conn.close()
+
+
 def test_a_file_of_schema_1_is_read_as_it_is_and_migrated_by_the_writer(tmp_path: Path) -> None:
     """Version 2 adds a task's priority and tenant: a version 1 file is read with neither
     (a CLI with the daemon down) and gains both columns when a writer opens it."""
     db = tmp_path / "state.db"
-    conn = sqlite3.connect(db)
-    conn.execute(V1_TASKS)
-    conn.execute("INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
-                 "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")
-    conn.execute("PRAGMA user_version = 1")
-    conn.commit()
-    conn.close()
+    _old_file(db, 1)
     with Store(db, readonly=True) as r:
         (row,) = r.tasks()
         assert (row["id"], row["priority"], row["tenant"]) == ("jobs/1", None, None)
@@ -436,7 +444,31 @@ def test_a_file_of_schema_1_is_read_as_it_is_and_migrated_by_the_writer(tmp_path
         s.commit()
         assert [(r["priority"], r["tenant"]) for r in s.tasks()] == [(4, "alice")]
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+
+
+WAIT_COLUMNS = ("deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason")
+
+
+def test_a_file_of_schema_2_gains_the_wait_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """Version 3 adds a task's deadline, backoff and wait (daemon/taskwait.py): a version 2
+    file reads them as NULL until a writer opens it, which adds each column once (one it
+    has already is left as it is)."""
+    db = tmp_path / "state.db"
+    _old_file(db, 2, "priority INTEGER", "tenant TEXT", "waits INTEGER")  # waits: as if a part of it were there
+    with Store(db, readonly=True) as r:
+        (row,) = r.tasks()
+        assert row["id"] == "jobs/1" and all(row[c] is None for c in WAIT_COLUMNS)
+    with Store(db) as s:
+        (row,) = s.tasks()
+        s.save_task({**row, "state": "WAITING", "deadline": 30.0, "backoff_min": 0.5, "backoff_max": 4.0,
+                     "waits": 2, "wait_until": 99.5, "wait_reason": "rate limited"})
+        s.commit()
+        (row,) = s.tasks()  # unfinished: WAITING is not retired
+        assert [row[c] for c in WAIT_COLUMNS] == [30.0, 0.5, 4.0, 2, 99.5, "rate limited"]
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     conn.close()
 
 

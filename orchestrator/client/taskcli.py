@@ -33,7 +33,7 @@ P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
-           "ended_at", "reason", "kind", "priority", "tenant")
+           "ended_at", "reason", "kind", "priority", "tenant", "deadline", "waits", "wait_until", "wait_reason")
 
 
 def _json_value(text: str) -> Any:
@@ -306,9 +306,13 @@ def _table(rows: Sequence[dict[str, Any]], *, running: bool) -> str:
 
 
 def _why(row: dict[str, Any]) -> str:
-    """A task's REASON column: how it ended, or for a queued one why it waits."""
+    """A task's REASON column: how it ended, or for a queued or WAITING one why it waits."""
     if row.get("reason"):
         return str(row["reason"])
+    if row.get("wait_until") is not None:
+        from .display import clock
+
+        return f"waiting until {clock(row['wait_until'])}: {row.get('wait_reason') or ''}".rstrip(": ")
     return f"waiting: {row['waiting']}" if row.get("waiting") else ""
 
 

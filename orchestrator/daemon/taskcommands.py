@@ -33,7 +33,8 @@ from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, target_payload, tenant,
+    Doc, ExecPool, Reply, Session, Task, as_bytes, backoff, deadline, listing, outcome, parse_options, priority,
+    target_payload, tenant, wait_fields,
 )
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
@@ -185,7 +186,9 @@ class TaskCommands:
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
         session's next block of task numbers granted with it. Each task may name its own
         ``timeout``, ``retries`` (else the pool's), ``priority`` and ``tenant`` (its place
-        in the queue: taskqueue.py)."""
+        in the queue: taskqueue.py), ``deadline`` (seconds from now: past it, TIMED_OUT
+        wherever it is) and ``backoff`` ([MIN, MAX] seconds before a re-run of its retry_on:
+        taskwait.py)."""
         xp = self._exec_pool(args.get("pool"))
         session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
@@ -244,7 +247,7 @@ class TaskCommands:
         """An ended task the store keeps (no longer in memory), as a record to tell its end."""
         task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
                     state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
-                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"])
+                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"], **wait_fields(row))
         task.ended_at, task.reason, task.kind, task.result = row["ended_at"], row["reason"], row["kind"], row["result"]
         return task
 
@@ -279,7 +282,8 @@ class TaskCommands:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 < n < xp.next_n):
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
         return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries,
-                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")))
+                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")),
+                    deadline=deadline(one.get("deadline")), backoff=backoff(one.get("backoff")))
 
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
