@@ -54,6 +54,7 @@ def test_retry_parks_the_task_without_its_worker_until_its_time(make: Callable[.
     row = h.commands.commands()["tasks"]({}, lambda m: None, 1)[0]
     assert (row["state"], row["waiting"], row["wait_until"]) == ("WAITING", "upstream rate limited",
                                                                   h.engine.time() + 5.0)
+    assert h.commands.pool_counts(POOL)["waiting"] == 1  # status and the metrics count it
     other = submit(h)  # the one worker is free: the next task runs on it at once
     assert w1.tasks_sent(1) == [other.n] and other.state is T.RUNNING
     w1.send(w.RESULT, other.n, b"r")
@@ -128,7 +129,7 @@ def test_a_deadline_ends_a_queued_a_waiting_and_a_running_task(make: Callable[..
     h.advance(1.0)  # the held one: marked in its own word, stopped as soon as it starts
     assert state(held) is T.TIMED_OUT and w1.word(held.slot) == w.cancel_word(held.n, w.TIMEOUT)
     w1.send(w.RETRY, running.n, retry(30.0, "later"))  # waits past its deadline: the deadline ends it
-    assert state(running) is T.WAITING
+    assert state(running) is T.WAITING and h.commands.pool_counts(POOL)["waiting"] == 1
     w1.send(w.STOPPED, held.n, bytes([w.TIMEOUT]))  # the held one started, saw its word, stopped
     h.advance(6.0)
     assert state(running) is T.TIMED_OUT and running.reason == (

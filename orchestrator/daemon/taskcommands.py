@@ -415,7 +415,8 @@ class TaskCommands:
         return self.tasks.workers(xp) if xp is not None else None
 
     def pool_counts(self, name: str) -> Doc | None:
-        """An executor pool's tasks for ``status``: queued and running now; ended since the
+        """An executor pool's tasks for ``status``: queued, running and waiting (for a time:
+        Retry, a retry_on backoff) now; ended since the
         daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
         timed_out, lost (the daemon died while it ran); ``tenants``: the queued and running
         by tenant, for each tenant that has either (``""``: the tasks with no tenant)."""
@@ -435,6 +436,6 @@ class TaskCommands:
                 if t.state is T.RUNNING or t.state is T.QUEUED:
                     count(t.tenant, t.state.value.lower(), 1)
         return {"queued": sum(c["queued"] for c in tenants.values()),
-                "running": sum(c["running"] for c in tenants.values()),
+                "running": sum(c["running"] for c in tenants.values()), "waiting": self.tasks.parked(xp),
                 **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal},
                 "tenants": tenants}

@@ -182,6 +182,7 @@ class TaskTable:
 
     views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
                 ``listener_fd``; ``task(id)``; ``waiting(task)`` (why it has not started),
+                ``parked(pool)`` (its WAITING tasks),
                 ``workers(pool)`` (busy, idle, min, max, budget)
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
@@ -1223,6 +1224,10 @@ class TaskTable:
         if worker is not None:
             return f"held by {self._name(worker)}, behind the task it runs"
         return self._elastic.waiting(task.pool)
+
+    def parked(self, xp: ExecPool) -> int:
+        """How many of ``xp``'s tasks are WAITING for their time (``status``, the metrics)."""
+        return self._waits.count(xp.name)
 
     def workers(self, xp: ExecPool) -> Doc:
         """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a

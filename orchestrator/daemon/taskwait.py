@@ -69,12 +69,12 @@ class TaskWait:
         self._resume = resume
         self._expire = expire
         self._jitter = jitter
-        self._due: dict[Task, Timer] = {}  # a WAITING task -> its wake-up
+        self._due: dict[Task, Timer | None] = {}  # a WAITING task -> its wake-up (None: its deadline ends it)
         self._deadlines: dict[Task, Timer] = {}
 
-    def __len__(self) -> int:
-        """Tasks waiting now."""
-        return len(self._due)
+    def count(self, pool: str) -> int:
+        """Tasks of executor pool ``pool`` waiting for their time now."""
+        return sum(1 for task in self._due if task.pool.name == pool)
 
     def watch(self, task: Task) -> None:
         """A task the table took (submitted, restored, carried): its deadline's timer, and
@@ -128,7 +128,8 @@ class TaskWait:
     def _arm(self, task: Task, delay: float) -> None:
         if task.deadline is not None and task.wait_until is not None \
                 and task.wait_until >= task.queued_at + task.deadline:
-            return  # it would start past its deadline: that timer ends it
+            self._due[task] = None  # it would start past its deadline: that timer ends it
+            return
         self._due[task] = self._reactor.call_later(max(0.0, delay), lambda: self._wake(task))
 
     def _wake(self, task: Task) -> None:
