@@ -148,3 +148,23 @@ def test_a_parked_task_survives_a_daemon_restart(daemon: DaemonUnderTest, make_e
     daemon.start()
     began = parked.result(timeout=90)  # the client reconnected; the restarted daemon ran it at its time
     assert began >= stored[0]["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
+
+
+def test_a_parked_task_waits_on_across_an_upgrade(daemon: DaemonUnderTest, make_executor: MakeExecutor,
+                                                  tmp_path: Path) -> None:
+    daemon.start()
+    ex = make_executor(1, state_dir=daemon.state_dir, pool="jobs", cwd=str(TESTS), env={TAG_VAR: cli_env()[TAG_VAR]})
+    log = str(tmp_path / "parked.log")
+    parked = ex.options(deadline=600).submit(retryfns.park_once, log, 6.0, "after the upgrade")
+    with Client(daemon.state_dir) as client:
+        handle = client.task(str(parked.task_id))
+        wait_for(lambda: handle.info()["state"] == "WAITING", 60, "the task to wait")
+        before = handle.info()
+        got = cli(daemon.state_dir, "upgrade")
+        assert got.returncode == 0, got.stderr
+        after = handle.info()
+    assert after["state"] in ("WAITING", "QUEUED", "RUNNING", "DONE")  # its time may have come meanwhile
+    if after["state"] == "WAITING":
+        assert (after["wait_until"], after["wait_reason"]) == (before["wait_until"], "after the upgrade")
+    began = parked.result(timeout=90)  # the new image queued it at its time
+    assert began >= before["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
