@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -133,38 +134,40 @@ def test_bad_input_is_refused_in_one_line(pool: Pool) -> None:
             ex.submit(retryfns.bad_retry, after).result(timeout=60)
 
 
-def test_a_parked_task_survives_a_daemon_restart(daemon: DaemonUnderTest, make_executor: MakeExecutor,
-                                                 tmp_path: Path) -> None:
+def park_in_a_daemon(daemon: DaemonUnderTest, make_executor: MakeExecutor, log: str,
+                     reason: str) -> tuple[Future[Any], dict[str, Any]]:
+    """A started daemon's one-worker pool with a task parked for 6 s (deadline 600 s): its
+    future, and its record once it waits."""
     daemon.start()
     ex = make_executor(1, state_dir=daemon.state_dir, pool="jobs", cwd=str(TESTS), env={TAG_VAR: cli_env()[TAG_VAR]})
-    log = str(tmp_path / "parked.log")
-    parked = ex.options(deadline=600).submit(retryfns.park_once, log, 6.0, "come back later")
+    parked = ex.options(deadline=600).submit(retryfns.park_once, log, 6.0, reason)
     with Client(daemon.state_dir) as client:
-        wait_for(lambda: client.task(str(parked.task_id)).info()["state"] == "WAITING", 60, "the task to wait")
+        return parked, waiting(Pool(ex, lambda task_id: client.task(task_id).info(), daemon), parked.task_id)
+
+
+def test_a_parked_task_survives_a_daemon_restart(daemon: DaemonUnderTest, make_executor: MakeExecutor,
+                                                 tmp_path: Path) -> None:
+    log = str(tmp_path / "parked.log")
+    parked, row = park_in_a_daemon(daemon, make_executor, log, "come back later")
     assert cli(daemon.state_dir, "stop", "--timeout", "60").returncode == 0
     stored = json.loads(cli(daemon.state_dir, "tasks", "--json").stdout)  # the daemon down: as the store has it
-    assert [(r["id"], r["state"], r["wait_reason"], r["deadline"]) for r in stored] == [
-        (parked.task_id, "WAITING", "come back later", 600.0)]
+    assert [(r["id"], r["state"], r["wait_reason"], r["deadline"], r["wait_until"]) for r in stored] == [
+        (row["id"], "WAITING", "come back later", 600.0, row["wait_until"])]
     daemon.start()
     began = parked.result(timeout=90)  # the client reconnected; the restarted daemon ran it at its time
-    assert began >= stored[0]["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
+    assert began >= row["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
 
 
 def test_a_parked_task_waits_on_across_an_upgrade(daemon: DaemonUnderTest, make_executor: MakeExecutor,
                                                   tmp_path: Path) -> None:
-    daemon.start()
-    ex = make_executor(1, state_dir=daemon.state_dir, pool="jobs", cwd=str(TESTS), env={TAG_VAR: cli_env()[TAG_VAR]})
     log = str(tmp_path / "parked.log")
-    parked = ex.options(deadline=600).submit(retryfns.park_once, log, 6.0, "after the upgrade")
+    parked, row = park_in_a_daemon(daemon, make_executor, log, "after the upgrade")
+    got = cli(daemon.state_dir, "upgrade")
+    assert got.returncode == 0, got.stderr
     with Client(daemon.state_dir) as client:
-        handle = client.task(str(parked.task_id))
-        wait_for(lambda: handle.info()["state"] == "WAITING", 60, "the task to wait")
-        before = handle.info()
-        got = cli(daemon.state_dir, "upgrade")
-        assert got.returncode == 0, got.stderr
-        after = handle.info()
+        after = client.task(row["id"]).info()
     assert after["state"] in ("WAITING", "QUEUED", "RUNNING", "DONE")  # its time may have come meanwhile
     if after["state"] == "WAITING":
-        assert (after["wait_until"], after["wait_reason"]) == (before["wait_until"], "after the upgrade")
+        assert (after["wait_until"], after["wait_reason"]) == (row["wait_until"], "after the upgrade")
     began = parked.result(timeout=90)  # the new image queued it at its time
-    assert began >= before["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
+    assert began >= row["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
