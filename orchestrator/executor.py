@@ -673,8 +673,8 @@ class Options(futures_base.Executor):
 def _exception_types(raw: Any) -> tuple[type[BaseException], ...]:
     """``retry_on``: an exception type or a tuple of them (as ``except`` takes), checked
     here (TypeError, one line): the worker matches what a task raises against it."""
-    found = raw if isinstance(raw, tuple) else (raw,)
-    if not found or not all(isinstance(t, type) and issubclass(t, BaseException) for t in found):
+    found = w.exception_types(raw)
+    if not found:
         raise TypeError(f"options(): retry_on must be an exception type or a tuple of them, got {raw!r}")
     return found
 

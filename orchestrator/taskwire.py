@@ -329,6 +329,13 @@ def split_raised(payload: bytes) -> tuple[str, bytes]:
     return payload[_LINE.size:end].decode("utf-8", "replace"), payload[end:]
 
 
+def exception_types(raw: Any) -> tuple[type[BaseException], ...] | None:
+    """A call's ``retry_on`` (an exception type or a tuple of them, as ``except`` takes)
+    as a tuple; None if it is anything else."""
+    found = raw if isinstance(raw, tuple) else (raw,)
+    return found if all(isinstance(t, type) and issubclass(t, BaseException) for t in found) else None
+
+
 def retry_payload(head: RetryHead, raised_payload: bytes = b"") -> bytes:
     """A RETRY payload: ``head`` as JSON, then (an exception of retry_on) its RAISED payload."""
     text = json.dumps(head).encode("utf-8")

@@ -282,7 +282,7 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
                 fn, args, kwargs = _target(payload)
             else:
                 fn, args, kwargs, *more = w.loads(payload)
-                retry_on = _types(more[0]) if more else ()
+                retry_on = (w.exception_types(more[0]) or ()) if more else ()  # the submitter checked it
             value = fn(*args, **kwargs)
         finally:
             _current = 0
@@ -428,13 +428,6 @@ def _target(payload: bytes | memoryview) -> tuple[Any, list[Any], dict[str, Any]
     call = json.loads(bytes(payload[1:]))
     fn = load_target(TargetRef(call["target"], tuple(call.get("pythonpath") or ())), call.get("cwd"))
     return fn, call.get("args") or [], call.get("kwargs") or {}
-
-
-def _types(raw: Any) -> tuple[type[BaseException], ...]:
-    """A call's retry_on as exception types (the submitter checked them; anything else
-    names none)."""
-    found = raw if isinstance(raw, tuple) else (raw,)
-    return found if all(isinstance(t, type) and issubclass(t, BaseException) for t in found) else ()
 
 
 def _retry(number: int, exc: Retry) -> bytes:

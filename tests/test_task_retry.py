@@ -45,10 +45,13 @@ def pool(request: pytest.FixtureRequest, make_executor: MakeExecutor) -> Iterato
         yield Pool(ex, lambda task_id: client.task(task_id).info(), daemon)
 
 
-def waiting(pool: Pool, task_id: str | None) -> dict[str, Any]:
-    """The task's record once it is WAITING (bounded)."""
+def waiting(pool: Pool, task_id: str | None, log: str) -> dict[str, Any]:
+    """The task's record once it is WAITING (bounded). Asked once its first attempt began
+    (``log``): a daemon's client sends its submits in batches, and the daemon does not
+    know a task whose submit has not reached it yet."""
     assert task_id is not None
     rows: list[dict[str, Any]] = []
+    wait_for(lambda: bool(retryfns.starts(log)), 60, f"{task_id} to start")
 
     def parked() -> bool:
         rows[:] = [pool.info(task_id)]
@@ -61,7 +64,7 @@ def waiting(pool: Pool, task_id: str | None) -> dict[str, Any]:
 def test_a_parked_task_holds_no_worker_and_runs_again_at_its_time(pool: Pool, tmp_path: Path) -> None:
     log = str(tmp_path / "parked.log")
     parked = pool.ex.submit(retryfns.park_once, log, 4.0, "the upstream is rate limited")
-    row = waiting(pool, parked.task_id)
+    row = waiting(pool, parked.task_id, log)
     assert row["wait_reason"] == "the upstream is rate limited" and row["waits"] == 1
     (first,) = retryfns.starts(log)
     assert first + 4.0 <= row["wait_until"] < time.time() + 4.0
@@ -142,7 +145,7 @@ def park_in_a_daemon(daemon: DaemonUnderTest, make_executor: MakeExecutor, log: 
     ex = make_executor(1, state_dir=daemon.state_dir, pool="jobs", cwd=str(TESTS), env={TAG_VAR: cli_env()[TAG_VAR]})
     parked = ex.options(deadline=600).submit(retryfns.park_once, log, 6.0, reason)
     with Client(daemon.state_dir) as client:
-        return parked, waiting(Pool(ex, lambda task_id: client.task(task_id).info(), daemon), parked.task_id)
+        return parked, waiting(Pool(ex, lambda task_id: client.task(task_id).info(), daemon), parked.task_id, log)
 
 
 def test_a_parked_task_survives_a_daemon_restart(daemon: DaemonUnderTest, make_executor: MakeExecutor,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import taskwire as w
+from ..states import TaskState as T
 from .reactor import Reactor, Timer
 from .taskrecords import Task
 
@@ -82,7 +83,9 @@ class TaskWait:
         if task.deadline is not None and task not in self._deadlines:
             left = task.queued_at + task.deadline - self._clock()
             self._deadlines[task] = self._reactor.call_later(max(0.0, left), lambda: self._deadline(task))
-        if task.wait_until is not None and task not in self._due:
+        if task.state is T.WAITING and task not in self._due:
+            if task.wait_until is None:  # a row that lost its time: its wait is over
+                task.wait_until = self._clock()
             self._arm(task, task.wait_until - self._clock())
 
     def answer(self, task: Task, payload: bytes) -> Park | End:
