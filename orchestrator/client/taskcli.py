@@ -91,7 +91,7 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
     p.add_argument("--watch", action="store_true", help="a live table, redrawn in place, until Ctrl-C")
     p.add_argument("--interval", type=positive_seconds, default=1.0, help="seconds between redraws (default 1)")
 
-    p = sub.add_parser("cancel", parents=[common], help="cancel queued or running tasks")
+    p = sub.add_parser("cancel", parents=[common], help="cancel queued, waiting or running tasks")
     p.add_argument("ids", nargs="+", metavar="TASK")
     p.add_argument("--json", action="store_true")
 

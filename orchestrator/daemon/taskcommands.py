@@ -416,10 +416,10 @@ class TaskCommands:
 
     def pool_counts(self, name: str) -> Doc | None:
         """An executor pool's tasks for ``status``: queued, running and waiting (for a time:
-        Retry, a retry_on backoff) now; ended since the
-        daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
-        timed_out, lost (the daemon died while it ran); ``tenants``: the queued and running
-        by tenant, for each tenant that has either (``""``: the tasks with no tenant)."""
+        Retry, a retry_on backoff) now; ended since the daemon started, by how: done (a
+        result), failed (raised, or WorkerLost), cancelled, timed_out, lost (the daemon died
+        while it ran); ``tenants``: the queued and running by tenant, for each tenant that
+        has either (``""``: the tasks with no tenant)."""
         xp = self.tasks.pools.get(name)
         if xp is None:
             return None
