@@ -174,3 +174,19 @@ def test_a_parked_task_waits_on_across_an_upgrade(daemon: DaemonUnderTest, make_
         assert (after["wait_until"], after["wait_reason"]) == (row["wait_until"], "after the upgrade")
     began = parked.result(timeout=90)  # the new image queued it at its time
     assert began >= row["wait_until"] - 0.05 and len(retryfns.starts(log)) == 2
+
+
+def test_the_command_lines_deadline_bounds_a_targets_waits(daemon: DaemonUnderTest, make_executor: MakeExecutor,
+                                                          tmp_path: Path) -> None:
+    daemon.start()
+    make_executor(1, state_dir=daemon.state_dir, pool="jobs", cwd=str(TESTS), env={TAG_VAR: cli_env()[TAG_VAR]})
+    log = str(tmp_path / "never.log")
+    bad = cli(daemon.state_dir, "submit", "--pool", "jobs", "--target", "retryfns:now", "--deadline", "0")
+    assert bad.returncode == 2 and "--deadline: must be more than 0" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    got = cli(daemon.state_dir, "submit", "--pool", "jobs", "--target", "retryfns:always_park", "--arg",
+              json.dumps(log), "--arg", "0.3", "--deadline", "1.5", "--wait", "--json")
+    assert got.returncode == 1, got.stderr
+    outcome = json.loads(got.stdout)
+    assert outcome["state"] == "TIMED_OUT" and "passed its deadline of 1.5 s" in outcome["reason"]
+    assert len(retryfns.starts(log)) >= 2  # it waited and ran again until its deadline

@@ -76,6 +76,9 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
                    help="seconds the task may run (default: the pool's)")
     p.add_argument("--retries", type=natural, metavar="N",
                    help="runs again this often if its worker dies (default: the pool's)")
+    p.add_argument("--deadline", type=positive_seconds, metavar="S",
+                   help="seconds from now that bound every wait and retry of the task (it may raise "
+                        "orchestrator.Retry): past it, TIMED_OUT wherever it is (default: none)")
     p.add_argument("--priority", type=_priority, metavar="N",
                    help="a whole number: a task of a higher priority starts first (default 0)")
     p.add_argument("--tenant", metavar="T",
@@ -121,6 +124,8 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
         call["timeout"] = args.timeout
     if args.retries is not None:
         call["retries"] = args.retries
+    if args.deadline is not None:
+        call["deadline"] = args.deadline
     if args.priority is not None:
         call["priority"] = args.priority
     if args.tenant is not None:
