@@ -16,6 +16,7 @@ run: a plain task's ``submit`` -> its start in an idle worker, the same path thr
 loop to a worker without a wait.
 
 Run: .venv/bin/python -m benchmarks.bench_retry [--samples N] [--after S] [--daemon]
+(the suite's ``--only tasks`` measures the first figure too, embedded: sec_tasks, part 7)
 """
 
 from __future__ import annotations
@@ -31,20 +32,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarks.report import summary
+from benchmarks.taskfns import park_once
 
 ROOT = Path(__file__).resolve().parent.parent  # the workers import this module from here
-
-
-def park_once(mark: str, after: float) -> tuple[float, float]:
-    """First attempt: Retry(after=); second: seconds from (the raise + after) to its start,
-    and the wall clock of that start."""
-    if not os.path.exists(mark):
-        from orchestrator import Retry
-
-        Path(mark).write_text(repr(time.monotonic()))
-        raise Retry(after=after, reason="benchmark")
-    began, wall = time.monotonic(), time.time()
-    return began - (float(Path(mark).read_text()) + after), wall
 
 
 def began() -> float:
@@ -66,7 +56,7 @@ def executor(tmp: str, daemon: bool) -> Iterator[Any]:
     from orchestrator import Client, Executor
 
     if not daemon:
-        with Executor(max_workers=2, preload=["benchmarks.bench_retry"]) as ex:
+        with Executor(max_workers=2, preload=["benchmarks.bench_retry", "benchmarks.taskfns"]) as ex:
             yield ex
         return
     cli = [sys.executable, "-m", "orchestrator", "--state-dir", str(Path(tmp) / "state")]
@@ -74,7 +64,8 @@ def executor(tmp: str, daemon: bool) -> Iterator[Any]:
     subprocess.run([*cli, "start"], check=True, capture_output=True, env=env, timeout=60)
     try:
         with Client(Path(tmp) / "state") as client, \
-                client.executor("retry-bench", max_workers=2, cwd=str(ROOT), preload=["benchmarks.bench_retry"]) as ex:
+                client.executor("retry-bench", max_workers=2, cwd=str(ROOT),
+                                preload=["benchmarks.bench_retry", "benchmarks.taskfns"]) as ex:
             yield ex
     finally:
         subprocess.run([*cli, "stop"], capture_output=True, env=env, timeout=120)
@@ -93,9 +84,9 @@ def main() -> None:
     exact: list[float] = []
     started: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, executor(tmp, args.daemon) as ex:
-        ex.submit(me.park_once, str(Path(tmp) / "warm"), 0.0).result(timeout=60)  # both paths warm
+        ex.submit(park_once, str(Path(tmp) / "warm"), 0.0).result(timeout=60)  # both paths warm
         for i in range(0, args.samples, 2):
-            futs = [ex.submit(me.park_once, str(Path(tmp) / f"{i + j}"), args.after) for j in range(2)]
+            futs = [ex.submit(park_once, str(Path(tmp) / f"{i + j}"), args.after) for j in range(2)]
             for fut in futs:
                 lateness, wall = fut.result(timeout=60)
                 late.append(lateness)
