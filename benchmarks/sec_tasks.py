@@ -1,7 +1,8 @@
 """Tasks: ``orchestrator.Executor`` against ``ProcessPoolExecutor``, loky and pebble, side by side.
 
-Five parts, each with every pool open at once and the variants interleaved round by round
-in a rotating order (after a warm-up round), all with 2 workers but the fifth's case B:
+Seven parts, each with every pool open at once and the variants interleaved round by round
+in a rotating order (after a warm-up round), all with 2 workers but the fifth's case B (the
+seventh is ours alone):
 
 1. **tiny tasks**: ``map`` of a no-op over N tasks on warm pools, tasks/s (N per variant is
    sized from its warm-up rate, so every round lasts about as long for each); also one
@@ -32,6 +33,11 @@ in a rotating order (after a warm-up round), all with 2 workers but the fifth's 
    tenants (weights 1 to 4, ``max_wait`` on) with 3 priorities mixed, against the same
    tasks through a plain FIFO pool of ours, both open at once, interleaved: tasks/s and the
    ratio (the queue's cost: priority lanes, weighted turns, aging).
+7. **a parked task's resume** (ours alone: no peer has ``Retry``): two tasks at a time (one
+   per worker) raise ``Retry(after=0.1)`` on their first attempt, after writing the
+   monotonic time; the second attempt reports how long after that time plus 0.1 s it
+   began (from the raise: an upper bound of the lateness; ``benchmarks.bench_retry
+   --daemon`` also measures it from the loop's own time).
 
 The tasks live in ``benchmarks/taskfns.py``, which imports nothing but ``os`` and ``time``:
 every pool imports them by name, and a fresh worker pays no import of this module's. Every
@@ -55,7 +61,7 @@ from typing import Any, Callable, Iterator
 
 from benchmarks import peers
 from benchmarks.report import summary
-from benchmarks.taskfns import busy, noop, pid, until_cancelled
+from benchmarks.taskfns import busy, noop, park_once, pid, until_cancelled
 
 WORKERS = 2
 pc = time.perf_counter
@@ -76,6 +82,8 @@ TINY_VS_PPE = 1.0
 PROC_VS_PPE = 5.0
 PRELOAD_RATE = 100.0
 CANCEL_P99_MS = 10.0
+PARKED_P99_MS = 10.0
+PARK_AFTER = 0.1  # seconds a parked task waits
 
 KILL_TASKS = 50
 KILL_SLEEP = 0.05
@@ -601,6 +609,24 @@ def part_scheduling(quick: bool, progress: Callable[[str], None], rounds: int) -
         pools.close()
 
 
+def part_parked(quick: bool, progress: Callable[[str], None], rounds: int) -> dict[str, Any]:
+    pools = Pools()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-parked-"))
+    try:
+        ex = pools.ours()
+        ex.submit(park_once, str(tmp / "warm"), 0.0).result(timeout=60)  # both attempts' paths warm
+        pairs = (30 if quick else 100) * rounds
+        progress(f"parked tasks: {pairs * WORKERS} resumes after Retry(after={PARK_AFTER:g})")
+        late: list[float] = []
+        for i in range(pairs):
+            futs = [ex.submit(park_once, str(tmp / f"{i}-{j}"), PARK_AFTER) for j in range(WORKERS)]
+            late += [f.result(timeout=60)[0] for f in futs]
+        return {"after_s": PARK_AFTER, "parked_at_once": WORKERS, "late_s": summary(late)}
+    finally:
+        pools.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # -- the section -------------------------------------------------------------------------------
 
 def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = None,
@@ -618,11 +644,12 @@ def run(quick: bool, progress: Callable[[str], None], *, batches: int | None = N
         kill = part_kill(quick, progress, install, max(1, rounds // 2), fifo)
         hol = part_head_of_line(quick, progress, install, max(1, rounds // 2))
         sched = part_scheduling(quick, progress, rounds + 1 if quick else 2 * rounds)
+        parked = part_parked(quick, progress, rounds)
     finally:
         fifo.close()
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {"workers": WORKERS, "tiny": tiny, "process_per_task": proc, "cancel": cancel,
-                              "kill": kill, "head_of_line": hol, "scheduling": sched}
+                              "kill": kill, "head_of_line": hol, "scheduling": sched, "parked": parked}
     result["targets"] = targets(result)
     return result
 
@@ -663,6 +690,9 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     ours, fifo = rate(sched, OURS_SCHED), rate(sched, OURS_FIFO)
     add(f"{SCHED_TENANTS} tenants with mixed priorities vs a plain FIFO pool, tasks/s",
         ours / fifo if ours and fifo else None, SCHED_VS_FIFO, True, "x")
+    p99 = ((res.get("parked") or {}).get("late_s") or {}).get("p99")
+    add(f"a parked task resumes after its time (Retry(after={PARK_AFTER:g})), p99", p99 * 1e3 if p99 is not None
+        else None, PARKED_P99_MS, False, " ms")
     return out
 
 
@@ -735,7 +765,14 @@ def render(res: dict[str, Any]) -> list[str]:
                 f"(weights {sorted(set(sched['weights'].values()))}, max_wait on) x {sched['priorities']} "
                 "priorities vs the same pool without options",
                 *_table(["pool", "tasks/s", "vs FIFO", "rounds x tasks"], rows)]
-    for part in ("tiny", "process_per_task", "cancel", "kill", "head_of_line", "scheduling"):
+    parked = res.get("parked")
+    if parked:
+        s = parked["late_s"]
+        out += [f"7. a parked task's resume: Retry(after={parked['after_s']:g}), {parked['parked_at_once']} parked at "
+                "a time; from the raise + after to the second attempt's start",
+                *_table(["pool", "resumes", "p50 ms", "p99 ms", "max ms"],
+                        [[OURS, s["n"], _ms(s, "p50"), _ms(s, "p99"), _ms(s, "max")]])]
+    for part in ("tiny", "process_per_task", "cancel", "kill", "head_of_line", "scheduling", "parked"):
         for name, why in ((res.get(part) or {}).get("skipped") or {}).items():
             out.append(f"  not run ({part}): {name}: {why}")
     return out

@@ -44,3 +44,17 @@ def busy(fifo: str, n: int, seconds: float) -> int:
     say(fifo, f"S {n} {os.getpid()}")
     time.sleep(seconds)
     return os.getpid()
+
+
+def park_once(mark: str, after: float) -> tuple[float, float]:
+    """First attempt: raises ``Retry(after=)``, its monotonic time in ``mark``; second:
+    seconds from (that time + after) to its start, and the wall clock of that start."""
+    if not os.path.exists(mark):
+        from orchestrator import Retry
+
+        with open(mark, "w") as f:
+            f.write(repr(time.monotonic()))
+        raise Retry(after=after, reason="benchmark")
+    began, wall = time.monotonic(), time.time()
+    with open(mark) as f:
+        return began - (float(f.read()) + after), wall

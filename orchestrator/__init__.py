@@ -46,6 +46,7 @@ _HOMES = {
     "Executor": "executor",
     "Cancelled": "worker",
     "TaskTimeout": "worker",
+    "Retry": "worker",
     "WorkerLost": "errors",
     "TaskInterrupted": "errors",
     "TaskTimeoutError": "errors",
@@ -82,4 +83,4 @@ if TYPE_CHECKING:
     from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState, TaskState
     from .taskfutures import RemoteTraceback
     from .version import __version__
-    from .worker import Cancelled, TaskTimeout, Terminated
+    from .worker import Cancelled, Retry, TaskTimeout, Terminated

@@ -245,28 +245,32 @@ class Executor(futures_base.Executor):
     # -- the Executor API ---------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
-        return self._submit(fn, args, kwargs, None)
+        return self._submit(fn, args, kwargs, None, ())
 
     def options(self, *, priority: int = 0, tenant: str | None = None, timeout: float | None | _Pools = POOLS,
                 retries: int | _Pools = POOLS, key: str | None = None, retry_on: Any = None,
-                deadline: float | None = None) -> Options:
+                deadline: float | None = None, backoff: tuple[float, float] | None = None) -> Options:
         """A view of this executor whose ``submit`` and ``map`` give each task these
         options (README, "Executor"): ``priority`` (a whole number; higher starts first),
         ``tenant`` (a name: tenants with queued tasks share the workers by the pool's
         ``tenant_weights``, FIFO within one), ``timeout`` (seconds, None: none) and
-        ``retries`` for its tasks instead of the pool's; ``key`` (a str of 1 to 200 bytes,
-        no ``/``): it names one task of the pool among its unfinished and kept ones, so that
-        a second submit with that key (from this executor, another one, or a client that
+        ``retries`` for its tasks instead of the pool's. ``deadline``: seconds from the
+        submit that bound every wait and retry of the task (past it: TIMED_OUT, its future
+        raises TaskTimeoutError, queued, waiting or running). ``retry_on``: an exception
+        type or a tuple of them; a task that raises one runs again (``retries`` times, then
+        its future raises the last one), after ``backoff=(MIN, MAX)`` seconds (MIN * 2**k,
+        at most MAX, jittered; default (0.1, 10)). ``key`` (a str of 1 to 200 bytes, no
+        ``/``): it names one task of the pool among its unfinished and kept ones, so that a
+        second submit with that key (from this executor, another one, or a client that
         restarted) returns a future of that same task, never a second run; its submit waits
-        for the loop's answer (one round trip). ``retry_on`` and ``deadline`` are not
-        available yet: a value for one is refused (TypeError), never ignored. A view's
-        ``options()`` narrows it further."""
+        for the loop's answer (one round trip). A view's ``options()`` narrows it further."""
         return Options(self, {}).options(priority=priority, tenant=tenant, timeout=timeout, retries=retries,
-                                         key=key, retry_on=retry_on, deadline=deadline)
+                                         key=key, retry_on=retry_on, deadline=deadline, backoff=backoff)
 
     def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                place: Place | None) -> TaskFuture:
-        """``submit``; ``place``: the task's options of a view (``options``), on the wire."""
+                place: Place | None, retry_on: tuple[type[BaseException], ...]) -> TaskFuture:
+        """``submit``; ``place``: the task's options of a view (``options``), on the wire;
+        ``retry_on`` goes in the pickled call, for the worker to match (taskwire.py)."""
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -274,7 +278,8 @@ class Executor(futures_base.Executor):
             fut = TaskFuture(self, ref)
             self._futures[ref] = fut
         try:
-            payload = w.dumps((fn, args, kwargs), by_value=_by_value(fn))
+            call = (fn, args, kwargs, retry_on) if retry_on else (fn, args, kwargs)
+            payload = w.dumps(call, by_value=_by_value(fn))
         except BaseException as err:
             self._futures.pop(ref, None)  # nothing waits on it at shutdown
             fail(fut, _pickling_error("the task", err))  # reported too: no task, nothing to wait_stopped for
@@ -656,18 +661,16 @@ class Options(futures_base.Executor):
     through it (its ``submit`` and ``map``; ``options()`` narrows it again). It owns
     nothing: its ``shutdown`` does nothing, the executor's own ends the pool."""
 
-    def __init__(self, executor: Executor, place: Place) -> None:
+    def __init__(self, executor: Executor, place: Place, retry_on: tuple[type[BaseException], ...] = ()) -> None:
         self._executor = executor
-        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries, key
+        self._place = place  # what each task's submit carries: priority, tenant, timeout, retries, key, deadline, backoff
+        self._retry_on = retry_on  # in each task's pickled call: the worker matches an exception against it
 
     def options(self, *, priority: int | None = None, tenant: str | None = None,
                 timeout: float | None | _Pools = POOLS, retries: int | _Pools = POOLS, key: str | None = None,
-                retry_on: Any = None, deadline: float | None = None) -> Options:
+                retry_on: Any = None, deadline: float | None = None,
+                backoff: tuple[float, float] | None = None) -> Options:
         """This view with these options too (each one given replaces this view's)."""
-        for name, value in (("retry_on", retry_on), ("deadline", deadline)):
-            if value is not None:
-                raise TypeError(f"options(): {name}= is not available yet (it comes with task keys and "
-                                f"deadlines); submit without it")
         place = Place(**self._place)
         if key is not None:
             from .protocol import task_key
@@ -676,6 +679,18 @@ class Options(futures_base.Executor):
                 place["key"] = task_key(key)
             except InvalidSpec as err:
                 raise InvalidSpec(f"options(): {err}") from None
+        retry_types = self._retry_on if retry_on is None else _exception_types(retry_on)
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < float("inf"):
+                raise ValueError(f"options(): deadline must be a number of seconds from the submit above 0, "
+                                 f"got {deadline!r}")
+            place["deadline"] = float(deadline)
+        if backoff is not None:
+            if (not isinstance(backoff, (tuple, list)) or len(backoff) != 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+                               for v in backoff) or backoff[0] > backoff[1]):
+                raise ValueError(f"options(): backoff must be (MIN, MAX) seconds with 0 <= MIN <= MAX, got {backoff!r}")
+            place["backoff"] = [float(backoff[0]), float(backoff[1])]
         if priority is not None:
             if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
                 raise TypeError(f"options(): priority must be a whole number, got {priority!r}")
@@ -694,7 +709,7 @@ class Options(futures_base.Executor):
             if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
                 raise ValueError(f"options(): retries must be a whole number of at least 0, got {retries!r}")
             place["retries"] = retries
-        return Options(self._executor, place)
+        return Options(self._executor, place, retry_types)
 
     @property
     def executor(self) -> Executor:
@@ -702,7 +717,7 @@ class Options(futures_base.Executor):
         return self._executor
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> TaskFuture:
-        return self._executor._submit(fn, args, kwargs, self._place)
+        return self._executor._submit(fn, args, kwargs, self._place, self._retry_on)
 
     def map(self, fn: Callable[..., Any], *iterables: Any, timeout: float | None = None,
             chunksize: int = 1) -> Iterator[Any]:
@@ -712,8 +727,18 @@ class Options(futures_base.Executor):
         return _map(super().map, fn, iterables, timeout, chunksize)
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self._place.items()) or "as its pool"
+        shown = ", ".join([f"{k}={v!r}" for k, v in self._place.items()]
+                          + [f"retry_on={self._retry_on!r}"] * bool(self._retry_on)) or "as its pool"
         return f"<options of executor {self._executor.pool}: {shown}>"
+
+
+def _exception_types(raw: Any) -> tuple[type[BaseException], ...]:
+    """``retry_on``: an exception type or a tuple of them (as ``except`` takes), checked
+    here (TypeError, one line): the worker matches what a task raises against it."""
+    found = w.exception_types(raw)
+    if not found:
+        raise TypeError(f"options(): retry_on must be an exception type or a tuple of them, got {raw!r}")
+    return found
 
 
 def _map(base: Callable[..., Iterator[Any]], fn: Callable[..., Any], iterables: tuple[Any, ...],

@@ -168,12 +168,17 @@ class TaskState(str, enum.Enum):
 
         QUEUED ──► RUNNING ──► DONE | FAILED | CANCELLED | TIMED_OUT
           │   ◄──────┘ its worker died (or its daemon stopped) and retries remain
-          └──► CANCELLED | FAILED          before it ran
+          │   ◄── WAITING ◄┘ it raised Retry(after=), or an exception of its retry_on
+          │          └──► CANCELLED | FAILED | TIMED_OUT   (its deadline) before it ran again
+          └──► CANCELLED | FAILED | TIMED_OUT   before it ran
         QUEUED, RUNNING ──► LOST           its daemon died while it ran
+
+    WAITING holds no worker: a timer queues it again at its time (daemon/taskwait.py).
     """
 
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
+    WAITING = "WAITING"
     DONE = "DONE"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -185,13 +190,15 @@ class TaskState(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self not in (TaskState.QUEUED, TaskState.RUNNING)
+        return self not in (TaskState.QUEUED, TaskState.RUNNING, TaskState.WAITING)
 
 
 _T = TaskState
 TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
-    _T.QUEUED: frozenset({_T.RUNNING, _T.CANCELLED, _T.FAILED, _T.LOST}),
-    _T.RUNNING: frozenset({_T.QUEUED, _T.DONE, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.LOST}),
+    _T.QUEUED: frozenset({_T.RUNNING, _T.CANCELLED, _T.FAILED, _T.TIMED_OUT, _T.LOST}),
+    _T.RUNNING: frozenset({_T.QUEUED, _T.WAITING, _T.DONE, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.LOST}),
+    # Parked (Retry, a retry_on backoff): it holds no worker, so nothing of it can be lost.
+    _T.WAITING: frozenset({_T.QUEUED, _T.CANCELLED, _T.FAILED, _T.TIMED_OUT}),
     **{t: frozenset() for t in _T if t.terminal},
 }
 

@@ -41,12 +41,14 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
-INTEGER, tenant TEXT, key TEXT) WITHOUT ROWID``
+INTEGER, tenant TEXT, key TEXT, deadline REAL, backoff_min REAL, backoff_max REAL, waits INTEGER,
+wait_until REAL, wait_reason TEXT) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart (at its
-    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended; ``key``, its
-    submitter's name for it (version 3; a partial index on (pool, key) finds it by that).
-    Retention as for replicas, by ``retire_key`` (its end).
+    ``priority``, its ``tenant``'s: version 2), a WAITING one at its ``wait_until``, each
+    bounded by its ``deadline`` (version 3: daemon/taskwait.py); ``result`` once it ended;
+    ``key``, its submitter's name for it (version 3; a partial index on (pool, key) finds it
+    by that). Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -289,7 +291,7 @@ class Store:
                 conn.execute(stmt)
             for old in range(version or SCHEMA_VERSION, SCHEMA_VERSION):  # a fresh file has the schema now
                 for stmt in MIGRATIONS[old]:
-                    conn.execute(stmt)
+                    _migrate(conn, stmt)
             for stmt in INDEXES:
                 conn.execute(stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -432,7 +434,7 @@ class Store:
         if self.readonly:
             self._writer()
         g = rec.get
-        retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING") else None
+        retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING", "WAITING") else None
         self._tasks[rec["id"]] = tuple(g(k) for k in TASK_COLS[:-1]) + (retire,)
 
     @property
@@ -730,3 +732,14 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, readonly={self.readonly})"
+
+
+def _migrate(conn: sqlite3.Connection, stmt: str) -> None:
+    """One statement of a migration; an ``ALTER TABLE T ADD COLUMN C`` whose column is there
+    already (a file a development build migrated part of the way) is skipped."""
+    words = stmt.split()
+    if words[:5] == ["ALTER", "TABLE", words[2], "ADD", "COLUMN"] and len(words) > 5:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({words[2]})")}
+        if words[5] in have:
+            return
+    conn.execute(stmt)

@@ -66,7 +66,13 @@ SCHEMA = (
         retire_key REAL,
         priority   INTEGER,
         tenant     TEXT,
-        key        TEXT
+        key        TEXT,
+        deadline    REAL,
+        backoff_min REAL,
+        backoff_max REAL,
+        waits       INTEGER,
+        wait_until  REAL,
+        wait_reason TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
@@ -77,6 +83,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE tasks ADD COLUMN tenant TEXT"),
     2: (  # one ALTER a line: each concern adds its own
         "ALTER TABLE tasks ADD COLUMN key TEXT",  # its submitter's name for it (options(key=))
+        # a task's deadline and retry_on backoff, and a WAITING task's time and reason (daemon/taskwait.py)
+        "ALTER TABLE tasks ADD COLUMN deadline REAL",
+        "ALTER TABLE tasks ADD COLUMN backoff_min REAL",
+        "ALTER TABLE tasks ADD COLUMN backoff_max REAL",
+        "ALTER TABLE tasks ADD COLUMN waits INTEGER",
+        "ALTER TABLE tasks ADD COLUMN wait_until REAL",
+        "ALTER TABLE tasks ADD COLUMN wait_reason TEXT",
     ),
 }
 # Run after the migrations (they may need a column a migration adds), on every open.
@@ -109,10 +122,11 @@ SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
              "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "key",
-             "retire_key")
+             "deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason", "retire_key")
 # The schema version that added each column of TASK_COLS after the first: a file of an
 # earlier version, read before a daemon of this version has opened (migrated) it, has NULL.
-TASK_COLS_SINCE = {"priority": 2, "tenant": 2, "key": 3}
+TASK_COLS_SINCE = {"priority": 2, "tenant": 2, "key": 3, "deadline": 3, "backoff_min": 3, "backoff_max": 3,
+                   "waits": 3, "wait_until": 3, "wait_reason": 3}
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )

@@ -32,13 +32,16 @@ F = TypeVar("F")  # the executor's future
 
 class Place(TypedDict, total=False):
     """A task's own options, from a view of its executor (``Executor.options``): where it
-    goes in its pool's queue, its timeout and retries in place of the pool's, its key."""
+    goes in its pool's queue, its timeout and retries in place of the pool's, its key, its
+    deadline and backoff (its retry_on travels in its pickled call: the loop loads no payload)."""
 
     priority: int
     tenant: str
     timeout: float | None
     retries: int
     key: str  # names one task of the pool: a second submit with it is that task
+    deadline: float  # seconds from the submit: past it the task is TIMED_OUT
+    backoff: list[float]  # [MIN, MAX] seconds before a re-run after an exception of retry_on
 
 
 class Submit(Place):
@@ -388,4 +391,8 @@ def _batch_task(args: Submit) -> BatchTask:
         task["retries"] = args["retries"]
     if "key" in args:
         task["key"] = args["key"]
+    if "deadline" in args:
+        task["deadline"] = args["deadline"]
+    if "backoff" in args:
+        task["backoff"] = args["backoff"]
     return task

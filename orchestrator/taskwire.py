@@ -28,6 +28,15 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
                                  ended on the exception the loop asked for; or REVOKE, with
                                  number: the ask's, the held task given back unstarted
                      KEPT        number: an ask's, whose task had started: it runs here
+                     RETRY       the task's attempt ended without failing it: payload: JSON
+                                 ``RetryHead`` (u16 length): {"after": s, "reason"} (it raised
+                                 ``Retry``), or {"after": null, "reason": its line} and then a
+                                 RAISED payload (it raised an exception of the call's retry_on;
+                                 ``retry_payload``). An old worker never sends it.
+
+A TASK's pickled call is (fn, args, kwargs) or (fn, args, kwargs, retry_on): the exception
+types the submitter named, which only the worker can test an exception against (the loop
+loads no payload); when the task may run again and after how long is the loop's.
 
 The loop never unpickles a payload: tasks and results are opaque bytes to it, which only
 the worker and the submitting client load.
@@ -75,6 +84,7 @@ WORD = struct.Struct("=Q")  # a cancel word, native order: both ends are on this
 WORDS = 2  # a worker holds at most two tasks (one runs, one waits): a word each, by turns
 
 HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG = range(1, 11)
+RETRY = 11  # worker -> loop only, never sent unasked: no VERSION of its own
 # The cause in the cancel word's low bits, and in STOPPED. REVOKE words name a frame's index
 # (revoke_word), the others a task's number.
 REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
@@ -97,6 +107,13 @@ class ConfigPayload(TypedDict):
     """A CONFIG frame's JSON payload."""
 
     grace: float  # seconds a task the loop stops has before its worker's tree is killed
+
+
+class RetryHead(TypedDict):
+    """The JSON in front of a RETRY frame's payload."""
+
+    after: float | None  # Retry(after=): seconds; None: an exception of retry_on (the loop's backoff)
+    reason: str  # Retry's reason, or the exception's line
 
 
 class TargetCall(TypedDict):
@@ -310,6 +327,40 @@ def split_raised(payload: bytes) -> tuple[str, bytes]:
     (size,) = _LINE.unpack_from(payload)
     end = _LINE.size + size
     return payload[_LINE.size:end].decode("utf-8", "replace"), payload[end:]
+
+
+def exception_types(raw: Any) -> tuple[type[BaseException], ...] | None:
+    """A call's ``retry_on`` (an exception type or a tuple of them, as ``except`` takes)
+    as a tuple; None if it is anything else."""
+    found = raw if isinstance(raw, tuple) else (raw,)
+    return found if all(isinstance(t, type) and issubclass(t, BaseException) for t in found) else None
+
+
+def retry_payload(head: RetryHead, raised_payload: bytes = b"") -> bytes:
+    """A RETRY payload: ``head`` as JSON, then (an exception of retry_on) its RAISED payload."""
+    text = json.dumps(head).encode("utf-8")
+    return _LINE.pack(len(text)) + text + raised_payload
+
+
+def split_retry(payload: bytes) -> tuple[RetryHead, bytes]:
+    """(head, the RAISED payload or empty) of a RETRY payload; ValueError if it is not one
+    (the worker is no worker of ours, or broken: the loop fails that task)."""
+    try:
+        (size,) = _LINE.unpack_from(payload)
+        head = json.loads(payload[_LINE.size:_LINE.size + size])
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"an unreadable RETRY frame: {err}") from None
+    if not isinstance(head, dict) or not isinstance(head.get("reason"), str) or not _wait(head.get("after")):
+        raise ValueError(f"a RETRY frame with a bad head: {head!r}"[:200])
+    after = head["after"]
+    return {"after": None if after is None else float(after), "reason": head["reason"]}, payload[_LINE.size + size:]
+
+
+def _wait(after: Any) -> bool:
+    """Is ``after`` what a RETRY head may say: None, or seconds (finite, at least 0)?"""
+    if after is None:
+        return True
+    return isinstance(after, (int, float)) and not isinstance(after, bool) and 0 <= after < float("inf")
 
 
 def with_authkey(init: bytes, authkey: bytes) -> bytes:

@@ -38,7 +38,7 @@ from typing import Any, TypeAlias
 from . import signals
 from . import taskwire as w
 from .prctl import set_child_subreaper
-from .worker import Cancelled, TaskTimeout, Terminated
+from .worker import Cancelled, Retry, TaskTimeout, Terminated
 
 _BLOCK = {w.CANCEL_SIGNAL}
 _current = 0  # the number of the task running now; 0 between tasks
@@ -267,6 +267,7 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     _slot, _next = _next, _next ^ 1
     _ours = None
     _current = number
+    retry_on: tuple[type[BaseException], ...] = ()
     try:
         try:
             try:
@@ -280,7 +281,8 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
             if payload[:1] == b"t":
                 fn, args, kwargs = _target(payload)
             else:
-                fn, args, kwargs = w.loads(payload)
+                fn, args, kwargs, *more = w.loads(payload)
+                retry_on = (w.exception_types(more[0]) or ()) if more else ()  # the submitter checked it
             value = fn(*args, **kwargs)
         finally:
             _current = 0
@@ -290,9 +292,11 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
             return w.frame(w.STOPPED, number, bytes([cause]))
         if type(exc) is Terminated:
             raise  # SIGTERM is not the task's error: the worker ends
-        return _raised(number, exc)
+        return _raised(number, exc, retry_on)
+    except Retry as exc:
+        return _retry(number, exc)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too, as the standard library's workers
-        return _raised(number, exc)
+        return _raised(number, exc, retry_on)
     try:
         data = w.json_result(value) if payload[:1] == b"t" else None  # for the command line
         data = data if data is not None else w.dumps(value, result=True)
@@ -426,10 +430,24 @@ def _target(payload: bytes | memoryview) -> tuple[Any, list[Any], dict[str, Any]
     return fn, call.get("args") or [], call.get("kwargs") or {}
 
 
-def _raised(number: int, exc: BaseException) -> bytes:
+def _retry(number: int, exc: Retry) -> bytes:
+    """The task raised Retry: its attempt ends, the loop runs it again ``after`` seconds on."""
+    after, reason = getattr(exc, "after", None), getattr(exc, "reason", "")
+    if not isinstance(after, float) or not isinstance(reason, str):  # a subclass that skipped Retry's __init__
+        return _raised(number, exc, ())
+    return w.frame(w.RETRY, number, w.retry_payload({"after": after, "reason": reason}))
+
+
+def _raised(number: int, exc: BaseException, retry_on: tuple[type[BaseException], ...]) -> bytes:
+    """The task raised ``exc``: RAISED, or RETRY if it is of the call's ``retry_on`` (the
+    loop decides whether retries remain)."""
     text = traceback.format_exc()
     try:
-        return w.frame(w.RAISED, number, w.raised(_text(exc), w.dumps((exc, text), result=True)))
+        line = _text(exc)
+        body = w.raised(line, w.dumps((exc, text), result=True))
+        if retry_on and isinstance(exc, retry_on):
+            return w.frame(w.RETRY, number, w.retry_payload({"after": None, "reason": line}, body))
+        return w.frame(w.RAISED, number, body)
     except BaseException as err:
         _end_on_sigterm(err)
         return _unpicklable(number, f"it raised {_text(exc)}, which cannot be pickled ({_text(err)})")

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import socket  # imported where a worker has sockets to take
 
-__all__ = ["Terminated", "Cancelled", "TaskTimeout", "install_sigterm_handler", "exit_as_killed", "ready",
+__all__ = ["Terminated", "Cancelled", "TaskTimeout", "Retry", "install_sigterm_handler", "exit_as_killed", "ready",
            "listen_sockets"]
 
 SD_LISTEN_FDS_START = 3
@@ -81,6 +81,33 @@ class TaskTimeout(Terminated):
 
     def __str__(self) -> str:
         return "the task ran past its timeout"
+
+
+REASON_MAX = 500  # characters of a Retry's reason kept (a line for `tasks`)
+
+
+class Retry(Exception):
+    """Raised by a task of ``orchestrator.Executor`` that cannot do its work now: that
+    attempt ends without failing the task, which waits (state ``WAITING``, with ``reason``,
+    holding no worker) and runs again ``after`` seconds from now, bounded by its
+    ``deadline``. An attempt that ends so does not count against ``retries``.
+
+        raise orchestrator.Retry(after=30, reason="the upstream API is rate limited")
+
+    A bad ``after`` (not a number, negative, not finite) is a ValueError at the raise,
+    and the task fails with it."""
+
+    def __init__(self, after: float, reason: str = "") -> None:
+        if isinstance(after, bool) or not isinstance(after, (int, float)) or not 0 <= after < float("inf"):
+            raise ValueError(f"Retry: after must be a number of seconds of at least 0, got {after!r}")
+        if not isinstance(reason, str):
+            raise ValueError(f"Retry: reason must be a string, got {type(reason).__name__}")
+        super().__init__(after, reason)
+        self.after = float(after)
+        self.reason = " ".join(reason.split())[:REASON_MAX]
+
+    def __str__(self) -> str:
+        return f"retry after {self.after:g} s" + (f": {self.reason}" if self.reason else "")
 
 
 _owner = 0  # the pid install_sigterm_handler() was called in

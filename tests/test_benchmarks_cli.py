@@ -88,5 +88,6 @@ def test_tiny_tasks_section_compares_the_executor_with_its_peers(tmp_path: Path)
     assert sched["orchestrator.Executor, FIFO (no options)"]["rate"] > 0
     assert sched["orchestrator.Executor, 8 tenants x 3 priorities"]["rate"] > 0
     names = [t["target"] for t in json.loads((tmp_path / "results.json").read_text())["targets"]]
-    assert sum(n.startswith("tasks: ") for n in names) == len(res["targets"]) == 7
+    assert res["parked"]["late_s"]["n"] > 0 and res["parked"]["late_s"]["p50"] >= 0
+    assert sum(n.startswith("tasks: ") for n in names) == len(res["targets"]) == 8
     assert "1. tiny tasks" in done.stdout and "4. kill -9" in done.stdout

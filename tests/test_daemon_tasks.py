@@ -178,7 +178,7 @@ def test_task_metrics_status_and_events(daemon: DaemonUnderTest, jobs: Path) -> 
         ids = [_submit(client, jobs, "add", i, 1) for i in range(3)]
         assert [_result(client, t)["state"] for t in ids] == ["DONE"] * 3
         pool = [p for p in client.status()["pools"] if p["name"] == "jobs"][0]
-    assert pool["kind"] == "executor" and pool["tasks"] == {"queued": 0, "running": 0, "done": 3, "failed": 0,
+    assert pool["kind"] == "executor" and pool["tasks"] == {"queued": 0, "running": 0, "waiting": 0, "done": 3, "failed": 0,
                                                                 "cancelled": 0, "timed_out": 0, "lost": 0,
                                                                 "tenants": {}}
     text = cli(daemon.state_dir, "metrics").stdout

@@ -464,6 +464,33 @@ def test_a_file_of_schema_2_is_read_without_keys_and_migrated_by_the_writer(tmp_
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'tasks_key'").fetchone() == ("tasks_key",)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+
+
+WAIT_COLUMNS = ("deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason")
+
+
+def test_a_file_of_schema_2_gains_the_wait_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """Version 3 adds a task's deadline, backoff and wait (daemon/taskwait.py): a version 2
+    file reads them as NULL until a writer opens it, which adds each column once (one it
+    has already is left as it is)."""
+    db = tmp_path / "state.db"
+    _old_file(db, 2, *(f"ALTER TABLE tasks ADD COLUMN {c}" for c in ("priority INTEGER", "tenant TEXT", "waits INTEGER")),
+              "INSERT INTO tasks(id, pool, n, state, attempts, retries, queued_at, payload) "
+              "VALUES ('jobs/1', 'jobs', 1, 'QUEUED', 0, 0, 1.0, x'00')")  # waits: as if a part of it were there
+    with Store(db, readonly=True) as r:
+        (row,) = r.tasks()
+        assert row["id"] == "jobs/1" and all(row[c] is None for c in WAIT_COLUMNS)
+    with Store(db) as s:
+        (row,) = s.tasks()
+        s.save_task({**row, "state": "WAITING", "deadline": 30.0, "backoff_min": 0.5, "backoff_max": 4.0,
+                     "waits": 2, "wait_until": 99.5, "wait_reason": "rate limited"})
+        s.commit()
+        (row,) = s.tasks()  # unfinished: WAITING is not retired
+        assert [row[c] for c in WAIT_COLUMNS] == [30.0, 0.5, 4.0, 2, 99.5, "rate limited"]
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     conn.close()
 
 

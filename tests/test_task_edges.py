@@ -60,7 +60,7 @@ def test_status_counts_each_end_apart(daemon: DaemonUnderTest, executors: list[E
         wait_for(lambda: client.call("task_result", {"id": slow})["state"] == "RUNNING", 30, "the task to run")
         assert client.call("task_cancel", {"ids": [slow]}) == [True]
     counts = [p for p in cli_json(daemon.state_dir, "status")["pools"] if p["name"] == "jobs"][0]["tasks"]
-    assert counts == {"queued": 0, "running": 0, "done": 1, "failed": 1, "cancelled": 1, "timed_out": 1, "lost": 0,
+    assert counts == {"queued": 0, "running": 0, "waiting": 0, "done": 1, "failed": 1, "cancelled": 1, "timed_out": 1, "lost": 0,
                       "tenants": {}}
     line = [ln for ln in cli(daemon.state_dir, "status").stdout.splitlines() if ln.startswith("pool jobs:")][0]
     assert line.endswith("tasks 0 queued, 0 running, 1 done, 1 failed, 1 cancelled, 1 timed out"), line

@@ -310,7 +310,7 @@ def test_idle_workers_first_then_one_held_task_per_busy_worker(make: Callable[..
     assert w2.tasks_sent(2) == [t[1].n, t[3].n]  # then one more each, held behind what runs
     assert [x.state for x in t] == [T.RUNNING, T.RUNNING, T.QUEUED, T.QUEUED, T.QUEUED]
     assert list(h.xp.queue) == [t[4]]
-    assert h.commands.pool_counts(POOL) == {"queued": 3, "running": 2, "done": 0, "failed": 0, "cancelled": 0,
+    assert h.commands.pool_counts(POOL) == {"queued": 3, "running": 2, "waiting": 0, "done": 0, "failed": 0, "cancelled": 0,
                                             "timed_out": 0, "lost": 0, "tenants": {"": {"queued": 3, "running": 2}}}
     assert h.kinds(t[0].ref) == ["started"] and h.kinds(t[2].ref) == []
     w1.send(w.RESULT, t[0].n, b"r1")

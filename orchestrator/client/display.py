@@ -134,8 +134,12 @@ def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, fl
 
 def _task_counts(counts: Mapping[str, int]) -> str:
     """``2 queued, 1 running, 40 done, 3 failed``: done is a result; the other ends (failed,
-    cancelled, timed out, lost) are shown apart, each once there is one."""
-    text = f"{counts.get('queued', 0)} queued, {counts.get('running', 0)} running, {counts.get('done', 0)} done"
+    cancelled, timed out, lost) are shown apart, each once there is one, as are the tasks
+    waiting for a time (``1 waiting``, after running)."""
+    text = f"{counts.get('queued', 0)} queued, {counts.get('running', 0)} running"
+    if counts.get("waiting"):
+        text += f", {counts['waiting']} waiting"
+    text += f", {counts.get('done', 0)} done"
     for key in ("failed", "cancelled", "timed_out", "lost"):
         if counts.get(key):
             text += f", {counts[key]} {key.replace('_', ' ')}"

@@ -34,7 +34,8 @@ P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
-           "ended_at", "reason", "kind", "priority", "tenant", "key")
+           "ended_at", "reason", "kind", "priority", "tenant", "key", "deadline", "waits", "wait_until",
+           "wait_reason")
 
 
 def _json_value(text: str) -> Any:
@@ -84,6 +85,9 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
                    help="seconds the task may run (default: the pool's)")
     p.add_argument("--retries", type=natural, metavar="N",
                    help="runs again this often if its worker dies (default: the pool's)")
+    p.add_argument("--deadline", type=positive_seconds, metavar="S",
+                   help="seconds from now that bound every wait and retry of the task (it may raise "
+                        "orchestrator.Retry): past it, TIMED_OUT wherever it is (default: none)")
     p.add_argument("--priority", type=_priority, metavar="N",
                    help="a whole number: a task of a higher priority starts first (default 0)")
     p.add_argument("--tenant", metavar="T",
@@ -103,7 +107,7 @@ def add_parsers(sub: argparse._SubParsersAction[P], common: P) -> None:
     p.add_argument("--watch", action="store_true", help="a live table, redrawn in place, until Ctrl-C")
     p.add_argument("--interval", type=positive_seconds, default=1.0, help="seconds between redraws (default 1)")
 
-    p = sub.add_parser("cancel", parents=[common], help="cancel queued or running tasks")
+    p = sub.add_parser("cancel", parents=[common], help="cancel queued, waiting or running tasks")
     p.add_argument("ids", nargs="+", metavar="TASK")
     p.add_argument("--json", action="store_true")
 
@@ -133,6 +137,8 @@ def cmd_submit(args: argparse.Namespace, paths: Paths) -> int:
         call["timeout"] = args.timeout
     if args.retries is not None:
         call["retries"] = args.retries
+    if args.deadline is not None:
+        call["deadline"] = args.deadline
     if args.priority is not None:
         call["priority"] = args.priority
     if args.tenant is not None:
@@ -343,9 +349,13 @@ def _table(rows: Sequence[dict[str, Any]], *, running: bool) -> str:
 
 
 def _why(row: dict[str, Any]) -> str:
-    """A task's REASON column: how it ended, or for a queued one why it waits."""
+    """A task's REASON column: how it ended, or for a queued or WAITING one why it waits."""
     if row.get("reason"):
         return str(row["reason"])
+    if row.get("wait_until") is not None:
+        from .display import clock
+
+        return f"waiting until {clock(row['wait_until'])}: {row.get('wait_reason') or ''}".rstrip(": ")
     return f"waiting: {row['waiting']}" if row.get("waiting") else ""
 
 

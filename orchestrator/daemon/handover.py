@@ -1,10 +1,10 @@
 """`orchestrator upgrade`: the daemon re-executes itself in place, as `systemctl daemon-reexec`.
 
     upgrade (a command) ──► the new code tried in a separate process: ``python -P -m
-        │                   orchestrator.daemon.main --check 2`` imports the daemon's
+        │                   orchestrator.daemon.main --check 3`` imports the daemon's
         │                   modules and every program it starts (manager server,
         │                   watchdog, spawner, task worker) and says whether it reads
-        │                   hand-over version 2 (no: the command's one-line error,
+        │                   hand-over version 3 (no: the command's one-line error,
         │                   nothing touched)
         ├─► quiesce: new spawns held, wait (bounded) until no ended replica's tree is
         │   still draining (no: refused, the spawns go on)
@@ -18,7 +18,7 @@
             (a process's, on a carried fd) is kept; the new image rebuilds (``Daemon``
             with ``handover``), unblocks the signals, and answers the upgrade command.
 
-What carries over, by fd (``HANDOVER`` version 2): the pid file's lock, the watchdog's feed
+What carries over, by fd (``HANDOVER`` version 3): the pid file's lock, the watchdog's feed
 pipe (and its ledger, to replay to a restarted watchdog), the manager's two pipes (and the
 bytes of a frame half read or half written), each replica's log pipes (read ends), its
 ready pipe while its exec is not confirmed, its notify socket (a ``READY=1`` sent during the
@@ -36,8 +36,9 @@ the replica's start), the signal pipe, the loop-lag monitor and the metrics coun
 attempt of a probe in flight at the exec is cut short (killed whole) and made again at once
 by the new image, within the same deadline. Monotonic deadlines survive exec (one clock for
 the whole machine). Version 2 adds the STARTING replicas, ready pipes, notify sockets and
-escaped descendants to version 1 (whose images waited until nothing was STARTING); this
-code reads both.
+escaped descendants to version 1 (whose images waited until nothing was STARTING); version 3
+adds tasks that wait for a time (WAITING, with their deadline, backoff and wait: an image
+before it cannot take one, so its ``--check`` refuses the hand-over); this code reads all three.
 
 Not carried, so refused with one line: a rollout or a reload's ordered delete in flight
 (each is a sequence of steps the new image would have to resume half way). A replica reaped
@@ -76,8 +77,8 @@ from ..version import __version__
 
 log = logging.getLogger("orchestrator")
 
-HANDOVER = 2  # the format this code writes
-SUPPORTED = frozenset({1, 2})  # the formats this code reads (1: no STARTING replica in it)
+HANDOVER = 3  # the format this code writes
+SUPPORTED = frozenset({1, 2, 3})  # the formats this code reads (1: no STARTING replica in it; 2: no WAITING task)
 CHECK_TIMEOUT = 30.0  # the --check process: imports only, normally well under a second
 QUIESCE_TIMEOUT = 10.0  # draining trees, before an upgrade is refused
 BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)  # kept pending across the exec

@@ -361,6 +361,8 @@ class Metrics:
                 name = str(p.get("name"))
                 queued_running += [((name, "QUEUED"), _number(counts.get("queued"))),
                                    ((name, "RUNNING"), _number(counts.get("running")))]
+                if "waiting" in counts:  # a daemon's status from before Retry has none
+                    queued_running.append(((name, "WAITING"), _number(counts["waiting"])))
                 tenants = counts.get("tenants")
                 if isinstance(tenants, Mapping):
                     for tenant, (queued, running) in _bounded_tenants(tenants):

@@ -2,7 +2,8 @@
 collaborator that reads the table's public views and gives back through its public methods
 (as systemd's ``*-serialize.c`` sit beside what they serialize). Loop thread only.
 
-    restore          at a start: the store's unfinished tasks, queued again or LOST
+    restore          at a start: the store's unfinished tasks, queued again or LOST; a
+                     WAITING one waits for its time again (its deadline too)
     before_handover  an upgrade, in the image that goes: what waits on it answered
     carried          ...its tasks, workers' connections and cancel words, sessions' unread
                      events and the listener, as one JSON document (fds made inheritable)
@@ -22,7 +23,7 @@ from ..errors import InvalidSpec
 from ..states import TaskState as T
 from .pools import Pool
 from .reactor import BufferedWriter, Timer
-from .taskrecords import Doc, ExecPool, Task, Worker, as_bytes, as_text, parse_options, queue_place
+from .taskrecords import Doc, ExecPool, Task, Worker, as_bytes, as_text, parse_options, queue_place, wait_fields
 from .tasktable import Table, TaskTable, log
 
 
@@ -64,14 +65,14 @@ class TaskCarry:
                 task = Task(row["id"], int(row["n"]), xp, row["payload"], None, None, row["timeout"],
                             int(row["retries"]), state=T(row["state"]), attempts=int(row["attempts"]),
                             worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
-                            started_at=row["started_at"], **queue_place(row))
-                tasks.add(task)
+                            started_at=row["started_at"], **queue_place(row), **wait_fields(row))
+                tasks.add(task)  # a WAITING one waits for its time again, a deadline is armed again
                 if task.state is T.RUNNING:
-                    if task.attempts <= task.retries and task.payload:
+                    if task.may_run_again() and task.payload:
                         tasks.requeue(task, "the daemon died while it ran")
                     else:
                         tasks.end(task, T.LOST, "lost", "the daemon died while it ran")
-                else:
+                elif task.state is T.QUEUED:
                     tasks.enqueue(task)
 
     def _keep_about(self, pool: Pool, xp: ExecPool, stored: Doc) -> None:
@@ -162,7 +163,7 @@ class TaskCarry:
                         attempts=int(row["attempts"]), worker_id=row["worker"], queued_at=row["queued_at"] or 0.0,
                         started_at=row["started_at"], slot=int(row.get("slot") or 0),
                         asked_back=bool(row.get("asked_back")), stopping=bool(row.get("stopping")),
-                        **queue_place(row))
+                        **queue_place(row), **wait_fields(row))
             if row.get("timer") is not None:
                 tasks.arm_timeout(task, max(0.0, float(row["timer"]) - now))
             tasks.add(task)

@@ -34,8 +34,8 @@ from ..errors import InvalidSpec, UnknownPool, UnknownTask
 from ..states import TaskState as T
 from .pools import Pool
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Task, as_bytes, listing, outcome, parse_options, priority, queue_place,
-    target_payload, tenant,
+    Doc, ExecPool, Reply, Session, Task, as_bytes, backoff, deadline, listing, outcome, parse_options, priority,
+    queue_place, target_payload, tenant, wait_fields,
 )
 from .tasktable import WORKER_TARGET, Table, TaskTable
 
@@ -197,12 +197,13 @@ class TaskCommands:
         arrived before. With ``numbers``, a batch's answer is ``{"ids", "numbers"}``: the
         session's next block of task numbers granted with it. Each task may name its own
         ``timeout``, ``retries`` (else the pool's), ``priority`` and ``tenant`` (its place
-        in the queue: taskqueue.py), and ``key``: a key that names a task of the pool
-        already (unfinished, or ended and kept) is that task, not a second run. A session's
-        keyed task is answered ``{"id", "shared"}`` (a batch with one: ``{"ids",
-        "shared"}``, the ids among them): shared, the task is another future's (another
-        session's, or another ref's), and this ref hears nothing of it (its submitter
-        follows it by id)."""
+        in the queue: taskqueue.py), ``deadline`` (seconds from now: past it, TIMED_OUT
+        wherever it is), ``backoff`` ([MIN, MAX] seconds before a re-run of its retry_on:
+        taskwait.py) and ``key``: a key that names a task of the pool already (unfinished,
+        or ended and kept) is that task, not a second run. A session's keyed task is answered
+        ``{"id", "shared"}`` (a batch with one: ``{"ids", "shared"}``, the ids among them):
+        shared, the task is another future's (another session's, or another ref's), and this
+        ref hears nothing of it (its submitter follows it by id)."""
         xp = self._exec_pool(args.get("pool"))
         session = self.tasks.session(args.get("session")) if args.get("session") is not None else None
         batch = args.get("tasks")
@@ -310,7 +311,8 @@ class TaskCommands:
         """An ended task the store keeps (no longer in memory), as a record to tell its end."""
         task = Task(row["id"], int(row["n"]), xp, None, None, None, row["timeout"], int(row["retries"] or 0),
                     state=T(row["state"]), attempts=int(row["attempts"] or 0), worker_id=row["worker"],
-                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"], **queue_place(row))
+                    queued_at=row["queued_at"] or 0.0, started_at=row["started_at"], **queue_place(row),
+                    **wait_fields(row))
         task.ended_at, task.reason, task.kind, task.result = row["ended_at"], row["reason"], row["kind"], row["result"]
         return task
 
@@ -346,7 +348,8 @@ class TaskCommands:
             raise InvalidSpec(f"task number {n!r} was not handed out by executor pool {xp.name!r}")
         key = protocol.task_key(one["key"]) if one.get("key") is not None else None
         return Task("", n or 0, xp, payload, one.get("ref"), session, timeout, retries,
-                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")), key=key)
+                    priority=priority(one.get("priority", 0)), tenant=tenant(one.get("tenant")), key=key,
+                    deadline=deadline(one.get("deadline")), backoff=backoff(one.get("backoff")))
 
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
@@ -502,10 +505,11 @@ class TaskCommands:
         return self.tasks.workers(xp) if xp is not None else None
 
     def pool_counts(self, name: str) -> Doc | None:
-        """An executor pool's tasks for ``status``: queued and running now; ended since the
-        daemon started, by how: done (a result), failed (raised, or WorkerLost), cancelled,
-        timed_out, lost (the daemon died while it ran); ``tenants``: the queued and running
-        by tenant, for each tenant that has either (``""``: the tasks with no tenant)."""
+        """An executor pool's tasks for ``status``: queued, running and waiting (for a time:
+        Retry, a retry_on backoff) now; ended since the daemon started, by how: done (a
+        result), failed (raised, or WorkerLost), cancelled, timed_out, lost (the daemon died
+        while it ran); ``tenants``: the queued and running by tenant, for each tenant that
+        has either (``""``: the tasks with no tenant)."""
         xp = self.tasks.pools.get(name)
         if xp is None:
             return None
@@ -522,6 +526,6 @@ class TaskCommands:
                 if t.state is T.RUNNING or t.state is T.QUEUED:
                     count(t.tenant, t.state.value.lower(), 1)
         return {"queued": sum(c["queued"] for c in tenants.values()),
-                "running": sum(c["running"] for c in tenants.values()),
+                "running": sum(c["running"] for c in tenants.values()), "waiting": self.tasks.parked(xp),
                 **{state.value.lower(): xp.ended[state.value] for state in T if state.terminal},
                 "tenants": tenants}

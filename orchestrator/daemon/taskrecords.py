@@ -62,6 +62,20 @@ class Task:
     tenant: str | None = None  # whose: tenants share the workers by weight
     aged: bool = False  # it waited its pool's max_wait: above every priority now
     key: str | None = None  # its submitter's name for it (options(key=)): one task of its pool per key
+    # Waiting and retrying (taskwait.py): seconds from queued_at past which it is TIMED_OUT
+    # wherever it is; the (min, max) seconds of its retry_on's jittered exponential backoff;
+    # how many of its attempts ended in a wait (they do not count against ``retries``);
+    # while WAITING, the wall clock it is queued again at and why it waits.
+    deadline: float | None = None
+    backoff: tuple[float, float] | None = None
+    waits: int = 0
+    wait_until: float | None = None
+    wait_reason: str | None = None
+
+    def may_run_again(self) -> bool:
+        """Do ``retries`` remain for another attempt (one cut short, or of its retry_on)? The
+        attempts that ended in a wait (Retry) do not count."""
+        return self.attempts - self.waits <= self.retries
 
     def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
@@ -73,6 +87,9 @@ class Task:
                 "queued_at": self.queued_at, "started_at": self.started_at,
                 "ended_at": self.ended_at, "reason": self.reason,
                 "priority": self.priority, "tenant": self.tenant, "key": self.key,
+                "deadline": self.deadline, "backoff_min": self.backoff[0] if self.backoff else None,
+                "backoff_max": self.backoff[1] if self.backoff else None, "waits": self.waits,
+                "wait_until": self.wait_until, "wait_reason": self.wait_reason,
                 "payload": self.payload if not self.state.terminal else None,
                 "kind": self.kind, "result": self.result}
 
@@ -301,6 +318,44 @@ def queue_place(row: Doc) -> QueuePlace:
     has none: 0 and None)."""
     return {"priority": int(row.get("priority") or 0), "tenant": row.get("tenant") or None,
             "key": row.get("key") or None}
+
+
+class WaitFields(TypedDict):
+    deadline: float | None
+    backoff: tuple[float, float] | None
+    waits: int
+    wait_until: float | None
+    wait_reason: str | None
+
+
+def wait_fields(row: Doc) -> WaitFields:
+    """A stored or carried task's deadline, backoff and wait (a row of an earlier version
+    has none of them)."""
+    low, high = row.get("backoff_min"), row.get("backoff_max")
+    return {"deadline": row.get("deadline"), "backoff": (float(low), float(high)) if low is not None and high is not None
+            else None, "waits": int(row.get("waits") or 0), "wait_until": row.get("wait_until"),
+            "wait_reason": row.get("wait_reason")}
+
+
+def deadline(raw: Any) -> float | None:
+    """A task's deadline: seconds from its submit, above 0 (None: none; InvalidSpec, one line)."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
+        raise InvalidSpec(f"deadline must be a number of seconds from the submit above 0, got {raw!r}")
+    return float(raw)
+
+
+def backoff(raw: Any) -> tuple[float, float] | None:
+    """A task's retry_on backoff: [MIN, MAX] seconds, 0 <= MIN <= MAX (None: the default;
+    InvalidSpec, one line)."""
+    if raw is None:
+        return None
+    if (not isinstance(raw, (list, tuple)) or len(raw) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in raw)
+            or raw[0] > raw[1]):
+        raise InvalidSpec(f"backoff must be [MIN, MAX] seconds with 0 <= MIN <= MAX, got {raw!r}")
+    return float(raw[0]), float(raw[1])
 
 
 def priority(raw: Any) -> int:

@@ -16,8 +16,11 @@ by weight within one, FIFO within a tenant, ``max_wait`` aging.
     submit ─► QUEUED ─► (an idle worker) ─► RUNNING ─► RESULT: DONE   RAISED: FAILED
                  ▲                            │ cancel ─► CANCELLED ┐ Cancelled raised in it;
                  │                            │ timeout ─► TIMED_OUT┘ still busy after grace:
-                 └── its worker died, retries left                    its tree killed
-                                              └ its worker died ─► FAILED (WorkerLost, reason)
+                 ├── its worker died, retries left                    its tree killed
+                 │                            ├ its worker died ─► FAILED (WorkerLost, reason)
+                 └── at its time ◄─ WAITING ◄─┘ RETRY: Retry(after=), or retry_on's exception
+                                              (holds no worker; taskwait.py; a deadline ends
+                                              it TIMED_OUT wherever it is)
 
 Workers connect to one listener (``$ORCHESTRATOR_TASK_SOCKET``, an abstract socket unless
 a path is given); a connection is accepted only from the main process of a live replica
@@ -65,6 +68,7 @@ from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
 from .taskqueue import TaskQueue, lane_key
+from .taskwait import End, TaskWait, deadline_line
 from .taskrecords import (
     Doc, ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
     size_text,
@@ -178,6 +182,7 @@ class TaskTable:
 
     views       ``address``, ``pools``, ``live``, ``ended``, ``sessions``, ``unidentified``,
                 ``listener_fd``; ``task(id)``, ``by_key(pool, key)``; ``waiting(task)`` (why it has not started),
+                ``parked(pool)`` (its WAITING tasks),
                 ``workers(pool)`` (busy, idle, min, max, budget)
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
@@ -215,6 +220,7 @@ class TaskTable:
         self._hello_limit = lambda kind: HELLO_MAX  # not identified yet: a HELLO or nothing
         self._memory = TreeMemory(table.reactor.monotonic)
         self._elastic = Elastic(table, self._memory, self._dispatch)  # an elastic pool's size
+        self._waits = TaskWait(table.reactor, table.os.time, self._resume, self._past_deadline)  # Retry, deadlines
 
     # -- the listener -------------------------------------------------------------------
 
@@ -533,6 +539,7 @@ class TaskTable:
         self._live[task.id] = task
         if task.key is not None:
             self._keys[(task.pool.name, task.key)] = task
+        self._waits.watch(task)  # its deadline, and a WAITING one's time
 
     def enqueue(self, task: Task) -> None:
         """A QUEUED task already the table's (``add``) waits last in its pool's queue; it is
@@ -727,6 +734,49 @@ class TaskTable:
                                                  task.timeout])
         self._interrupt(worker, task, w.TIMEOUT)
 
+    # -- waiting for a time (taskwait.py) ---------------------------------------------------
+
+    def _retry(self, task: Task, payload: bytes) -> None:
+        """``task``'s worker answered RETRY (Retry raised, or an exception of its retry_on):
+        it waits for its time holding no worker, or ends if no retries remain."""
+        got = self._waits.answer(task, payload)
+        if isinstance(got, End):
+            if got.reason is not None:
+                task.reason = got.reason
+            self.end(task, T.FAILED, got.kind, got.data)
+            return
+        task.state = task_transition(task.id, task.state, T.WAITING)
+        if task.timer is not None:  # its timeout counts one attempt's run
+            task.timer.cancel()
+            task.timer = None
+        task.waits += not got.counted
+        self._waits.park(task, got.delay, got.why)
+        self._save(task, T.RUNNING)
+        log.info("%s: waits %.3g s: %s", task.id, got.delay, got.why)
+        self.table.changed()
+
+    def _resume(self, task: Task) -> None:
+        """A waiting task's time has come: first in its pool's queue again."""
+        if task.state is not T.WAITING:
+            return
+        task.state = task_transition(task.id, task.state, T.QUEUED)
+        self._waits.forget(task)
+        task.wait_reason = None  # QUEUED: why it waits now is the pool's (``waiting``)
+        task.pool.queue.push_front(task)
+        self._save(task, T.WAITING)
+        self._dispatch(task.pool)
+        if task.state is T.QUEUED:
+            self._hopeless(task.pool)
+        self.table.changed()
+
+    def _past_deadline(self, task: Task) -> None:
+        """``task`` passed its deadline: TIMED_OUT wherever it is; one that runs (or waits
+        held by its worker) gets the timeout's exception, as at its timeout."""
+        worker = task.worker
+        self.end(task, T.TIMED_OUT, "timeout", [deadline_line(task, task.state is T.WAITING), task.deadline])
+        if worker is not None:
+            self._interrupt(worker, task, w.TIMEOUT)
+
     def _interrupt(self, worker: Worker, task: Task, cause: int) -> None:
         """The exception of ``cause`` raised in ``task``, in its worker; the worker's whole
         tree killed if it has not answered for the task ``grace`` seconds after it began to
@@ -770,6 +820,7 @@ class TaskTable:
         if task.timer is not None:
             task.timer.cancel()
             task.timer = None
+        self._waits.forget(task)
         worker = task.worker
         if worker is not None and worker.task is task:  # it runs: the worker answers for it when it stops
             task.stopping = True
@@ -809,9 +860,12 @@ class TaskTable:
         if journal.store is None:
             return
         journal.store.save_task(task.record())
-        event = {"task": task.id, "pool": task.pool.name, "from": old.value if old else None, "to": task.state.value}
+        event: Doc = {"task": task.id, "pool": task.pool.name, "from": old.value if old else None,
+                      "to": task.state.value}
         if task.reason is not None and task.state.terminal:
             event["reason"] = task.reason
+        elif task.state is T.WAITING:
+            event["reason"], event["until"] = task.wait_reason, task.wait_until
         if task.worker_id is not None:
             event["worker"] = task.worker_id
         journal.event("task", event)
@@ -1011,7 +1065,7 @@ class TaskTable:
 
     def _limit(self, kind: int) -> int:
         """The largest payload an identified worker's frame of ``kind`` may have."""
-        if kind in (w.RESULT, w.RAISED):
+        if kind in (w.RESULT, w.RAISED, w.RETRY):  # a RETRY may carry retry_on's exception
             return w.MAX_FRAME if self.result_max_bytes is None else self.result_max_bytes
         return LINE_MAX
 
@@ -1020,10 +1074,10 @@ class TaskTable:
         or exception fails its task in one line (the worker lives on); anything else is
         a peer that is no worker of ours, or a broken one, and is closed."""
         task = worker.task
-        if kind in (w.RESULT, w.RAISED) and worker.pid and task is not None and task.n == number:
+        if kind in (w.RESULT, w.RAISED, w.RETRY) and worker.pid and task is not None and task.n == number:
             limit = self.result_max_bytes
             assert limit is not None
-            what = "result" if kind == w.RESULT else "exception"
+            what = "result" if kind == w.RESULT else "exception"  # RETRY: retry_on's
             line = f"its {what} of {size} bytes is over the limit of {size_text(limit)} (--result-max-bytes)"
             self._frame(worker, w.UNPICKLABLE, number, line.encode("utf-8"))
             return
@@ -1095,7 +1149,7 @@ class TaskTable:
         if task is not None and task is worker.asked and task.n == number:
             self._answered(worker)  # it ran and ended before the ask reached it
             self._head(worker)
-        if task is None or task.n != number or kind not in (w.RESULT, w.RAISED, w.UNPICKLABLE, w.STOPPED):
+        if task is None or task.n != number or kind not in (w.RESULT, w.RAISED, w.UNPICKLABLE, w.STOPPED, w.RETRY):
             log.warning("%s: an answer for a task it does not run; ignored", self._name(worker))
             return
         worker.tasks.popleft()
@@ -1116,6 +1170,8 @@ class TaskTable:
                 self.end(task, T.FAILED, "raised", payload)
             elif kind == w.UNPICKLABLE:
                 self.end(task, T.FAILED, "error", f"task {task.id}: " + payload.decode("utf-8", "replace"))
+            elif kind == w.RETRY:
+                self._retry(task, payload)
             else:  # STOPPED for a task we did not stop: cannot be; as a cancel
                 self.end(task, T.CANCELLED, "cancelled", None)
         worker.done += 1
@@ -1167,13 +1223,20 @@ class TaskTable:
 
     def waiting(self, task: Task) -> str | None:
         """Why ``task`` has not started, in a few words ("all 4 workers busy", "worker
-        starting", "memory budget 512 MiB reached (480 MiB used)"); None unless QUEUED."""
+        starting", "memory budget 512 MiB reached (480 MiB used)"; WAITING: its reason);
+        None once it has started."""
+        if task.state is T.WAITING:
+            return task.wait_reason
         if task.state is not T.QUEUED:
             return None
         worker = task.worker
         if worker is not None:
             return f"held by {self._name(worker)}, behind the task it runs"
         return self._elastic.waiting(task.pool)
+
+    def parked(self, xp: ExecPool) -> int:
+        """How many of ``xp``'s tasks are WAITING for their time (``status``, the metrics)."""
+        return self._waits.count(xp.name)
 
     def workers(self, xp: ExecPool) -> Doc:
         """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a
@@ -1282,7 +1345,7 @@ class TaskTable:
             task.worker = None
             memory = self._memory_reason(xp, worker, rep)  # it passed memory_max: it would again
             reason = self.stop_reason if self.table.closing else memory or worker.lost_reason or how_it_ended(rep)
-            if task.attempts <= task.retries and not xp.closing and memory is None:
+            if task.may_run_again() and not xp.closing and memory is None:
                 # Cut short by something not its own doing: it runs again (after the next
                 # start, if the daemon is stopping), the attempt counted.
                 self.requeue(task, f"its worker {rep.id} was lost ({reason})")
