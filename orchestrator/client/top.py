@@ -1,0 +1,36 @@
+"""``orchestrator top``: the entry of the live view. Textual is the ``tui`` extra, so this
+module checks it is installed (without importing it) and only then loads the screen
+(client/topview.py); no other command imports either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from ..paths import Paths
+
+EXIT_OK, EXIT_ERROR = 0, 1
+INSTALL = "orchestrator top needs the tui extra: pip install 'orchestrator[tui]' (Textual)"
+FEED_TIMEOUT = 2.0  # the feed's reads: a hung daemon delays `q` by at most this (the terminal is restored first)
+
+
+def textual_missing() -> bool:
+    return importlib.util.find_spec("textual") is None
+
+
+def cmd_top(args: argparse.Namespace, paths: Paths) -> int:
+    if textual_missing():
+        print(f"orchestrator: {INSTALL}", file=sys.stderr)
+        return EXIT_ERROR
+    from .channel import Client
+
+    client = Client(paths.state_dir)  # no daemon: DaemonNotRunning, exit 3, as for every command
+    try:
+        with Client(paths.state_dir, timeout=FEED_TIMEOUT) as feed_client:
+            from .topview import run
+
+            return run(paths, client, feed_client)
+    finally:
+        client.close()
