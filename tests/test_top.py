@@ -97,10 +97,11 @@ async def cursor_to(pilot: Any, app: Any, table: str, key: str) -> None:
 
 def make_app(state_dir: Path) -> Any:
     from orchestrator.client.channel import Client
+    from orchestrator.client.topfeed import Feed
     from orchestrator.client.topview import TopApp
     from orchestrator.paths import Paths
 
-    return TopApp(Paths(state_dir), Client(state_dir), Client(state_dir, timeout=2.0))
+    return TopApp(Paths(state_dir), Client(state_dir), Feed(Paths(state_dir), Client(state_dir, timeout=2.0)))
 
 
 def run_app(state_dir: Path, body: Callable[[Any, Any], Any]) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import threading
 
 from ..paths import Paths
 
@@ -25,12 +26,19 @@ def cmd_top(args: argparse.Namespace, paths: Paths) -> int:
         print(f"orchestrator: {INSTALL}", file=sys.stderr)
         return EXIT_ERROR
     from .channel import Client
+    from .topfeed import Feed
 
     client = Client(paths.state_dir)  # no daemon: DaemonNotRunning, exit 3, as for every command
     try:
         with Client(paths.state_dir, timeout=FEED_TIMEOUT) as feed_client:
+            feed = Feed(paths, feed_client)
+            # The first reads overlap the UI library's import (~0.3 s, most of the start-up):
+            # they mostly wait on the daemon, the import mostly runs Python.
+            primer = threading.Thread(target=feed.prime, name="top: first reads", daemon=True)
+            primer.start()
             from .topview import run
 
-            return run(paths, client, feed_client)
+            primer.join(FEED_TIMEOUT)  # past that, the UI starts empty and the feed's loop waits for it
+            return run(paths, client, feed)
     finally:
         client.close()

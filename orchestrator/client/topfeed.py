@@ -186,21 +186,26 @@ class Feed:
     """Reads the daemon for ``top``: ``run`` is its loop (a thread of the client's own),
     ``select`` and ``poke`` are called from the UI thread, ``view`` is the latest picture.
     ``log_readers``: how a log is read, by whose it is ("replica", and "task" once per-task
-    logs exist: the log pane asks for it when a task is selected)."""
+    logs exist: the log pane asks for it when a task is selected). ``daemon_pid``: who holds
+    the state dir's pid file (paths.running_pid; a test's stand-in)."""
 
     def __init__(self, paths: Paths, client: Client, *, tick: float = TICK,
-                 log_readers: Mapping[str, LogReader] | None = None) -> None:
+                 log_readers: Mapping[str, LogReader] | None = None,
+                 daemon_pid: Callable[[Paths], int | None] = running_pid) -> None:
         self.paths = paths
         self.client = client
         self.tick = tick
+        self.daemon_pid = daemon_pid
         self.log_readers: dict[str, LogReader] = {"replica": replica_log, **(log_readers or {})}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._running = threading.Lock()  # prime() and run(): one at a time, in order
+        self._next_pid = self._next_status = 0.0
         self._selection = Selection()
         self._status_due = True
         self._tasks_due = True
         self._log_due = True
-        self._pid = running_pid(paths)
+        self._pid = daemon_pid(paths)
         self._store: Store | None = None
         self._seq = 0
         self._events: list[EventLine] = []
@@ -233,41 +238,59 @@ class Feed:
 
     # -- the loop --------------------------------------------------------------------
 
+    def prime(self) -> None:
+        """The first reads (the journal's tail, ``status``), so that the first frame has
+        data: top.py runs this while the UI library is being imported."""
+        with self._running:
+            now = time.monotonic()
+            self._tail()
+            self._check_daemon()
+            self._refresh_status()
+            self._refresh_tasks(self._selection)
+            self._next_pid = now + PID_EVERY
+            self._next_status = now + STATUS_GAP
+            self.view = self._make_view()
+
     def run(self, publish: Callable[[View], None], stop: threading.Event) -> None:
         """Until ``stop`` is set: read what changed and ``publish`` a new View when the
         picture changed. Every call it makes is bounded (the client's timeout)."""
-        next_status = next_usage = next_log = next_pid = 0.0
-        try:
-            while not stop.is_set():
-                now = time.monotonic()
-                changed = self._tail()
-                if now >= next_pid:
-                    next_pid = now + PID_EVERY
-                    changed |= self._check_daemon()
-                with self._lock:
-                    status_due, tasks_due, log_due = self._status_due, self._tasks_due, self._log_due
-                    selection = self._selection
-                if status_due and now >= next_status and self._gone is None:
-                    next_status = now + STATUS_GAP
-                    changed |= self._refresh_status()
-                if tasks_due and self._gone is None:
-                    changed |= self._refresh_tasks(selection)
-                if now >= next_usage and self._status is not None and self._gone is None:
-                    next_usage = now + USAGE_EVERY
-                    self._usage.take([r["pid"] for r in self._status["replicas"] if r.get("pid")])
-                    changed = True
-                if log_due or now >= next_log:
-                    next_log = now + LOG_EVERY
-                    changed |= self._read_log(selection)
-                if changed:
-                    self.view = self._make_view()
-                    publish(self.view)
-                self._wake.wait(self.tick)
-                self._wake.clear()
-        finally:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+        with self._running:
+            try:
+                self._loop(publish, stop)
+            finally:
+                if self._store is not None:
+                    self._store.close()
+                    self._store = None
+
+    def _loop(self, publish: Callable[[View], None], stop: threading.Event) -> None:
+        # The CPU and RSS are read after the first frame is out (psutil's import, /proc).
+        next_usage, next_log = time.monotonic() + 0.2, 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            changed = self._tail()
+            if now >= self._next_pid:
+                self._next_pid = now + PID_EVERY
+                changed |= self._check_daemon()
+            with self._lock:
+                status_due, tasks_due, log_due = self._status_due, self._tasks_due, self._log_due
+                selection = self._selection
+            if status_due and now >= self._next_status and self._gone is None:
+                self._next_status = now + STATUS_GAP
+                changed |= self._refresh_status()
+            if tasks_due and self._gone is None:
+                changed |= self._refresh_tasks(selection)
+            if now >= next_usage and self._status is not None and self._gone is None:
+                next_usage = now + USAGE_EVERY
+                self._usage.take([r["pid"] for r in self._status["replicas"] if r.get("pid")])
+                changed = True
+            if log_due or now >= next_log:
+                next_log = now + LOG_EVERY
+                changed |= self._read_log(selection)
+            if changed:
+                self.view = self._make_view()
+                publish(self.view)
+            self._wake.wait(self.tick)
+            self._wake.clear()
 
     def _tail(self) -> bool:
         """The journal's new events; True if there were any. A status refresh is due after
@@ -321,7 +344,7 @@ class Feed:
     def _check_daemon(self) -> bool:
         """Has the daemon gone, or come back? True if that changed."""
         try:
-            pid = running_pid(self.paths)
+            pid = self.daemon_pid(self.paths)
         except OrchestratorError:
             pid = None
         if self._gone is None:

@@ -36,7 +36,7 @@ from ..errors import OrchestratorError
 from ..paths import Paths
 from .channel import Client
 from .display import clock, size_text
-from .topfeed import Feed, LogReader, PoolRow, ReplicaRow, Selection, TaskRow, View, uptime
+from .topfeed import Feed, PoolRow, ReplicaRow, Selection, TaskRow, View, uptime
 
 # What each key does, on screen (80 columns): r a rolling restart of the pool, +/- its size,
 # t terminate the replica, s a signal to it, c cancel the task, d delete the pool (asked first).
@@ -169,8 +169,8 @@ def _table(name: str, columns: Sequence[tuple[str, int]]) -> DataTable[str]:
 
 
 class TopApp(App[int]):
-    """The screen. ``paths``: the daemon's state dir; ``client`` for the keys' commands and
-    ``feed_client`` for the feed's reads (each bounded by its own timeout)."""
+    """The screen. ``paths``: the daemon's state dir; ``client`` for the keys' commands;
+    ``feed`` what is shown (its client bounded by its own timeout), primed or not."""
 
     TITLE = "orchestrator top"
     ENABLE_COMMAND_PALETTE = False
@@ -210,17 +210,16 @@ class TopApp(App[int]):
         Binding("escape", "clear_filter", show=False),
     ]
 
-    def __init__(self, paths: Paths, client: Client, feed_client: Client, *,
-                 log_readers: dict[str, LogReader] | None = None, tick: float | None = None) -> None:
+    def __init__(self, paths: Paths, client: Client, feed: Feed) -> None:
         super().__init__()
         self.paths = paths
         self.client = client
-        self.feed = Feed(paths, feed_client, log_readers=log_readers, **({"tick": tick} if tick is not None else {}))
-        self.last: View = self.feed.view
+        self.feed = feed
+        self.last: View = feed.view
         self.filter = ""
         self.stream = "out"
+        self.problem: str | None = None  # the feed's, as last shown
         self._stop = threading.Event()
-        self.busy: list[threading.Thread] = []
 
     # -- layout ----------------------------------------------------------------------
 
@@ -250,6 +249,7 @@ class TopApp(App[int]):
 
     def on_mount(self) -> None:
         self.query_one("#pools", DataTable).focus()
+        self.show(self.last)  # what prime() read, if it ran: the first frame has data
         self.run_worker(self._feed_loop, name="feed", thread=True, exit_on_error=False)
 
     def on_unmount(self) -> None:
@@ -289,14 +289,15 @@ class TopApp(App[int]):
         log = self.query_one("#log", Static)
         log.border_title = view.log_title or "log"
         height = max(1, log.size.height or 3)
-        log.update(Text("\n".join(line[:400] for line in view.log[-height:])))
+        log.update(Text("\n".join(line[:400] for line in view.log[-height:]), no_wrap=True, overflow="ellipsis"))
         events = self.query_one("#events", Static)
         shown = [f"{clock(e.ts)[11:]} {e.kind:<10} {e.who:<14} {e.text}" for e in view.events]
         shown = [line for line in shown if self.matches(line)]
         height = max(1, events.size.height or 3)
-        events.update(Text("\n".join(shown[-height:])))
-        if view.problem is not None:
+        events.update(Text("\n".join(shown[-height:]), no_wrap=True, overflow="ellipsis"))
+        if view.problem is not None and view.problem != self.problem:
             self.post_message(Said(view.problem, True))
+        self.problem = view.problem
 
     def _show_pool(self, view: View) -> None:
         """The replicas (and tasks) of the pool under the cursor."""
@@ -359,9 +360,7 @@ class TopApp(App[int]):
             self.feed.poke()
             self.post_message(Said(text, error))
 
-        thread = threading.Thread(target=work, name=f"top: {what}", daemon=True)
-        self.busy = [t for t in self.busy if t.is_alive()] + [thread]
-        thread.start()
+        threading.Thread(target=work, name=f"top: {what}", daemon=True).start()
 
     def _need(self, what: str, value: str | None) -> str | None:
         if value is None:
@@ -455,8 +454,8 @@ class TopApp(App[int]):
         self.exit(0)
 
 
-def run(paths: Paths, client: Client, feed_client: Client) -> int:
-    app = TopApp(paths, client, feed_client)
+def run(paths: Paths, client: Client, feed: Feed) -> int:
+    app = TopApp(paths, client, feed)
     code = app.run()
     return 0 if code is None else int(code)
 
