@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ def main() -> int:
         asyncio.run(shoot(state_dir, out))
     finally:
         cli(state_dir, "stop")
+        shutil.rmtree(state_dir)
     print(out)
     return 0
 

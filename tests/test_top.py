@@ -246,16 +246,16 @@ def test_no_other_command_loads_textual(state_dir: Path) -> None:
 
 @needs_textual
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_q_in_a_real_terminal_restores_it(daemon: DaemonUnderTest, tmp_path: Path) -> None:
+def test_q_and_ctrl_c_in_a_real_terminal_restore_it(daemon: DaemonUnderTest, tmp_path: Path) -> None:
     start(daemon, tmp_path)
     sock = tmp_path / "tmux.sock"
     top = shlex.join([sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "top"])
-    script = tmp_path / "run.sh"
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cli_env().items() if k in ("PYTHONPATH", "ORCH_TEST_TAG",
-                                                                                  "ORCH_SESSION_TAG", "PATH"))
-    script.write_text(f"cd {shlex.quote(str(ROOT))}\nstty -g > {tmp_path}/before\n"
-                      f"export {env}\n{top}\necho $? > {tmp_path}/code\nstty -g > {tmp_path}/after\n"
-                      "echo TERMINAL-BACK\nexec sleep 60\n")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cli_env().items()
+                   if k in ("PYTHONPATH", "ORCH_TEST_TAG", "ORCH_SESSION_TAG", "PATH"))
+    script = tmp_path / "run.sh"  # top twice (ended by q, then by Ctrl-C), the tty's modes around each
+    script.write_text(f"cd {shlex.quote(str(ROOT))}\nexport {env}\nstty -g > {tmp_path}/before\n"
+                      f"for n in 1 2; do {top}; echo $? > {tmp_path}/code$n; stty -g > {tmp_path}/after$n; "
+                      "echo TERMINAL-BACK-$n; done\nexec sleep 60\n")
 
     def tmux(*args: str) -> str:
         return subprocess.run(["tmux", "-S", str(sock), *args], capture_output=True, text=True, timeout=10,
@@ -264,16 +264,18 @@ def test_q_in_a_real_terminal_restores_it(daemon: DaemonUnderTest, tmp_path: Pat
     tmux("new-session", "-d", "-x", "80", "-y", "24", f"bash --norc --noprofile {script}")
     server = Ident.of(int(tmux("display-message", "-p", "#{pid}").strip()))
     try:
-        wait_for(lambda: "pools" in tmux("capture-pane", "-p") and "web" in tmux("capture-pane", "-p"), 20,
-                 "top drawn in the terminal")
-        assert tmux("display-message", "-p", "#{alternate_on}").strip() == "1"
-        tmux("send-keys", "q")
-        wait_for(lambda: (tmp_path / "after").exists() and "TERMINAL-BACK" in tmux("capture-pane", "-p"), 10,
-                 "top to exit")
-        assert (tmp_path / "code").read_text().strip() == "0"
-        assert (tmp_path / "before").read_text() == (tmp_path / "after").read_text()  # stty: modes as they were
-        flags = tmux("display-message", "-p", "#{alternate_on} #{cursor_flag} #{mouse_any_flag} #{keypad_flag}")
-        assert flags.split() == ["0", "1", "0", "0"], flags  # main screen, cursor shown, no mouse, no keypad mode
+        for n, key in ((1, "q"), (2, "C-c")):
+            wait_for(lambda: "web" in tmux("capture-pane", "-p") and "filter" in tmux("capture-pane", "-p")
+                     and tmux("display-message", "-p", "#{alternate_on}").strip() == "1", 20,
+                     f"top drawn in the terminal ({n})")
+            tmux("send-keys", key)
+            wait_for(lambda: (tmp_path / f"after{n}").exists() and f"TERMINAL-BACK-{n}" in tmux("capture-pane", "-p"),
+                     10, f"top to exit on {key}")
+            assert (tmp_path / f"code{n}").read_text().strip() == "0"
+            # The tty's modes as they were; the main screen, the cursor shown, no mouse, no keypad mode.
+            assert (tmp_path / "before").read_text() == (tmp_path / f"after{n}").read_text()
+            flags = tmux("display-message", "-p", "#{alternate_on} #{cursor_flag} #{mouse_any_flag} #{keypad_flag}")
+            assert flags.split() == ["0", "1", "0", "0"], (key, flags)
     finally:
         subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True, timeout=10,
                        stdin=subprocess.DEVNULL)
