@@ -1,7 +1,7 @@
 """``orchestrator top`` against a real daemon: Textual's pilot presses the keys and reads the
 screen's tables; what each key did is checked through the CLI, as an operator would. Once,
-where tmux is installed, it runs in a real terminal and ``q`` must leave that terminal as
-it found it. Without textual (the ``tui`` extra) the UI tests are skipped; the checks that
+where tmux is installed, it runs in a real terminal, and ``q`` and Ctrl-C must leave that
+terminal as they found it. Without textual (the ``tui`` extra) the UI tests are skipped; the checks that
 the CLI never loads it, and says how to install it, run everywhere."""
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from ..paths import Paths
 
 EXIT_OK, EXIT_ERROR = 0, 1
 INSTALL = "orchestrator top needs the tui extra: pip install 'orchestrator[tui]' (Textual)"
-FEED_TIMEOUT = 2.0  # the feed's reads: a hung daemon delays `q` by at most this (the terminal is restored first)
+# The feed's reads: a hung daemon delays the exit by at most this and the channel's margin
+# (the terminal is restored first); the keys' commands keep the client's default.
+FEED_TIMEOUT = 2.0
 
 
 def textual_missing() -> bool:

@@ -14,14 +14,16 @@ the UI thread as a message (never blocking on it).
 
 A key acts through the same client API as the CLI (channel.Client, verbs.py), in a thread
 of its own (a rolling restart waits for its new replicas): the screen stays live, and the
-answer shows in the message line. Those threads are daemon threads so that ``q`` never
-waits for a command's answer.
+answer shows in the message line. Those are plain daemon threads, not Textual's thread
+workers: these run in asyncio's default executor, which is joined at exit, so ``q`` would
+wait for a rolling restart to end. The feed's loop is a Textual worker: it stops at its
+next tick once the app is closing.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from rich.text import Text
 from textual import on
@@ -31,6 +33,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
+from textual.widgets.data_table import CellDoesNotExist
 
 from ..errors import OrchestratorError
 from ..paths import Paths
@@ -121,8 +124,7 @@ def _rss(value: int | None) -> str:
 
 
 def pool_cells(p: PoolRow) -> tuple[str, ...]:
-    state = p.state if not p.reason or p.state == "ok" else f"{p.state}"
-    return (p.name, state, f"{p.live}/{p.desired}", str(p.restarts), _cpu(p.cpu), _rss(p.rss),
+    return (p.name, p.state, f"{p.live}/{p.desired}", str(p.restarts), _cpu(p.cpu), _rss(p.rss),
             "" if p.queued is None else str(p.queued), "" if p.running is None else str(p.running))
 
 
@@ -161,7 +163,7 @@ def _cursor_key(table: DataTable[str]) -> str | None:
         return None
     try:
         return str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
-    except Exception:  # noqa: BLE001 - a cursor past a table just emptied: no row
+    except CellDoesNotExist:  # a cursor past a table just emptied: no row
         return None
 
 
