@@ -12,8 +12,8 @@ import threading
 
 from ..paths import Paths
 
-EXIT_OK, EXIT_ERROR = 0, 1
-INSTALL = "orchestrator top needs the tui extra: pip install 'orchestrator[tui]' (Textual)"
+EXIT_ERROR = 1
+INSTALL = "orchestrator top: needs the tui extra (Textual): pip install 'orchestrator[tui]'"
 # The feed's reads: a hung daemon delays the exit by at most this and the channel's margin
 # (the terminal is restored first); the keys' commands keep the client's default.
 FEED_TIMEOUT = 2.0
@@ -25,7 +25,7 @@ def textual_missing() -> bool:
 
 def cmd_top(args: argparse.Namespace, paths: Paths) -> int:
     if textual_missing():
-        print(f"orchestrator: {INSTALL}", file=sys.stderr)
+        print(INSTALL, file=sys.stderr)
         return EXIT_ERROR
     from .channel import Client
     from .topfeed import Feed
