@@ -21,6 +21,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import statistics
 import struct
@@ -156,6 +157,7 @@ def run(n: int, seconds: float, rounds: int, starts: int) -> dict[str, Any]:
                 "load_average": os.getloadavg()}
     finally:
         cli(state_dir, "stop", "--timeout", "120")
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def main() -> int:
