@@ -30,6 +30,17 @@ def cli(state_dir: str, *args: str, timeout: float = 600) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def launch_idle(state_dir: str, n: int, pool: str) -> None:
+    """``n`` idle ``sleep 1000`` replicas in ``pool``, each RUNNING when this returns."""
+    left = n
+    while left:  # in batches: one launch --wait of thousands would wait on its slowest
+        count = min(left, 500)
+        got = cli(state_dir, "launch", "--pool", pool, "--count", str(count), "--wait", "--timeout", "600",
+                  "--", "sleep", "1000")
+        assert got.returncode == 0, got.stderr
+        left -= count
+
+
 def pids(state_dir: str) -> dict[str, int]:
     data = json.loads(cli(state_dir, "status", "--json").stdout)
     return {r["id"]: r["pid"] for r in data["replicas"] if r["state"] == "RUNNING"}
@@ -42,13 +53,7 @@ def one(n: int) -> dict:
     try:
         got = cli(state_dir, "start")
         assert got.returncode == 0, got.stderr
-        left = n
-        while left:  # in batches: one launch --wait of thousands would wait on its slowest
-            count = min(left, 500)
-            got = cli(state_dir, "launch", "--pool", "many", "--count", str(count), "--wait", "--timeout", "600",
-                      "--", "sleep", "1000")
-            assert got.returncode == 0, got.stderr
-            left -= count
+        launch_idle(state_dir, n, "many")
         before = pids(state_dir)
         assert len(before) == n
         stamps: list[float] = []

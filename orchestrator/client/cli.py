@@ -151,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_task_parsers(sub, common)
 
+    sub.add_parser("top", parents=[common], help="a live view of pools, replicas, tasks, logs and events, "
+                   "with keys to act on them (the tui extra)")
+
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
     p.add_argument("--seconds", type=_seconds, default=4.0)
@@ -600,6 +603,12 @@ def _known_replica(paths: Any, rid: str) -> bool:
         store.close()
 
 
+def cmd_top(args: argparse.Namespace, paths: Paths) -> int:
+    from .top import cmd_top as top
+
+    return top(args, paths)
+
+
 def cmd_demo(args: argparse.Namespace, paths: Any) -> int:
     from .demo import run_demo
 
@@ -615,6 +624,7 @@ _COMMANDS = {
     "scale": cmd_scale,
     "events": cmd_events,
     "demo": cmd_demo,
+    "top": cmd_top,
     "restart": cmd_restart,
     "delete": cmd_delete,
     "signal": cmd_signal,

@@ -89,7 +89,7 @@ def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, fl
     d = data["daemon"]
     now = time.time()
     if d["running"]:
-        up = _duration(now - d["started_at"]) if d.get("started_at") else "?"
+        up = duration(now - d["started_at"]) if d.get("started_at") else "?"
         head = (f"daemon: running (pid {d['pid']}, watchdog {d['watchdog_pid']}, manager {d['manager_pid']}, "
                 f"up {up}, containment {d.get('containment', 'process-group')})")
     else:
@@ -125,7 +125,7 @@ def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, fl
         state = r["state"] if not r.get("last_known") else f"({r['state']})"
         cpu, rss = _usage(r["pid"], samples) if d["running"] and r["pid"] else ("", "")
         started = r.get("started_at") or (r.get("created_at") if r["state"] == "RUNNING" else None)
-        uptime = _duration(now - started) if started and r["ended_at"] is None and d["running"] else ""
+        uptime = duration(now - started) if started and r["ended_at"] is None and d["running"] else ""
         tail = r["reason"] if r["reason"] and r["state"] not in ("RUNNING", "STARTING") else commands.get(r["pool"], "")
         out.append(f"{r['id']:<18} {state:<12} {r['pid'] or '':>7} {uptime:>8} {r.get('restarts', 0):>8} "
                    f"{cpu:>6} {rss:>8}  {tail}")
@@ -185,7 +185,7 @@ def _command_text(spec: Mapping[str, Any] | None) -> str:
     return spec.get("target") or "<python callable>"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
@@ -213,10 +213,10 @@ def _usage(pid: int, samples: dict[int, tuple[float, float]] | None) -> tuple[st
         samples[pid] = (now, busy)
     since, before = last if last is not None else (born, 0.0)
     cpu = 100.0 * (busy - before) / max(now - since, 1e-3)
-    return f"{cpu:.1f}", _size(rss)
+    return f"{cpu:.1f}", size_text(rss)
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit in ("B", "K", "M", "G"):
         if n < 1024 or unit == "G":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
