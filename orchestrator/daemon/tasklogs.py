@@ -1,0 +1,182 @@
+"""Per-task logs: each task's stdout and stderr (its fds 1 and 2, so its children's output
+too) in files of its own, ``logs/<pool>#<n>.out`` and ``.err``, rotated by its pool's log
+limits and removed with the task's record. Loop thread only; the task table (tasktable.py)
+calls it at four moments of a task, the log capture (logcapture.py) does the writing.
+
+Whose bytes are whose is known without a word from the worker, by where they come from:
+
+    slot 0:  the replica's own stdout/stderr pipes  ─┐  the loop pumps both pairs; each pair's
+    slot 1:  a second pair the worker made (PIPES)  ─┘  bytes go to the file its slot is bound to
+
+A worker holds at most two tasks, one per slot of its cancel words (taskwire.py), and puts
+its slot's pair on fds 1 and 2 as it starts a task. So a slot's pipes carry, from the TASK
+frame the loop sent into that slot until that task's answer, only that task's bytes: the
+task it held before in that slot has answered (the loop read its answer before it sent the
+next one), and the one in the other slot writes to the other pair. Then:
+
+  * ``sent``: the slot's pipes are bound to the task's files (made by its first byte), from
+    the moment the loop sends it (it may start before the loop reads its predecessor's
+    answer, so not from its start);
+  * ``answered``: the worker flushed its Python streams and ended the task's leftover
+    processes before it answered, so everything the task wrote is in the pipes: they are
+    drained into its files (at most DRAIN_LIMIT, a pipe's worth) before the slot is bound
+    back to the worker's own files; a line in the worker's stdout log says the task ran;
+  * ``given_back``: a held task the worker gave back never ran: its slot is the worker's;
+  * ``worker_ended``: the replica was reaped (its pipes drained into what they were bound
+    to by the capture's finish) and the second pair is drained and closed.
+
+Considered, and why not: a single pipe pair and the answer as the boundary (drain at the
+answer, then switch). The worker starts its held task as soon as it has sent the answer,
+before the loop reads it, so the next task's first lines would land in the one before's
+log; only a byte of the worker's in the pipes (a marker per task) or a round trip per task
+fixes that, each costing every task. Two pairs cost two dup2 per task in the worker and a
+drain per answer in the loop. What is not attributed: output of a thread a task left
+running (it writes into whatever pair is on fds 1 and 2 when it writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from .logcapture import File, LogCapture, Stream
+from .taskrecords import Task, Worker
+
+log = logging.getLogger("orchestrator.logs")
+
+
+@dataclass(eq=False)
+class _Slots:
+    """One worker's pipes: per slot its (stdout, stderr) streams; what each slot is bound to."""
+
+    own: tuple[File, File]  # the replica's own files (its log), where unbound bytes go
+    pipes: list[tuple[Stream, Stream]]
+    bound: dict[int, tuple[str, File, File]] = field(default_factory=dict)  # slot -> (task id, out, err)
+
+
+class TaskLogs:
+    """The per-task logs of the executor pools' workers (the module docstring)."""
+
+    def __init__(self, capture: LogCapture) -> None:
+        self.capture = capture
+        self._workers: dict[str, _Slots] = {}  # replica id -> its slots, once it sent PIPES
+
+    def wanted(self, rid: str) -> bool:
+        """Should the worker of replica ``rid`` make its second pair (CONFIG's task_logs)?
+        Only if its own output is captured: then its slot 0 is the capture's pair."""
+        return self.capture.replica(rid) is not None
+
+    def pipes(self, worker: Worker, fds: list[int]) -> None:
+        """The worker sent its second pair's read ends (PIPES): both slots are pumped."""
+        rep = worker.replica
+        rlog = self.capture.replica(rep.id) if rep is not None else None
+        if rep is None or rlog is None or len(fds) != 2 or rep.id in self._workers:
+            for fd in fds:
+                os.close(fd)
+            return
+        first = (rlog.stream("out"), rlog.stream("err"))
+        own = (first[0].file, first[1].file)
+        try:
+            out = self.capture.take_pipe(fds[0], own[0])
+        except OSError as err:
+            log.warning("%s: its task logs cannot be pumped (%s); its tasks' output goes to its own log",
+                        rep.id, err)
+            for fd in fds:
+                os.close(fd)
+            return
+        try:
+            err_stream = self.capture.take_pipe(fds[1], own[1])
+        except OSError:
+            out.close()
+            os.close(fds[1])
+            raise
+        self._workers[rep.id] = _Slots(own, [first, (out, err_stream)])
+
+    def read_ends(self, worker: Worker) -> list[int] | None:
+        """The second pair's read ends (an upgrade carries them), None without."""
+        slots = self._workers.get(worker.replica.id) if worker.replica is not None else None
+        if slots is None or slots.pipes[1][0].r < 0:
+            return None
+        return [slots.pipes[1][0].r, slots.pipes[1][1].r]
+
+    def sent(self, worker: Worker, task: Task) -> None:
+        """``task`` went to ``worker`` in its slot: what that slot's pipes carry from now on
+        is the task's (an upgrade: each task a worker held, again)."""
+        slots = self._slots(worker)
+        if slots is None:
+            return
+        self._unbind(slots, task.slot)  # (a slot is bound to one task at a time: never bound here)
+        own = slots.own[0]  # its limits are the pool's (its replica's log was opened with them)
+        out = self.capture.task_file(task.id, "out", max_bytes=own.max_bytes, backups=own.backups)
+        err = self.capture.task_file(task.id, "err", max_bytes=own.max_bytes, backups=own.backups)
+        slots.bound[task.slot] = (task.id, out, err)
+        for stream, file in zip(slots.pipes[task.slot], (out, err)):
+            stream.sink = file
+
+    def answered(self, worker: Worker, task: Task) -> None:
+        """The worker answered for ``task``: all it wrote is in its slot's pipes, drained
+        into its files now; the slot is the worker's own again; one line in the worker's log."""
+        slots = self._slots(worker)
+        if slots is None or slots.bound.get(task.slot, ("",))[0] != task.id:
+            return
+        self._unbind(slots, task.slot)
+        slots.own[0].note(self.marker(task))
+
+    def given_back(self, worker: Worker, task: Task) -> None:
+        """A held task came back unstarted: its slot is the worker's own again."""
+        slots = self._slots(worker)
+        if slots is not None and slots.bound.get(task.slot, ("",))[0] == task.id:
+            self._unbind(slots, task.slot)
+
+    def worker_ended(self, worker: Worker, ran: Task | None) -> None:
+        """``worker``'s replica is gone (its first pair drained already by the capture):
+        the second pair is drained and closed, each bound slot closed; ``ran``: the task it
+        ran then (its line in the worker's log says how it ended)."""
+        slots = self._workers.pop(worker.replica.id, None) if worker.replica is not None else None
+        if slots is None:
+            return
+        for slot in list(slots.bound):
+            self._unbind(slots, slot)
+        for stream in slots.pipes[1]:
+            stream.finish()
+        if ran is not None:
+            slots.own[0].note(self.marker(ran))
+
+    def close(self) -> None:
+        """The loop is closing: every bound file is closed (the capture closes the pipes)."""
+        for slots in self._workers.values():
+            for slot in list(slots.bound):
+                self._unbind(slots, slot)
+            for stream in slots.pipes[1]:
+                stream.close()
+        self._workers.clear()
+
+    @staticmethod
+    def marker(task: Task) -> str:
+        """The worker's log's line for a task: which, when it started, how it ended."""
+        started = task.started_at
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + f".{int(started % 1 * 1000):03d}Z" \
+            if started is not None else "?"
+        ran = f" after {task.ended_at - started:.3f} s" if started is not None and task.ended_at is not None else ""
+        state = task.state.value if task.state.terminal else "its worker was lost: queued again"
+        return f"--- task {task.id} started {when}, {state}{ran} (its output: orchestrator logs {task.id})"
+
+    def _slots(self, worker: Worker) -> _Slots | None:
+        return self._workers.get(worker.replica.id) if worker.replica is not None else None
+
+    @staticmethod
+    def _unbind(slots: _Slots, slot: int) -> None:
+        bound = slots.bound.pop(slot, None)
+        if bound is None:
+            return
+        _, out, err = bound
+        for stream, own in zip(slots.pipes[slot], slots.own):
+            with contextlib.suppress(OSError):
+                stream.drain()
+            stream.sink = own
+        out.close()
+        err.close()
+
