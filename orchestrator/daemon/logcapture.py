@@ -108,6 +108,7 @@ MIN_READ = 4096  # a stream allowed less than this (by its rate) is left unread 
 CREATE_AFTER = 1.0  # seconds: a replica's files are made by its first output or then
 REMOVE_PER_TURN = 64  # unlinks of forgotten replicas' files in one turn, at most
 REMOVE_TURN_TIME = 0.002  # seconds of unlinking in one turn, after which the rest waits a turn
+NOTES_DELAY = 0.25  # seconds a line of the daemon's (a task's marker) may wait for others to write with
 DEFAULT_MAX_BYTES = 10 << 20
 DEFAULT_BACKUPS = 3
 
@@ -197,11 +198,14 @@ class _File:
             start = end
 
     def note(self, line: str) -> None:
-        """A line of the daemon's own (a task's marker), written with the turn's other
-        lines at its end (one write for a burst of tiny tasks), before any output that
-        comes after it."""
+        """A line of the daemon's own (a task's marker), written within NOTES_DELAY with
+        the others said meanwhile (one write for a burst of tiny tasks, not one each: a
+        write to a file costs more than the rest of a tiny task's log), and before any
+        output read after it."""
         if not self.notes:
             self.cap._noted.append(self)
+            if self.cap._notes_timer is None:
+                self.cap._notes_timer = self.cap.reactor.call_later(NOTES_DELAY, self.cap._write_notes)
         self.notes += line.encode("utf-8", "replace") + b"\n"
 
     def write_notes(self) -> None:
@@ -302,7 +306,7 @@ File = _File  # a rotated file: a task's (LogCapture.task_file), or a stream's o
 
 class _Stream:
     """One pipe (the child's stdout or stderr) and the rotated file it is pumped into: its
-    own (``file``), or for a while another (``sink``: a task's, tasklogs.py)."""
+    own (``file``), or for a while another (``bind``: a task's, tasklogs.py)."""
 
     def __init__(self, cap: LogCapture, replica_id: str, stream: str, max_bytes: int, backups: int,
                  eager: bool, read_end: int | None = None, file: _File | None = None) -> None:
@@ -312,7 +316,8 @@ class _Stream:
         self.cap = cap
         self.owns_file = file is None
         self.file = file if file is not None else _File(cap, f"{replica_id}.{stream}", max_bytes, backups, eager)
-        self.sink = self.file  # where what it reads goes now
+        self.sink: _File | None = self.file  # where what it reads goes now (None: ``bound``'s, not made yet)
+        self.bound: str | None = None  # the file name it is bound to (bind), if any
         self.name = self.file.name
         self.r = -1  # the pipe's read end (ours)
         self.w = -1  # the pipe's write end (the child's; closed here once it is spawned)
@@ -380,7 +385,7 @@ class _Stream:
                 self._eof()
                 break
             got += n
-            sink = self.sink
+            sink = self.sink if self.sink is not None else self._open_bound()
             sink.store(buf, n)
             if sink.slow:  # passed on to the replica (it blocks on its full pipe), not paid again here
                 sink.slow = False
@@ -390,6 +395,24 @@ class _Stream:
             if n == CHUNK and not self.grown:
                 self._grow()
         return got
+
+    def bind(self, name: str) -> None:
+        """What it reads goes to the file ``name`` from now on (a task's: its first byte
+        makes it, rotated by this stream's limits), until ``unbind``."""
+        self.unbind()
+        self.bound, self.sink = name, None
+
+    def unbind(self) -> None:
+        """What it reads goes to its own file again; the bound one is closed."""
+        if self.sink is not self.file:
+            if self.sink is not None:
+                self.sink.close()
+            self.bound, self.sink = None, self.file
+
+    def _open_bound(self) -> _File:
+        assert self.bound is not None
+        self.sink = _File(self.cap, self.bound, self.file.max_bytes, self.file.backups, False)
+        return self.sink
 
     def drain(self) -> int:
         """What the pipe holds now, into the sink, at once (a pause or the turn's budget
@@ -558,7 +581,8 @@ class LogCapture:
         self._dropped = 0
         self._turn_left = TURN_BUDGET
         self._bucket = _Bucket(total_rate, reactor.monotonic()) if total_rate else None
-        self._noted: list[_File] = []  # files with lines of ours to write at the turn's end
+        self._noted: list[_File] = []  # files with lines of ours to write (File.note)
+        self._notes_timer: Timer | None = None
         # Files of forgotten replicas still to remove: (id, stream, index), index 0 the
         # current file, k its .k backup; and ids forgotten while their capture was open.
         self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
@@ -581,6 +605,9 @@ class LogCapture:
 
     def _new_turn(self) -> None:
         self._turn_left = TURN_BUDGET
+
+    def _write_notes(self) -> None:
+        self._notes_timer = None
         noted, self._noted = self._noted, []
         for f in noted:
             f.write_notes()
@@ -638,14 +665,6 @@ class LogCapture:
     def replica(self, replica_id: str) -> ReplicaLog | None:
         """The open capture of a replica, if it has one."""
         return self._open.get(replica_id)
-
-    def task_file(self, task_id: str, stream: str, *, max_bytes: int, backups: int) -> _File:
-        """The rotated file of a task's stdout or stderr (``<pool>#<n>.out``: logfiles.py),
-        made by its first write (a task that writes nothing costs no file)."""
-        if self.dirfd < 0:
-            raise OSError(errno.EBADF, "the log capture is closed")
-        mb, bk = self._limits(max_bytes, backups)
-        return _File(self, f"{base_name(task_id)}.{check_stream(stream)}", mb, bk, False)
 
     def take_pipe(self, read_end: int, file: _File) -> _Stream:
         """A pipe a process of a replica made (a worker's second stdout or stderr: tasklogs.py),
@@ -734,9 +753,9 @@ class LogCapture:
         """Finish every open ReplicaLog (daemon shutdown); later opens raise OSError."""
         for rlog in list(self._open.values()):
             rlog.finish()
-        noted, self._noted = self._noted, []
-        for f in noted:
-            f.write_notes()
+        if self._notes_timer is not None:
+            self._notes_timer.cancel()
+        self._write_notes()
         if self._removal is not None:  # what is left is removed by the next start's scan
             self._removal.cancel()
             self._removal = None

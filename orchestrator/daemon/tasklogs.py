@@ -14,13 +14,15 @@ frame the loop sent into that slot until that task's answer, only that task's by
 task it held before in that slot has answered (the loop read its answer before it sent the
 next one), and the one in the other slot writes to the other pair. Then:
 
-  * ``sent``: the slot's pipes are bound to the task's files (made by its first byte), from
-    the moment the loop sends it (it may start before the loop reads its predecessor's
-    answer, so not from its start);
+  * ``sent``: the slot's pipes are bound to the task's files (made by its first byte: a
+    task that writes nothing costs no file), from the moment the loop sends it (it may start
+    before the loop reads its predecessor's answer, so not from its start);
   * ``answered``: the worker flushed its Python streams and ended the task's leftover
     processes before it answered, so everything the task wrote is in the pipes: they are
-    drained into its files (at most DRAIN_LIMIT, a pipe's worth) before the slot is bound
-    back to the worker's own files; a line in the worker's stdout log says the task ran;
+    drained into its files (at most DRAIN_LIMIT, a pipe's worth; one poll of the pair
+    first, so a silent task costs no read) before the slot is bound back to the worker's
+    own files; a line in the worker's stdout log says the task ran (written with the other
+    lines of the next NOTES_DELAY: logcapture.File.note);
   * ``given_back``: a held task the worker gave back never ran: its slot is the worker's;
   * ``worker_ended``: the replica was reaped (its pipes drained into what they were bound
     to by the capture's finish) and the second pair is drained and closed.
@@ -36,12 +38,13 @@ running (it writes into whatever pair is on fds 1 and 2 when it writes).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import select
 import time
 from dataclasses import dataclass, field
 
+from ..logfiles import base_name
 from .logcapture import File, LogCapture, Stream
 from .taskrecords import Task, Worker
 
@@ -50,11 +53,13 @@ log = logging.getLogger("orchestrator.logs")
 
 @dataclass(eq=False)
 class _Slots:
-    """One worker's pipes: per slot its (stdout, stderr) streams; what each slot is bound to."""
+    """One worker's pipes: per slot its (stdout, stderr) streams, a poll of the pair, and
+    the id of the task the slot is bound to."""
 
-    own: tuple[File, File]  # the replica's own files (its log), where unbound bytes go
+    own: File  # the replica's own stdout file (its log), where the lines per task go
     pipes: list[tuple[Stream, Stream]]
-    bound: dict[int, tuple[str, File, File]] = field(default_factory=dict)  # slot -> (task id, out, err)
+    polls: list[select.poll] = field(default_factory=list)
+    bound: list[str | None] = field(default_factory=lambda: [None, None])
 
 
 class TaskLogs:
@@ -63,6 +68,7 @@ class TaskLogs:
     def __init__(self, capture: LogCapture) -> None:
         self.capture = capture
         self._workers: dict[str, _Slots] = {}  # replica id -> its slots, once it sent PIPES
+        self._second = (-1, "")  # the last second a line was stamped with, and its text
 
     def wanted(self, rid: str) -> bool:
         """Should the worker of replica ``rid`` make its second pair (CONFIG's task_logs)?
@@ -78,26 +84,29 @@ class TaskLogs:
                 os.close(fd)
             return
         first = (rlog.stream("out"), rlog.stream("err"))
-        own = (first[0].file, first[1].file)
+        second: list[Stream] = []
         try:
-            out = self.capture.take_pipe(fds[0], own[0])
+            for fd, own in zip(fds, first):
+                second.append(self.capture.take_pipe(fd, own.file))
         except OSError as err:
             log.warning("%s: its task logs cannot be pumped (%s); its tasks' output goes to its own log",
                         rep.id, err)
-            for fd in fds:
+            for stream in second:
+                stream.close()
+            for fd in fds[len(second):]:
                 os.close(fd)
             return
-        try:
-            err_stream = self.capture.take_pipe(fds[1], own[1])
-        except OSError:
-            out.close()
-            os.close(fds[1])
-            raise
-        self._workers[rep.id] = _Slots(own, [first, (out, err_stream)])
+        slots = _Slots(first[0].file, [first, (second[0], second[1])])
+        for pair in slots.pipes:
+            poll = select.poll()
+            for stream in pair:
+                poll.register(stream.r, select.POLLIN)
+            slots.polls.append(poll)
+        self._workers[rep.id] = slots
 
     def read_ends(self, worker: Worker) -> list[int] | None:
         """The second pair's read ends (an upgrade carries them), None without."""
-        slots = self._workers.get(worker.replica.id) if worker.replica is not None else None
+        slots = self._slots(worker)
         if slots is None or slots.pipes[1][0].r < 0:
             return None
         return [slots.pipes[1][0].r, slots.pipes[1][1].r]
@@ -108,27 +117,28 @@ class TaskLogs:
         slots = self._slots(worker)
         if slots is None:
             return
-        self._unbind(slots, task.slot)  # (a slot is bound to one task at a time: never bound here)
-        own = slots.own[0]  # its limits are the pool's (its replica's log was opened with them)
-        out = self.capture.task_file(task.id, "out", max_bytes=own.max_bytes, backups=own.backups)
-        err = self.capture.task_file(task.id, "err", max_bytes=own.max_bytes, backups=own.backups)
-        slots.bound[task.slot] = (task.id, out, err)
-        for stream, file in zip(slots.pipes[task.slot], (out, err)):
-            stream.sink = file
+        slot = task.slot
+        if slots.bound[slot] is not None:  # (a slot carries one task at a time: not seen)
+            self._unbind(slots, slot)
+        name = base_name(task.id)
+        out, err = slots.pipes[slot]
+        out.bind(name + ".out")
+        err.bind(name + ".err")
+        slots.bound[slot] = task.id
 
     def answered(self, worker: Worker, task: Task) -> None:
         """The worker answered for ``task``: all it wrote is in its slot's pipes, drained
         into its files now; the slot is the worker's own again; one line in the worker's log."""
         slots = self._slots(worker)
-        if slots is None or slots.bound.get(task.slot, ("",))[0] != task.id:
+        if slots is None or slots.bound[task.slot] != task.id:
             return
         self._unbind(slots, task.slot)
-        slots.own[0].note(self.marker(task))
+        slots.own.note(self.marker(task))
 
     def given_back(self, worker: Worker, task: Task) -> None:
         """A held task came back unstarted: its slot is the worker's own again."""
         slots = self._slots(worker)
-        if slots is not None and slots.bound.get(task.slot, ("",))[0] == task.id:
+        if slots is not None and slots.bound[task.slot] == task.id:
             self._unbind(slots, task.slot)
 
     def worker_ended(self, worker: Worker, ran: Task | None) -> None:
@@ -138,29 +148,38 @@ class TaskLogs:
         slots = self._workers.pop(worker.replica.id, None) if worker.replica is not None else None
         if slots is None:
             return
-        for slot in list(slots.bound):
+        for slot in (0, 1):
             self._unbind(slots, slot)
         for stream in slots.pipes[1]:
             stream.finish()
         if ran is not None:
-            slots.own[0].note(self.marker(ran))
+            slots.own.note(self.marker(ran))
+
+    def forget(self, task_id: str) -> None:
+        """The task's record is gone (a loop without a store keeps only its latest ended
+        tasks): so are its files (the store's retention does this in the daemon)."""
+        self.capture.forget([task_id])
 
     def close(self) -> None:
         """The loop is closing: every bound file is closed (the capture closes the pipes)."""
         for slots in self._workers.values():
-            for slot in list(slots.bound):
+            for slot in (0, 1):
                 self._unbind(slots, slot)
             for stream in slots.pipes[1]:
                 stream.close()
         self._workers.clear()
 
-    @staticmethod
-    def marker(task: Task) -> str:
+    def marker(self, task: Task) -> str:
         """The worker's log's line for a task: which, when it started, how it ended."""
-        started = task.started_at
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + f".{int(started % 1 * 1000):03d}Z" \
-            if started is not None else "?"
-        ran = f" after {task.ended_at - started:.3f} s" if started is not None and task.ended_at is not None else ""
+        started, ended = task.started_at, task.ended_at
+        if started is None:
+            when = "?"
+        else:
+            second = int(started)
+            if second != self._second[0]:  # strftime costs more than the rest of the line
+                self._second = (second, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second)))
+            when = f"{self._second[1]}.{int((started - second) * 1000):03d}Z"
+        ran = f" after {ended - started:.3f} s" if started is not None and ended is not None else ""
         state = task.state.value if task.state.terminal else "its worker was lost: queued again"
         return f"--- task {task.id} started {when}, {state}{ran} (its output: orchestrator logs {task.id})"
 
@@ -169,14 +188,12 @@ class TaskLogs:
 
     @staticmethod
     def _unbind(slots: _Slots, slot: int) -> None:
-        bound = slots.bound.pop(slot, None)
-        if bound is None:
+        if slots.bound[slot] is None:
             return
-        _, out, err = bound
-        for stream, own in zip(slots.pipes[slot], slots.own):
-            with contextlib.suppress(OSError):
+        slots.bound[slot] = None
+        pair = slots.pipes[slot]
+        if slots.polls[slot].poll(0):  # something to read (or a pipe at its end): drained, not lost
+            for stream in pair:
                 stream.drain()
-            stream.sink = own
-        out.close()
-        err.close()
-
+        for stream in pair:
+            stream.unbind()

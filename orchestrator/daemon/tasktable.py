@@ -793,6 +793,8 @@ class TaskTable:
         while self._ended and (len(self._ended) > KEEP_ENDED or self._ended_bytes > KEEP_ENDED_BYTES):
             _, old_task = self._ended.popitem(last=False)  # the store still has it
             self._ended_bytes -= len(old_task.result or b"")
+            if self.task_logs is not None and self.table.journal.store is None:
+                self.task_logs.forget(old_task.id)  # no store: this was its record, its log goes with it
         self._save(task, old)
         for reply, cmd_id in task.waiters:
             self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
