@@ -81,6 +81,7 @@ def test_each_tasks_output_is_in_its_own_log_only(daemon: DaemonUnderTest, logta
         futs = [ex.submit(logtasks.speak, f"t{i}") for i in range(6)]
         assert [f.result(timeout=60) for f in futs] == [f"t{i}" for i in range(6)]
         ids = [f.task_id for f in futs]
+        assert sorted(ex.task_log(ids[0])) == sorted(["t0 out 0", "t0 out 1", "t0 out 2", "t0 raw", "t0 child"])
         worker = {row["worker"] for row in Client(daemon.state_dir).call("tasks", {"pool": "jobs", "all": True})}
     assert len(worker) == 1  # one reused worker ran them all
     for i, task_id in enumerate(ids):
@@ -193,6 +194,34 @@ def test_a_tasks_log_goes_with_its_record(daemon: DaemonUnderTest, logtasks: Any
         wait_for(lambda: not log_paths(logs, first.task_id) and not log_paths(logs, first.task_id, "err"), 30,
                  "the first task's log to be removed with its record")
     assert cli(daemon.state_dir, "logs", first.task_id).returncode == 1
+
+
+def test_an_embedded_executor_keeps_task_logs_when_asked(tmp_path: Path, logtasks: Any) -> None:
+    """Embedded, a task's output goes to this process's stdout and stderr, as with
+    ProcessPoolExecutor; with ``task_logs=DIR`` each task's is kept there instead, and
+    ``task_log`` reads it (a daemon's pool keeps them always: ``task_logs=`` is refused there)."""
+    from orchestrator import Executor
+
+    with Executor(max_workers=1) as plain:
+        assert plain.submit(int, "1").result(timeout=60) == 1
+        with pytest.raises(ValueError, match="keeps no task logs"):
+            plain.task_log("x/1")
+    logs = tmp_path / "tasklogs"
+    with Executor(max_workers=1, task_logs=logs) as ex:
+        futs = [ex.submit(logtasks.speak, f"e{i}", 2) for i in range(4)]
+        assert [f.result(timeout=60) for f in futs] == [f"e{i}" for i in range(4)]
+        for i, fut in enumerate(futs):
+            assert fut.task_id is not None
+            assert sorted(ex.task_log(fut.task_id)) == sorted(
+                [f"e{i} out 0", f"e{i} out 1", f"e{i} raw", f"e{i} child"])
+            assert len(ex.task_log(fut.task_id, stderr=True, lines=1)) == 1
+            assert sorted(ex.task_log(fut.task_id, stderr=True)) == sorted(
+                [f"e{i} err 0", f"e{i} err 1", f"e{i} childerr"])
+        pool = ex.pool
+    own = [line for path in sorted(logs.glob(f"{pool}-*.out")) for line in path.read_text().splitlines()]
+    assert [line.split()[2] for line in own] == [f.task_id for f in futs]  # its line per task, nothing else
+    with pytest.raises(ValueError, match="embedded"):
+        Executor(state_dir=tmp_path, task_logs=logs)
 
 
 # -- the attribution, on real pipes and a real log capture, without processes ----------

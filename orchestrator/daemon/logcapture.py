@@ -317,7 +317,8 @@ class _Stream:
         self.owns_file = file is None
         self.file = file if file is not None else _File(cap, f"{replica_id}.{stream}", max_bytes, backups, eager)
         self.sink: _File | None = self.file  # where what it reads goes now (None: ``bound``'s, not made yet)
-        self.bound: str | None = None  # the file name it is bound to (bind), if any
+        self.bound: str | None = None  # the id whose file it is bound to (bind), if any...
+        self.bound_stream = ""  # ...and which of its streams
         self.name = self.file.name
         self.r = -1  # the pipe's read end (ours)
         self.w = -1  # the pipe's write end (the child's; closed here once it is spawned)
@@ -396,11 +397,13 @@ class _Stream:
                 self._grow()
         return got
 
-    def bind(self, name: str) -> None:
-        """What it reads goes to the file ``name`` from now on (a task's: its first byte
-        makes it, rotated by this stream's limits), until ``unbind``."""
-        self.unbind()
-        self.bound, self.sink = name, None
+    def bind(self, log_id: str, stream: str) -> None:
+        """What it reads goes to ``log_id``'s ``stream`` file from now on (a task's,
+        ``<pool>#<n>.out``: its first byte makes it, rotated by this stream's limits), until
+        ``unbind``. Nothing but two names set: a task that writes nothing costs no more."""
+        if self.sink is not self.file:
+            self.unbind()
+        self.bound, self.bound_stream, self.sink = log_id, stream, None
 
     def unbind(self) -> None:
         """What it reads goes to its own file again; the bound one is closed."""
@@ -411,7 +414,8 @@ class _Stream:
 
     def _open_bound(self) -> _File:
         assert self.bound is not None
-        self.sink = _File(self.cap, self.bound, self.file.max_bytes, self.file.backups, False)
+        name = f"{base_name(self.bound)}.{check_stream(self.bound_stream)}"
+        self.sink = _File(self.cap, name, self.file.max_bytes, self.file.backups, False)
         return self.sink
 
     def drain(self) -> int:

@@ -44,8 +44,8 @@ import select
 import time
 from dataclasses import dataclass, field
 
-from ..logfiles import base_name
 from .logcapture import File, LogCapture, Stream
+from ..states import TaskState as T
 from .taskrecords import Task, Worker
 
 log = logging.getLogger("orchestrator.logs")
@@ -67,7 +67,7 @@ class TaskLogs:
 
     def __init__(self, capture: LogCapture) -> None:
         self.capture = capture
-        self._workers: dict[str, _Slots] = {}  # replica id -> its slots, once it sent PIPES
+        self._workers: dict[Worker, _Slots] = {}  # a worker's slots, once it sent PIPES
         self._second = (-1, "")  # the last second a line was stamped with, and its text
 
     def wanted(self, rid: str) -> bool:
@@ -79,7 +79,7 @@ class TaskLogs:
         """The worker sent its second pair's read ends (PIPES): both slots are pumped."""
         rep = worker.replica
         rlog = self.capture.replica(rep.id) if rep is not None else None
-        if rep is None or rlog is None or len(fds) != 2 or rep.id in self._workers:
+        if rep is None or rlog is None or len(fds) != 2 or worker in self._workers:
             for fd in fds:
                 os.close(fd)
             return
@@ -102,11 +102,11 @@ class TaskLogs:
             for stream in pair:
                 poll.register(stream.r, select.POLLIN)
             slots.polls.append(poll)
-        self._workers[rep.id] = slots
+        self._workers[worker] = slots
 
     def read_ends(self, worker: Worker) -> list[int] | None:
         """The second pair's read ends (an upgrade carries them), None without."""
-        slots = self._slots(worker)
+        slots = self._workers.get(worker)
         if slots is None or slots.pipes[1][0].r < 0:
             return None
         return [slots.pipes[1][0].r, slots.pipes[1][1].r]
@@ -114,22 +114,21 @@ class TaskLogs:
     def sent(self, worker: Worker, task: Task) -> None:
         """``task`` went to ``worker`` in its slot: what that slot's pipes carry from now on
         is the task's (an upgrade: each task a worker held, again)."""
-        slots = self._slots(worker)
+        slots = self._workers.get(worker)
         if slots is None:
             return
         slot = task.slot
         if slots.bound[slot] is not None:  # (a slot carries one task at a time: not seen)
             self._unbind(slots, slot)
-        name = base_name(task.id)
         out, err = slots.pipes[slot]
-        out.bind(name + ".out")
-        err.bind(name + ".err")
+        out.bind(task.id, "out")
+        err.bind(task.id, "err")
         slots.bound[slot] = task.id
 
     def answered(self, worker: Worker, task: Task) -> None:
         """The worker answered for ``task``: all it wrote is in its slot's pipes, drained
         into its files now; the slot is the worker's own again; one line in the worker's log."""
-        slots = self._slots(worker)
+        slots = self._workers.get(worker)
         if slots is None or slots.bound[task.slot] != task.id:
             return
         self._unbind(slots, task.slot)
@@ -137,7 +136,7 @@ class TaskLogs:
 
     def given_back(self, worker: Worker, task: Task) -> None:
         """A held task came back unstarted: its slot is the worker's own again."""
-        slots = self._slots(worker)
+        slots = self._workers.get(worker)
         if slots is not None and slots.bound[task.slot] == task.id:
             self._unbind(slots, task.slot)
 
@@ -145,7 +144,7 @@ class TaskLogs:
         """``worker``'s replica is gone (its first pair drained already by the capture):
         the second pair is drained and closed, each bound slot closed; ``ran``: the task it
         ran then (its line in the worker's log says how it ended)."""
-        slots = self._workers.pop(worker.replica.id, None) if worker.replica is not None else None
+        slots = self._workers.pop(worker, None)
         if slots is None:
             return
         for slot in (0, 1):
@@ -171,20 +170,17 @@ class TaskLogs:
 
     def marker(self, task: Task) -> str:
         """The worker's log's line for a task: which, when it started, how it ended."""
-        started, ended = task.started_at, task.ended_at
+        started, ended, state = task.started_at, task.ended_at, task.state
+        what = state.value if state is not T.QUEUED else "its worker was lost: queued again"
         if started is None:
-            when = "?"
-        else:
-            second = int(started)
-            if second != self._second[0]:  # strftime costs more than the rest of the line
-                self._second = (second, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second)))
-            when = f"{self._second[1]}.{int((started - second) * 1000):03d}Z"
-        ran = f" after {ended - started:.3f} s" if started is not None and ended is not None else ""
-        state = task.state.value if task.state.terminal else "its worker was lost: queued again"
-        return f"--- task {task.id} started {when}, {state}{ran} (its output: orchestrator logs {task.id})"
-
-    def _slots(self, worker: Worker) -> _Slots | None:
-        return self._workers.get(worker.replica.id) if worker.replica is not None else None
+            return f"--- task {task.id} {what}"
+        second = int(started)
+        if second != self._second[0]:  # strftime costs more than the rest of the line
+            self._second = (second, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second)))
+        if ended is None:
+            return "--- task %s started %s.%03dZ, %s" % (task.id, self._second[1], (started - second) * 1000, what)
+        return "--- task %s started %s.%03dZ, %s after %.3f s" % (
+            task.id, self._second[1], (started - second) * 1000, what, ended - started)
 
     @staticmethod
     def _unbind(slots: _Slots, slot: int) -> None:
