@@ -32,7 +32,7 @@ answer, then switch). The worker starts its held task as soon as it has sent the
 before the loop reads it, so the next task's first lines would land in the one before's
 log; only a byte of the worker's in the pipes (a marker per task) or a round trip per task
 fixes that, each costing every task. Two pairs cost two dup2 per task in the worker and a
-drain per answer in the loop. What is not attributed: output of a thread a task left
+poll per answer in the loop (a drain only if the pair holds something). What is not attributed: output of a thread a task left
 running (it writes into whatever pair is on fds 1 and 2 when it writes).
 """
 
@@ -44,8 +44,8 @@ import select
 import time
 from dataclasses import dataclass, field
 
-from .logcapture import File, LogCapture, Stream
 from ..states import TaskState as T
+from .logcapture import File, LogCapture, Stream
 from .taskrecords import Task, Worker
 
 log = logging.getLogger("orchestrator.logs")
