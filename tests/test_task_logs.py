@@ -82,6 +82,9 @@ def test_each_tasks_output_is_in_its_own_log_only(daemon: DaemonUnderTest, logta
         assert [f.result(timeout=60) for f in futs] == [f"t{i}" for i in range(6)]
         ids = [f.task_id for f in futs]
         assert sorted(ex.task_log(ids[0])) == sorted(["t0 out 0", "t0 out 1", "t0 out 2", "t0 raw", "t0 child"])
+        handle = Client(daemon.state_dir).task(ids[1])  # from any process
+        assert sorted(handle.log(stderr=True)) == sorted(["t1 err 0", "t1 err 1", "t1 err 2", "t1 childerr"])
+        assert len(handle.log(lines=2)) == 2
         worker = {row["worker"] for row in Client(daemon.state_dir).call("tasks", {"pool": "jobs", "all": True})}
     assert len(worker) == 1  # one reused worker ran them all
     for i, task_id in enumerate(ids):
