@@ -4,6 +4,7 @@ an A/B of two checkouts compares.
 
     .venv/bin/python benchmarks/task_cost.py                                 # this checkout, 3 rounds
     .venv/bin/python benchmarks/task_cost.py --baseline DIR [--rounds 6]     # and another, alternating
+    .venv/bin/python benchmarks/task_cost.py --daemon [--print] [--baseline DIR]   # a daemon's pool
 
 ``--baseline DIR``: another checkout of the project (``git worktree add --detach DIR COMMIT``),
 run as ``PYTHONPATH=DIR`` with this venv, round by round in turn with this one (the order
@@ -13,6 +14,12 @@ host process and its workers spent meanwhile, divided by the tasks; then a worke
 against a scripted loop (``worker_alone_us``, the steadiest figure: no host threads, no
 batching that moves with the machine's load). Printed: each round, then the median of each
 checkout and, with a baseline, this one's over the baseline's.
+
+``--daemon``: the same ``map`` through a daemon's pool (``Client(DIR).executor``, 2 workers;
+a daemon started for the round from that checkout, stopped after it): the daemon's CPU
+(its loop, with the per-task logs), its workers', and the client's (``host_us``), per task.
+``--print``: each task prints its item (``map(print, ...)``): a line of output per task, so
+a log file per task.
 """
 
 from __future__ import annotations
@@ -121,9 +128,49 @@ def measure_worker(tasks: int) -> float:
     return 1e6 * used / tasks
 
 
-def _round(checkout: Path, tasks: int) -> dict[str, float]:
+def measure_daemon(tasks: int, printing: bool) -> dict[str, float]:
+    """One round through a daemon started here (from the checkout on PYTHONPATH): per
+    task, the client's CPU (``host_us``), the daemon's and its workers' (µs)."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    from orchestrator import Client
+
+    state = Path(tempfile.mkdtemp(prefix="task-cost-"))
+    cli = [sys.executable, "-m", "orchestrator", "--state-dir", str(state)]
+    try:
+        pid = int(subprocess.run([*cli, "start"], check=True, capture_output=True, text=True,
+                                 timeout=60).stdout.strip())
+        daemon = psutil.Process(pid)
+        fn = print if printing else abs
+        try:
+            with Client(state) as client, client.executor("bench", max_workers=2) as ex:
+                workers = [psutil.Process(p) for p in set(ex.map(_pid, range(300)))]
+                list(ex.map(fn, range(3000)))  # warm
+                me = psutil.Process()
+
+                def cpu(procs: list[psutil.Process]) -> float:
+                    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+                began, host, loop, work = time.perf_counter(), cpu([me]), cpu([daemon]), cpu(workers)
+                list(ex.map(fn, range(tasks)))
+                took = time.perf_counter() - began
+                host_us = 1e6 * (cpu([me]) - host) / tasks
+                loop_us = 1e6 * (cpu([daemon]) - loop) / tasks
+                work_us = 1e6 * (cpu(workers) - work) / tasks
+        finally:
+            subprocess.run([*cli, "stop", "--timeout", "30"], capture_output=True, timeout=90)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    return {"tasks_per_s": tasks / took, "host_us": host_us, "daemon_us": loop_us, "workers_us": work_us,
+            "total_us": host_us + loop_us + work_us}
+
+
+def _round(checkout: Path, tasks: int, extra: list[str]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run([sys.executable, __file__, "--one", str(tasks)], env=env, cwd=checkout,
+    out = subprocess.run([sys.executable, __file__, "--one", str(tasks), *extra], env=env, cwd=checkout,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"a round in {checkout} failed:\n{out.stderr}")
@@ -136,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", metavar="DIR", help="another checkout, run alternating with this one")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tasks", type=int, default=60_000)
+    ap.add_argument("--daemon", action="store_true", help="through a daemon's pool (Client(DIR).executor)")
+    ap.add_argument("--print", action="store_true", help="--daemon: each task prints a line")
     ap.add_argument("--one", type=int, metavar="TASKS", help=argparse.SUPPRESS)  # a round, in this process
     args = ap.parse_args(argv)
+    extra = ["--daemon"] * args.daemon + ["--print"] * args.print
+    if args.one and args.daemon:
+        print(json.dumps(measure_daemon(args.one, args.print)))
+        return 0
     if args.one:
         # The worker alone first, forked before this process ran an executor: a worker is
         # forked from a spawner that never did (what malloc does for a read of 1 MiB, say,
@@ -149,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         checkouts["baseline"] = Path(args.baseline).resolve()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
-    keys = ("tasks_per_s", "host_us", "workers_us", "total_us", "worker_alone_us")
+    keys = (("tasks_per_s", "host_us", "daemon_us", "workers_us", "total_us") if args.daemon else
+            ("tasks_per_s", "host_us", "workers_us", "total_us", "worker_alone_us"))
     print(f"{'':14}" + "".join(f"{k:>16}" for k in keys))
     for r in range(args.rounds):
         order = list(checkouts.items())
         for name, path in order if r % 2 == 0 else reversed(order):
-            got = _round(path, args.tasks)
+            got = _round(path, args.tasks, extra)
             runs[name].append(got)
             print(f"{r + 1:>3} {name:10}" + "".join(f"{got[k]:16.1f}" for k in keys), flush=True)
     median = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}

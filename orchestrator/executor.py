@@ -42,6 +42,7 @@ import os
 import pickle
 import queue
 import secrets
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
@@ -54,6 +55,7 @@ from .errors import (
     ChannelError, DaemonNotRunning, InvalidSpec, NotFound, OrchestratorError, ShuttingDown, TaskInterrupted,
     TaskTimeoutError, WorkerLost,
 )
+from .paths import LOGS_NAME, Paths
 from .taskfutures import TaskFuture, fail, remote_exception, resolve
 from .taskremote import EMBEDDED_BLOCK, FIRST_BLOCK, Answer, Backend, Numbers, NumbersAsk, Place, Remote, Submit
 
@@ -158,7 +160,11 @@ class Executor(futures_base.Executor):
         reconnect_timeout: float = 30.0,
         tenant_weights: dict[str, float] | None = None,
         max_wait: float | None = None,
+        task_logs: str | os.PathLike[str] | None = None,
     ) -> None:
+        if task_logs is not None and state_dir is not None:
+            raise ValueError("task_logs= is for an embedded executor: a daemon's pool keeps each task's log "
+                             "in its state dir already (Executor.task_log, orchestrator logs POOL/N)")
         if max_workers is None:
             max_workers = os.cpu_count() or 1
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers <= 0:
@@ -195,7 +201,11 @@ class Executor(futures_base.Executor):
         self._after = 0  # the session's events read so far (daemon mode)
         self._finished = False  # the session ended (shutdown, or left at exit)
         self._numbers = Numbers()
-        self._backend: Backend = _Embedded(grace) if state_dir is None else _remote(state_dir, reconnect_timeout)
+        # Where each task's log is: the daemon's logs/, or the dir an embedded one was given.
+        self._logs_dir: str | None = (os.path.join(os.path.abspath(state_dir), LOGS_NAME) if state_dir is not None
+                                      else os.path.abspath(task_logs) if task_logs is not None else None)
+        self._backend: Backend = (_Embedded(grace, self._logs_dir) if state_dir is None
+                                  else _remote(state_dir, reconnect_timeout))
         args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
                 "init_about": _about(initializer, initargs), "session": self._session,
                 # Embedded, the pool is this session's alone: one block that never runs out
@@ -235,6 +245,20 @@ class Executor(futures_base.Executor):
     def pool(self) -> str:
         """The pool's name, as ``status``, ``logs`` and the metrics show it."""
         return self._pool
+
+    def task_log(self, task_id: str, *, stderr: bool = False, lines: int | None = None) -> list[str]:
+        """The last ``lines`` lines (None: all) of a task's stdout (``stderr``: its stderr),
+        e.g. ``fut.task_id``'s, its rotated files included; [] if it has written nothing.
+        Each task's output is kept in a daemon's pool, and in an embedded one made with
+        ``task_logs=DIR``; without, its workers write to this process's stdout and stderr,
+        as a ProcessPoolExecutor's do, and this raises ``ValueError``."""
+        from .client.logread import tail
+
+        if self._logs_dir is None:
+            raise ValueError(f"executor {self._pool} keeps no task logs: its tasks write to this process's "
+                             f"stdout and stderr (Executor(task_logs=DIR) keeps each task's)")
+        return tail(self._logs_dir, task_id, stream="err" if stderr else "out",
+                    lines=sys.maxsize if lines is None else lines)
 
     @property
     def orchestrator(self) -> Any:
@@ -619,12 +643,14 @@ class Executor(futures_base.Executor):
 class _Embedded(Backend):
     """The loop in this process (an ``Orchestrator`` with its watchdog); submits do not wait."""
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, logs: str | None) -> None:
         from .daemon.embedded import Orchestrator
 
         # A cgroup per worker where this process may make them (memory_max then is the
         # cgroup's memory.max where that controller is enabled); else process groups.
-        self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=True, cgroup="auto")
+        # The workers write to this process's stdout and stderr, unless each task's output
+        # is to be kept (``logs``: the workers' and each task's files there).
+        self.handle = Orchestrator(grace=grace, watchdog=True, inherit_output=logs is None, cgroup="auto", logs=logs)
         self.handle.start()
 
     def call(self, op: str, args: Mapping[str, Any], timeout: float | None = None, *, retry: bool = True) -> Any:
@@ -761,6 +787,10 @@ class _LoopClient:
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
+
+    @property
+    def paths(self) -> Paths:
+        raise ValueError("an embedded executor's task logs are read with its task_log(ID), not a handle's log()")
 
     def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         return self.loop.call(op, args, timeout)

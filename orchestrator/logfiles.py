@@ -5,6 +5,9 @@ process: the names, the rotated chain, and how a file is opened without followin
     <logs dir>/<id>.out, <id>.out.1 .. <id>.out.K     stdout, newest first (.K the oldest)
     <logs dir>/<id>.err, <id>.err.1 .. <id>.err.K     stderr
     <logs dir>/<id>.probe (and its .k)                 the output of a replica's exec probes
+    <logs dir>/<pool>#<n>.out, .err (and their .k)     task <pool>/<n>'s stdout and stderr (a task
+                                                       id's ``/`` cannot be in a name; ``#`` is in
+                                                       no pool's name, so no replica's file is one)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import InvalidSpec
-from .protocol import parse_replica_id
+from .protocol import parse_replica_id, parse_task_id
 
 STREAMS = ("out", "err")
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -34,9 +37,18 @@ def check_stream(stream: str) -> str:
 
 
 def check_id(replica_id: str) -> str:
-    if not isinstance(replica_id, str) or parse_replica_id(replica_id) is None:
-        raise InvalidSpec(f"invalid replica id {replica_id!r}")
+    """A replica's id (``web-3``) or a task's (``jobs/7``): whose logs these are."""
+    if not isinstance(replica_id, str) or (parse_replica_id(replica_id) is None
+                                            and parse_task_id(replica_id) is None):
+        raise InvalidSpec(f"invalid replica or task id {replica_id!r}")
     return replica_id
+
+
+def base_name(log_id: str) -> str:
+    """The files' name before ``.out``/``.err`` of a replica id (itself) or a task id
+    (``jobs/7`` -> ``jobs#7``)."""
+    pool, slash, n = log_id.partition("/")
+    return f"{pool}#{n}" if slash else log_id
 
 
 def open_dir(logs_dir: str | os.PathLike[str]) -> int | None:
@@ -82,7 +94,7 @@ def backup_names(dirfd: int, name: str) -> list[str]:
 def log_paths(logs_dir: str | os.PathLike[str], replica_id: str, stream: str = "out") -> list[Path]:
     """The files of one stream that exist, oldest first: .K .. .1, then the current one."""
     check_id(replica_id)
-    name = f"{replica_id}.{check_stream(stream)}"
+    name = f"{base_name(replica_id)}.{check_stream(stream)}"
     logs = Path(logs_dir)
     dirfd = open_dir(logs)
     if dirfd is None:
@@ -98,9 +110,10 @@ def log_paths(logs_dir: str | os.PathLike[str], replica_id: str, stream: str = "
 
 
 def remove(logs_dir: str | os.PathLike[str], replica_ids: Iterable[str]) -> int:
-    """Delete every log file (current and rotated, stdout and stderr) of these replicas,
-    e.g. once their records were pruned; returns the number of files removed."""
-    wanted = {rid for rid in replica_ids if isinstance(rid, str) and parse_replica_id(rid)}
+    """Delete every log file (current and rotated, stdout and stderr) of these replicas
+    or tasks, e.g. once their records were pruned; returns the number of files removed."""
+    wanted = {base_name(rid) for rid in replica_ids
+              if isinstance(rid, str) and (parse_replica_id(rid) or parse_task_id(rid))}
     if not wanted:
         return 0
     dirfd = open_dir(logs_dir)

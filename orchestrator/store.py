@@ -83,9 +83,9 @@ holds for events appended by one loop). Pruning runs at open and then from ``com
 were saved terminal (so the table overshoots ``keep_replicas`` by at most about a tenth, however
 small the retention), or every 10 minutes if anything was written; not per commit: it deletes by
 ``seq`` ranges and through the partial index, so its cost is proportional to what it deletes
-(plus one index walk of the kept terminal replicas). The ids of the replicas a prune deleted
-are handed to ``on_pruned`` (when set) after its transaction committed: the daemon removes
-their log files. Space freed is reused by new rows;
+(plus one index walk of the kept terminal replicas). The ids of the replicas and tasks a
+prune deleted are handed to ``on_pruned`` (when set) after its transaction committed: the
+daemon removes their log files. Space freed is reused by new rows;
 ``auto_vacuum=INCREMENTAL`` plus a bounded ``PRAGMA incremental_vacuum`` give it back to the
 file system when a large part of the file is free. ``wal_autocheckpoint`` and
 ``journal_size_limit`` keep the -wal file at about 1 MB as long as no reader keeps a read
@@ -535,7 +535,7 @@ class Store:
             self.on_pruned(ids)
 
     def _prune(self, now: float | None = None) -> list[str]:
-        """Apply retention; returns the ids of the replica rows deleted."""
+        """Apply retention; returns the ids of the replica and task rows deleted."""
         conn = self._conn
         assert conn is not None
         cut = (time.time() if now is None else now) - self.keep_seconds
@@ -562,10 +562,13 @@ class Store:
                 "DELETE FROM replicas WHERE id IN (SELECT id FROM replicas "
                 "WHERE retire_key IS NOT NULL ORDER BY retire_key DESC, id DESC "
                 "LIMIT -1 OFFSET ?) RETURNING id", (self.keep_replicas,)).fetchall()]
-            # Ended tasks, as ended replicas: by age, then the keep_replicas most recent.
-            conn.execute("DELETE FROM tasks WHERE retire_key IS NOT NULL AND retire_key < ?", (cut,))
-            conn.execute("DELETE FROM tasks WHERE id IN (SELECT id FROM tasks WHERE retire_key IS NOT NULL "
-                         "ORDER BY retire_key DESC, id DESC LIMIT -1 OFFSET ?)", (self.keep_replicas,))
+            # Ended tasks, as ended replicas: by age, then the keep_replicas most recent
+            # (their ids, POOL/N, told with the replicas': their logs go with them).
+            pruned += [row[0] for row in conn.execute(
+                "DELETE FROM tasks WHERE retire_key IS NOT NULL AND retire_key < ? RETURNING id", (cut,)).fetchall()]
+            pruned += [row[0] for row in conn.execute(
+                "DELETE FROM tasks WHERE id IN (SELECT id FROM tasks WHERE retire_key IS NOT NULL "
+                "ORDER BY retire_key DESC, id DESC LIMIT -1 OFFSET ?) RETURNING id", (self.keep_replicas,)).fetchall()]
             conn.execute("COMMIT")
         except BaseException:
             self._rollback(conn)
@@ -657,6 +660,10 @@ class Store:
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+
+    def task_ids(self) -> set[str]:
+        """The ids of every task stored (unfinished and retained ended ones)."""
+        return {row[0] for row in self._rows("SELECT id FROM tasks")}
 
     def task_numbers(self) -> dict[str, int]:
         """Each pool's highest task number ever stored (ids are never reused)."""

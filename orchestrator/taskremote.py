@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Mapping, NotRequired, Protocol, TypedDict, TypeVar
 
 from .errors import AWAY, ChannelError, OrchestratorError, ShuttingDown
+from .paths import Paths
 from .protocol import error
 
 FIRST_BLOCK = 16  # task numbers a session is granted first; each next block twice as many...
@@ -87,6 +88,8 @@ Answer = Callable[[Mapping[str, Any]], None]  # a submit's reply, or ``{"ok": Fa
 class Channel(Protocol):
     """What ``Remote`` uses of the daemon's ``Client`` (client/channel.py), handed to it."""
 
+    @property
+    def paths(self) -> Paths: ...  # where its tasks' logs are (a handle's log())
     def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any: ...
     def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
                         stop: threading.Event | None = None) -> R: ...

@@ -11,8 +11,11 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
 
     worker -> loop   HELLO       number: its pid; with it, over SCM_RIGHTS, its cancel word;
                                  payload: its wire version (a byte; none: version 1)
-    loop -> worker   CONFIG      payload: JSON {"grace": s} (``ConfigPayload``; version 2,
-                                 before WELCOME)
+    loop -> worker   CONFIG      payload: JSON {"grace": s, "task_logs": bool} (``ConfigPayload``;
+                                 version 2, before WELCOME)
+    worker -> loop   PIPES       (asked for by "task_logs") over SCM_RIGHTS, the read ends of
+                                 two more pipes, stdout's and stderr's: the second slot's
+                                 (see "Per-task logs" below)
     loop -> worker   WELCOME     number: max_tasks; payload: the pickled (initializer,
                                  initargs), or empty; from an embedded executor, ``k``, the
                                  caller's multiprocessing authkey (u16 length) and then that
@@ -60,6 +63,15 @@ answers STOPPED(REVOKE) with number r and skips that frame when it reads it; sta
 answers KEPT with number r. The loop hands the task to another worker only after
 STOPPED(REVOKE), so a task never runs twice; once an ask is answered (or its task's own
 answer came first) the loop clears the word before the slot carries another task.
+
+Per-task logs (CONFIG's "task_logs"): the two slots of the cancel words have a stdout and
+stderr pipe pair each: slot 0 the replica's own fds 1 and 2 (the daemon's log capture),
+slot 1 the pair whose read ends PIPES sent. A worker puts its slot's pair on fds 1 and 2
+as it starts a task (after flushing what it wrote before), so what the task and its children
+write lands in that slot's pipes. A slot carries a new task only after the loop has read the
+answer of the one before, so the loop, which reads those pipes, knows whose bytes it reads
+without asking the worker anything: the slot's task's, from the TASK frame it sent until it
+drained the pipes at that task's answer (daemon/tasklogs.py).
 """
 
 from __future__ import annotations
@@ -72,7 +84,7 @@ import struct
 import sys
 import types
 from enum import StrEnum
-from typing import Any, Callable, TypedDict
+from typing import Any, Callable, NotRequired, TypedDict
 
 HEADER = struct.Struct("!IBQ")
 MAX_FRAME = 1 << 30  # a corrupt length must not make either side allocate without bound
@@ -85,6 +97,7 @@ WORDS = 2  # a worker holds at most two tasks (one runs, one waits): a word each
 
 HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG = range(1, 11)
 RETRY = 11  # worker -> loop only, never sent unasked: no VERSION of its own
+PIPES = 13  # worker -> loop, only when CONFIG asked for task logs
 # The cause in the cancel word's low bits, and in STOPPED. REVOKE words name a frame's index
 # (revoke_word), the others a task's number.
 REVOKE, CANCEL, TIMEOUT, SHUTDOWN = 0, 1, 2, 3
@@ -107,6 +120,7 @@ class ConfigPayload(TypedDict):
     """A CONFIG frame's JSON payload."""
 
     grace: float  # seconds a task the loop stops has before its worker's tree is killed
+    task_logs: NotRequired[bool]  # the worker sends PIPES and puts each task's fds 1 and 2 on its slot's pair
 
 
 class RetryHead(TypedDict):

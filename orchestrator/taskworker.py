@@ -14,6 +14,11 @@ not have started (another worker is idle): the handler gives it back, or says it
 (taskwire.py, "Taking a held task back"). SIGTERM stays what it is in every Python worker:
 :class:`orchestrator.Terminated`, and the worker ends.
 
+Per-task logs (the loop asks for them in CONFIG): the worker makes a second stdout and
+stderr pipe pair and sends their read ends (PIPES); each task runs with its cancel word's
+slot's pair on fds 1 and 2 (slot 0: the replica's own), so the loop knows whose bytes each
+pipe carries (taskwire.py, "Per-task logs"). Two dup2 calls per task, nothing else.
+
 A task's leftovers: the worker is its descendants' subreaper, so every process a task
 started, however it daemonized, stays below it; when a task ends, those still alive get
 SIGTERM, then SIGKILL after the pool's grace, before the answer goes out and the next task
@@ -53,6 +58,8 @@ _grace = 5.0
 _own: set[int] = set()  # processes the initializer started: the worker's, not a task's
 _starting = False  # a task's start is being made: the handler only notes that it came...
 _deferred = False  # ...here, and the start handles it once made
+_pipes: list[tuple[int, int]] = []  # per slot, the (stdout, stderr) a task writes to; [] without task logs
+_on_slot = 0  # the slot whose pair is on fds 1 and 2 now
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -202,6 +209,8 @@ def main() -> None:
     while got is not None and got[0] == w.CONFIG:
         config: w.ConfigPayload = json.loads(bytes(got[2]))  # from the loop (its uid checked at connect)
         _grace = float(config.get("grace", _grace))
+        if config.get("task_logs") and not _pipes:
+            _open_pipes(sock)
         got = reader.next()
     if got is None or got[0] != w.WELCOME:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
@@ -244,6 +253,35 @@ def main() -> None:
         done += 1
 
 
+def _open_pipes(sock: socket.socket) -> None:
+    """Slot 1's stdout and stderr pipes, their read ends to the loop (PIPES); slot 0 keeps
+    the fds 1 and 2 the worker was started with (copies kept here, not inherited)."""
+    global _pipes
+    out_r, out_w = os.pipe()
+    try:
+        err_r, err_w = os.pipe()
+    except OSError:
+        os.close(out_r)
+        os.close(out_w)
+        raise
+    try:
+        socket.send_fds(sock, [w.frame(w.PIPES)], [out_r, err_r])
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    _pipes = [(os.dup(1), os.dup(2)), (out_w, err_w)]
+
+
+def _put_pipes(slot: int) -> None:
+    """Slot ``slot``'s pair on fds 1 and 2 (what the last task wrote was flushed before its
+    answer), where this task and the children it starts write."""
+    global _on_slot
+    out, err = _pipes[slot]
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    _on_slot = slot
+
+
 def _run(number: int, payload: bytes | memoryview) -> bytes | None:
     """Run a TASK frame; its answer, or None if it was given back unstarted."""
     global _current, _slot, _next, _skips, _answered, _ours, _starting, _deferred
@@ -265,6 +303,8 @@ def _run(number: int, payload: bytes | memoryview) -> bytes | None:
         _send(w.frame(w.STOPPED, ask, bytes([w.REVOKE])))
         return None
     _slot, _next = _next, _next ^ 1
+    if _pipes and _slot != _on_slot:
+        _put_pipes(_slot)
     _ours = None
     _current = number
     retry_on: tuple[type[BaseException], ...] = ()

@@ -1,5 +1,8 @@
 """``orchestrator logs``: its arguments and its output. Client side: it reads the files
-(logread.py) and never talks to the daemon, so it works with the daemon down."""
+(logread.py) and never talks to the daemon, so it works with the daemon down. A task's log
+(``logs POOL/N``) is read the same way; its ``--follow`` ends when the journal (state.db,
+read-only) says the task has ended, which the daemon records only once its output is in
+the files."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ import contextlib
 import os
 import select
 import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ..errors import NotFound, UsageError
 from .argtypes import natural
@@ -27,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction[P], common: P) -> None:
                        description="Print the last lines of replicas' captured output, from the files in "
                                    "the state dir's logs/ (rotated files included).")
     p.add_argument("ids", nargs="*", metavar="ID",
-                   help="replica id(s); more than one prefixes each line with its id (default: none, give --pool)")
+                   help="replica id(s) (web-3) or task id(s) (POOL/N: that task's own output); more than one "
+                        "prefixes each line with its id (default: none, give --pool)")
     p.add_argument("--pool", metavar="P", default=None,
                    help="every replica of pool P that has logs, each line prefixed with its id (default: none)")
     p.add_argument("--lines", "-n", type=natural, default=10, metavar="N",
@@ -35,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[P], common: P) -> None:
     p.add_argument("--stderr", action="store_true",
                    help="show the captured stderr instead of stdout (default: stdout)")
     p.add_argument("--follow", "-f", action="store_true",
-                   help="then keep printing lines as they are written, until Ctrl-C (default: off)")
+                   help="then keep printing lines as they are written, until Ctrl-C or, for tasks, until "
+                        "they have all ended (default: off)")
 
 
 def stdout_gone() -> bool:
@@ -69,7 +75,7 @@ def _quiet_stdout() -> None:
 def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
-    from ..protocol import parse_replica_id, pool_name
+    from ..protocol import parse_replica_id, parse_task_id, pool_name
     from .logread import follow, pool_replicas, tail
 
     stream = "err" if args.stderr else "out"
@@ -87,17 +93,27 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
         raise UsageError("logs needs a replica ID or --pool P")
     else:
         for rid in ids:
+            if parse_task_id(rid) is not None:
+                if not (log_paths(logs_dir, rid, "out") or log_paths(logs_dir, rid, "err")) and \
+                        _task_state(paths, rid) is None:
+                    raise NotFound(f"no task {rid!r} in {paths.state_dir} (or its record was retired, "
+                                   f"its log with it)")
+                continue  # known, and it has written nothing (yet): its log is empty
             if parse_replica_id(rid) is None or not (log_paths(logs_dir, rid, "out")
                                                     or log_paths(logs_dir, rid, "err")):
                 raise NotFound(f"no logs of replica {rid!r} in {logs_dir}")  # it may run and not have written yet
     prefix = pool is not None or len(ids) > 1
+    tasks = [i for i in ids if parse_task_id(i) is not None]
+    stop = stdout_gone
+    if tasks and len(tasks) == len(ids):
+        stop = _tasks_ended(paths, tasks)
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")  # type: ignore[union-attr]
     out = sys.stdout
     try:
         if args.follow:
             try:
-                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stdout_gone,
+                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stop,
                                    lines=args.lines, pool=pool):
                     out.write(line + "\n")
                     out.flush()
@@ -111,3 +127,49 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     except BrokenPipeError:
         _quiet_stdout()
     return 0
+
+
+TASK_POLL = 0.25  # seconds between two looks at a followed task's state in the journal
+
+
+def _task_state(paths: Paths, task_id: str) -> str | None:
+    """The task's state as the journal has it (committed each turn), None if it has no such task."""
+    from .display import open_store_readonly
+
+    if not paths.db.exists():
+        return None
+    store = open_store_readonly(paths)
+    try:
+        rows = store.tasks(task_id=task_id)
+    finally:
+        store.close()
+    return str(rows[0]["state"]) if rows else None
+
+
+def _tasks_ended(paths: Paths, task_ids: list[str]) -> Callable[[], bool]:
+    """``follow``'s stop for tasks: all have ended (or are unknown: retired, never there),
+    or nobody reads our output. Asked every TASK_POLL seconds, not at every poll of the files."""
+    from ..paths import running_pid
+    from ..states import TaskState
+
+    left = list(task_ids)
+    next_look = 0.0
+
+    def stop() -> bool:
+        nonlocal next_look
+        if stdout_gone():
+            return True
+        now = time.monotonic()
+        if now >= next_look and running_pid(paths) is None:
+            return True  # no daemon: nothing writes these logs until one starts
+        if now < next_look:
+            return False
+        next_look = now + TASK_POLL
+        while left:
+            state = _task_state(paths, left[0])
+            if state is not None and not TaskState(state).terminal:
+                return False
+            left.pop(0)
+        return True
+
+    return stop

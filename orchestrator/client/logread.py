@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..logfiles import READ_FLAGS, backup_names, check_id, check_stream, open_dir, open_log_file
+from ..logfiles import READ_FLAGS, backup_names, base_name, check_id, check_stream, open_dir, open_log_file
 from ..protocol import pool_name
 
 CHUNK = 64 << 10  # bytes per read of a file
@@ -70,10 +70,11 @@ def _decode(line: bytes) -> str:
 
 
 def tail(logs_dir: str | os.PathLike[str], replica_id: str, *, stream: str = "out", lines: int = 10) -> list[str]:
-    """The last ``lines`` lines of a replica's stream, across its rotated files (a line
-    still being written counts as the last one); [] if it has no log."""
+    """The last ``lines`` lines of a replica's stream (or a task's: ``replica_id`` POOL/N),
+    across its rotated files (a line still being written counts as the last one); [] if it
+    has no log."""
     check_id(replica_id)
-    name = f"{replica_id}.{check_stream(stream)}"
+    name = f"{base_name(replica_id)}.{check_stream(stream)}"
     if lines <= 0:
         return []
     dirfd = open_dir(logs_dir)
@@ -261,7 +262,7 @@ def follow(logs_dir: str | os.PathLike[str], replica_ids: list[str], *, stream: 
     try:
         for rid in replica_ids:
             check_id(rid)
-            f = followers[rid] = _Follower(rid, f"{rid}.{stream}")
+            f = followers[rid] = _Follower(rid, f"{base_name(rid)}.{stream}")
             if dirfd is not None:
                 for line in f.start(dirfd, where, lines):
                     yield fmt(rid, line)
@@ -276,10 +277,18 @@ def follow(logs_dir: str | os.PathLike[str], replica_ids: list[str], *, stream: 
                     for rid in pool_replicas(where, pool, stream):
                         if rid not in followers:
                             followers[rid] = _Follower(rid, f"{rid}.{stream}")
+            # Asked before the poll: what was written before stop() turned true (a task's
+            # last lines, written before its end was recorded) is shown, then it returns.
+            stopping = stop()
+            if dirfd is not None:
                 for rid, f in followers.items():
                     for line in f.poll(dirfd, where, now):
                         yield fmt(rid, line)
-            if stop():
+            if stopping:
+                for f in followers.values():
+                    if f.partial:
+                        yield fmt(f.replica_id, f.partial)
+                        f.partial = b""
                 return
             time.sleep(interval)
     finally:

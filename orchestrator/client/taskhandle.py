@@ -7,6 +7,7 @@ process by its id (``fut.task_id`` in the submitter, what ``submit`` prints) or 
     handle.cancel()          # as future.cancel() in the submitter: Cancelled raised in that task alone
     handle.result(timeout)   # its value, or the exception its future raises
     handle.future()          # a concurrent.futures.Future that ends when the task does
+    handle.log(lines=20)     # the last lines of its own stdout (stderr=True: its stderr)
 
 The outcome means here what it means to the submitter's future (``Executor``): the task's
 exception, ``CancelledError``, ``TaskTimeoutError``, ``WorkerLost``, ``TaskInterrupted``.
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import base64
 import pickle
+import sys
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import Any, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from .. import taskwire as w
 from ..errors import (
@@ -29,12 +31,17 @@ from ..errors import (
 from ..states import TaskState
 from ..taskfutures import TaskFuture, fail, remote_exception, resolve
 
+if TYPE_CHECKING:
+    from ..paths import Paths
+
 R = TypeVar("R")
 
 
 class _Client(Protocol):
     """What a handle asks of its ``Client`` (channel.py, which makes it)."""
 
+    @property
+    def paths(self) -> Paths: ...
     def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any: ...
     def close_thread(self) -> None: ...
     def through_restart(self, attempt: Callable[[], R], err: OrchestratorError, window: float,
@@ -103,6 +110,15 @@ class TaskHandle:
                 return outcome_value(got)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"task {self.id} has not ended within {timeout:g} s (it is {got['state']})")
+
+    def log(self, *, stderr: bool = False, lines: int | None = None) -> list[str]:
+        """The last ``lines`` lines (None: all) of the task's own stdout (``stderr``: its
+        stderr), read from the daemon's files (``orchestrator logs ID``); [] if it has
+        written nothing yet. Its log lives as long as its record."""
+        from .logread import tail
+
+        return tail(self.client.paths.logs, self.id, stream="err" if stderr else "out",
+                    lines=sys.maxsize if lines is None else lines)
 
     def future(self) -> TaskFuture:
         """A ``concurrent.futures.Future`` of the task: it ends when the task does, as the

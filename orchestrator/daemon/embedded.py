@@ -30,6 +30,7 @@ from ..protocol import Reply, ReplyTo, command, raise_reply
 from ..verbs import Verbs
 from .children import WatchdogChild
 from .engine import Engine, EngineConfig
+from .logcapture import LogCapture
 from .loop import build_loop
 from .osapi import OSApi
 from .recovery import recover_leftovers
@@ -53,7 +54,9 @@ class Orchestrator(Verbs):
     made under this process's cgroup (or that dir) and removed by ``close()``; this process
     itself stays where it is. None or "off" (the default): process groups.
     ``inherit_output``: replicas write to this process's stdout and stderr (fds 1 and 2),
-    as a ProcessPoolExecutor's workers do; by default their output is dropped.
+    as a ProcessPoolExecutor's workers do; by default their output is dropped. ``logs``: a
+    dir where it is kept instead, as the daemon keeps it (``<id>.out``/``.err``, rotated,
+    and each executor task's own, ``<pool>#<n>.out``/``.err``: logcapture.py).
     """
 
     def __init__(
@@ -69,10 +72,12 @@ class Orchestrator(Verbs):
         db: str | os.PathLike[str] | None = None,
         cgroup: str | None = None,
         inherit_output: bool = False,
+        logs: str | os.PathLike[str] | None = None,
     ) -> None:
         self._token = secrets.token_hex(8)
         self._config = EngineConfig(grace=grace, spawn_batch=spawn_batch, env=env, token=self._token, spawners=True,
-                                    stdio=(1, 2) if inherit_output else None)
+                                    stdio=(1, 2) if inherit_output and logs is None else None)
+        self._logs = logs
         self._pdeathsig = pdeathsig
         self._use_watchdog = watchdog
         # The watchdog writes its report into the state dir: beside the journal if there is
@@ -85,6 +90,7 @@ class Orchestrator(Verbs):
         self._call_timeout = call_timeout
         self._engine: Engine | None = None
         self._watchdog: WatchdogChild | None = None
+        self._capture: LogCapture | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
         self._started = threading.Event()
@@ -131,8 +137,9 @@ class Orchestrator(Verbs):
                                       name=f"orchestrator-embedded-{os.getpid()}-{self._token[:8]}")
             if link is not None:
                 link.cgroup_subtree = self.containment.path  # killed and removed if this process dies
-        loop = build_loop(self._config, os_api=os_api, store=store, link=link, containment=self.containment)
-        self._engine, self._watchdog = loop.engine, loop.watchdog
+        loop = build_loop(self._config, os_api=os_api, store=store, link=link, containment=self.containment,
+                          logs=self._logs)
+        self._engine, self._watchdog, self._capture = loop.engine, loop.watchdog, loop.log_capture
         if store is not None:
             recover_leftovers(store, os_api, grace=min(self._config.grace, 1.0))  # a killed earlier run
             self._engine.supervisor.restore(store.load()[0], relaunch=False)  # ids continue, never reused
@@ -183,6 +190,8 @@ class Orchestrator(Verbs):
                     self._watchdog.stop_quietly()
             finally:
                 engine.close()
+                if self._capture is not None:
+                    self._capture.close()  # what the replicas wrote last is drained into the files
                 if engine.store is not None:
                     engine.store.close()
                 engine.containment.close()  # the default process groups too: what they still hold

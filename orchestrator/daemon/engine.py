@@ -154,7 +154,8 @@ class Engine:
                                  token=self.config.token, spawners=self.config.spawners, stdio=self.config.stdio)
         self.spawners = self.spawning.spawners
         self.tasks = Tasks(self, address=self.config.task_socket, token=self.config.token,
-                           stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes)
+                           stop_reason=self.config.task_stop_reason, result_max_bytes=self.config.result_max_bytes,
+                           log_capture=self.log_capture)
         self._inbox: collections.deque[tuple[Mapping[str, Any], Reply]] = collections.deque()
         self._submit_lock = threading.Lock()
         self._drain_asked = False  # a _drain_inbox is scheduled and has not begun

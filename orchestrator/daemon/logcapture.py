@@ -4,6 +4,7 @@ or down).
 
     <logs dir>/<id>.out, <id>.out.1 .. <id>.out.K     stdout, newest first (.K the oldest)
     <logs dir>/<id>.err, <id>.err.1 .. <id>.err.K     stderr
+    <logs dir>/<pool>#<n>.out, .err (and their .k)    a task's (tasklogs.py says whose bytes are whose)
 
 Decision: pipes pumped by the control loop (design a), not the log file's fd handed to
 the child (design b). Measured side by side in one run of
@@ -84,8 +85,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, open_log_file
-from ..protocol import parse_replica_id
+from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, base_name, check_stream, open_log_file
+from ..protocol import parse_replica_id, parse_task_id
 
 if TYPE_CHECKING:
     from .reactor import Reactor, Timer
@@ -107,6 +108,7 @@ MIN_READ = 4096  # a stream allowed less than this (by its rate) is left unread 
 CREATE_AFTER = 1.0  # seconds: a replica's files are made by its first output or then
 REMOVE_PER_TURN = 64  # unlinks of forgotten replicas' files in one turn, at most
 REMOVE_TURN_TIME = 0.002  # seconds of unlinking in one turn, after which the rest waits a turn
+NOTES_DELAY = 0.25  # seconds a line of the daemon's (a task's marker) may wait for others to write with
 DEFAULT_MAX_BYTES = 10 << 20
 DEFAULT_BACKUPS = 3
 
@@ -132,98 +134,44 @@ class _Bucket:
         return max(0.0, (min(want, self.burst) - self.tokens) / self.rate)
 
 
-class _Stream:
-    """One pipe (the child's stdout or stderr) and the rotated file it is pumped into."""
+class _File:
+    """One rotated file (a replica's stream, or a task's): what a pipe's bytes are written
+    into, a file never over ``max_bytes``, ``backups`` old ones kept."""
 
-    def __init__(self, cap: LogCapture, replica_id: str, stream: str, max_bytes: int, backups: int,
-                 eager: bool, read_end: int | None = None) -> None:
-        """``read_end``: the pipe an earlier image of the daemon read (an upgrade), else a new one."""
+    def __init__(self, cap: LogCapture, name: str, max_bytes: int, backups: int, eager: bool) -> None:
         self.cap = cap
-        self.name = f"{replica_id}.{stream}"
+        self.name = name
         self.max_bytes = max_bytes
         self.backups = backups
         self.bytes = 0  # written to the files
         self.dropped = 0  # read from the pipe and lost (a full disk, a file we could not open)
         self.fd = -1  # the current file
-        self.r = -1  # the pipe's read end (ours)
-        self.w = -1  # the pipe's write end (the child's; closed here once it is spawned)
-        self.watching = False
-        self.grown = False
         self.failing = False  # a write or an open failed: reported once, until one succeeds
         self.retry_at = 0.0
-        self.paused: Timer | None = None  # resumes reading (after a slow write, over its rate)
-        self.bucket = _Bucket(cap.rate, cap.reactor.monotonic()) if cap.rate else None
         self.created = False  # a file was opened (it exists, unless someone removed it)
         self.size = 0
+        self.slow = False  # the last write took longer than SLOW_WRITE (the kernel throttles us)
+        self.finished = False  # its writer is done: a late line opens it for itself only
+        self.notes = bytearray()  # lines of the daemon's (a task's marker), written at the turn's end
         if eager:
             self.fd, st = open_log_file(cap.dirfd, self.name, WRITE_FLAGS, cap.logs_dir)
             self.size, self.created = st.st_size, True
-        try:
-            if read_end is None:
-                self.r, self.w = os.pipe()  # both close-on-exec; the spawner dup2s w onto 1 or 2
-            else:
-                self.r = read_end
-                os.set_inheritable(read_end, False)
-            os.set_blocking(self.r, False)  # ours only: the child's end stays blocking
-            cap.reactor.add_reader(self.r, self._on_readable)
-            self.watching = True
-        except BaseException:
-            self.close()
-            raise
 
-    # -- pumping
-
-    def _on_readable(self) -> None:
-        cap = self.cap
-        if cap._turn_left <= 0:
-            return  # this turn's budget is spent: the pipe is still ready next turn
-        allow = min(READS_PER_TURN * CHUNK, cap._turn_left)
-        buckets = [b for b in (self.bucket, cap._bucket) if b is not None]
-        if buckets:
-            now = cap.reactor.monotonic()
-            for b in buckets:
-                allow = min(allow, b.available(now))
-            if allow < MIN_READ:  # over its rate: the replica waits on its full pipe, not us
-                self._pause(max(0.001, *(b.wait(CHUNK) for b in buckets)))
-                return
-        got = self._pump(allow)
-        cap._turn_left -= got
-        for b in buckets:
-            b.tokens -= got
-
-    def _pump(self, limit: int) -> int:
-        """Read at most ``limit`` bytes from the pipe into the files; returns the bytes read."""
-        buf = self.cap._buf
-        view = self.cap._view
-        got = 0
-        while got < limit and self.r >= 0 and self.paused is None:
-            want = min(CHUNK, limit - got)
-            try:
-                n = os.readv(self.r, [view[:want]])
-            except BlockingIOError:
-                break
-            except InterruptedError:
-                continue
-            except OSError:  # EIO and the like: as good as EOF
-                n = 0
-            if n == 0:
-                self._eof()
-                break
-            got += n
-            self._store(buf, n)
-            if n < want:
-                break  # the pipe is empty now: no second read just to hear EAGAIN
-            if n == CHUNK and not self.grown:
-                self._grow()
-        return got
-
-    def _grow(self) -> None:
-        self.grown = True
-        with contextlib.suppress(OSError):  # EPERM over pipe-max-size or the per-user limit
-            fcntl.fcntl(self.r, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-
-    def _store(self, buf: bytearray, n: int) -> None:
+    def store(self, buf: bytes | bytearray, n: int) -> None:
         """Write buf[:n] to the current file, rotating at ``max_bytes``."""
+        if self.notes and buf is not self.notes:
+            self.write_notes()  # the daemon's lines stay where they were said, among the output
+        if self.finished and self.fd < 0:
+            if self._reopen(now=True):
+                self._store(buf, n)
+                self.close()
+            else:
+                self._drop(n)
+            return
+        self._store(buf, n)
+
+    def _store(self, buf: bytes | bytearray, n: int) -> None:
+        view = memoryview(buf)
         start = 0
         while start < n:
             if self.fd < 0 and not self._reopen():
@@ -243,14 +191,29 @@ class _Stream:
                     continue
                 else:
                     end = start + room  # a line longer than a whole file
-            written = self._write(buf, start, end)
+            written = self._write(view, start, end)
             if written < end - start:
                 self._drop(n - start - written)
                 return
             start = end
 
-    def _write(self, buf: bytearray, start: int, end: int) -> int:
-        view = self.cap._view
+    def note(self, line: str) -> None:
+        """A line of the daemon's own (a task's marker), written within NOTES_DELAY with
+        the others said meanwhile (one write for a burst of tiny tasks, not one each: a
+        write to a file costs more than the rest of a tiny task's log), and before any
+        output read after it."""
+        if not self.notes:
+            self.cap._noted.append(self)
+            if self.cap._notes_timer is None:
+                self.cap._notes_timer = self.cap.reactor.call_later(NOTES_DELAY, self.cap._write_notes)
+        self.notes += line.encode("utf-8", "replace") + b"\n"
+
+    def write_notes(self) -> None:
+        notes, self.notes = self.notes, bytearray()
+        if notes:
+            self.store(notes, len(notes))
+
+    def _write(self, view: memoryview, start: int, end: int) -> int:
         done = 0
         began = time.perf_counter()
         while start + done < end:
@@ -264,15 +227,13 @@ class _Stream:
             if k <= 0:
                 break
             done += k
-        took = time.perf_counter() - began
+        self.slow = time.perf_counter() - began > SLOW_WRITE
         self.size += done
         self.bytes += done
         self.cap._bytes += done
         if done == end - start and self.failing:
             self.failing = False
             log.warning("%s: writing again (%d bytes dropped so far)", self.name, self.dropped)
-        if took > SLOW_WRITE:
-            self._pause(SLOW_PAUSE)
         return done
 
     def _drop(self, n: int) -> None:
@@ -308,6 +269,8 @@ class _Stream:
         return self._reopen(now=True) and self.size == 0
 
     def _reopen(self, now: bool = False) -> bool:
+        if self.cap.dirfd < 0:
+            return False
         if not now and self.cap.reactor.monotonic() < self.retry_at:
             return False
         try:
@@ -320,9 +283,155 @@ class _Stream:
         return True
 
     def create(self) -> None:
-        """The replica has run CREATE_AFTER seconds: its file exists from now on, output or not."""
-        if self.fd < 0 and not self.created and self.r >= 0:
+        """Its file exists from now on, written or not."""
+        if self.fd < 0 and not self.created and not self.finished:
             self._reopen()
+
+    def close(self) -> None:
+        """Done with it: the notes still held are written, the file closed."""
+        if self.notes and self.cap.dirfd >= 0:
+            self.finished = False
+            self.write_notes()
+        self.finished = True
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+File = _File  # a rotated file: a task's (LogCapture.task_file), or a stream's own (Stream.file)
+
+
+class _Stream:
+    """One pipe (the child's stdout or stderr) and the rotated file it is pumped into: its
+    own (``file``), or for a while another (``bind``: a task's, tasklogs.py)."""
+
+    def __init__(self, cap: LogCapture, replica_id: str, stream: str, max_bytes: int, backups: int,
+                 eager: bool, read_end: int | None = None, file: _File | None = None) -> None:
+        """``read_end``: the pipe an earlier image of the daemon read (an upgrade), or one a
+        worker made, else a new one; ``file``: another stream's (both write into it), else
+        its own, ``<replica_id>.<stream>``."""
+        self.cap = cap
+        self.owns_file = file is None
+        self.file = file if file is not None else _File(cap, f"{replica_id}.{stream}", max_bytes, backups, eager)
+        self.sink: _File | None = self.file  # where what it reads goes now (None: ``bound``'s, not made yet)
+        self.bound: str | None = None  # the id whose file it is bound to (bind), if any...
+        self.bound_stream = ""  # ...and which of its streams
+        self.name = self.file.name
+        self.r = -1  # the pipe's read end (ours)
+        self.w = -1  # the pipe's write end (the child's; closed here once it is spawned)
+        self.watching = False
+        self.grown = False
+        self.paused: Timer | None = None  # resumes reading (after a slow write, over its rate)
+        self.bucket = _Bucket(cap.rate, cap.reactor.monotonic()) if cap.rate else None
+        try:
+            if read_end is None:
+                self.r, self.w = os.pipe()  # both close-on-exec; the spawner dup2s w onto 1 or 2
+            else:
+                self.r = read_end
+                os.set_inheritable(read_end, False)
+            os.set_blocking(self.r, False)  # ours only: the child's end stays blocking
+            cap.reactor.add_reader(self.r, self._on_readable)
+            self.watching = True
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def bytes(self) -> int:
+        return self.file.bytes
+
+    @property
+    def dropped(self) -> int:
+        return self.file.dropped
+
+    # -- pumping
+
+    def _on_readable(self) -> None:
+        cap = self.cap
+        if cap._turn_left <= 0:
+            return  # this turn's budget is spent: the pipe is still ready next turn
+        allow = min(READS_PER_TURN * CHUNK, cap._turn_left)
+        buckets = [b for b in (self.bucket, cap._bucket) if b is not None]
+        if buckets:
+            now = cap.reactor.monotonic()
+            for b in buckets:
+                allow = min(allow, b.available(now))
+            if allow < MIN_READ:  # over its rate: the replica waits on its full pipe, not us
+                self._pause(max(0.001, *(b.wait(CHUNK) for b in buckets)))
+                return
+        got = self._pump(allow)
+        cap._turn_left -= got
+        for b in buckets:
+            b.tokens -= got
+
+    def _pump(self, limit: int, *, paused_too: bool = False) -> int:
+        """Read at most ``limit`` bytes from the pipe into the sink; returns the bytes read."""
+        buf = self.cap._buf
+        view = self.cap._view
+        got = 0
+        while got < limit and self.r >= 0 and (paused_too or self.paused is None):
+            want = min(CHUNK, limit - got)
+            try:
+                n = os.readv(self.r, [view[:want]])
+            except BlockingIOError:
+                break
+            except InterruptedError:
+                continue
+            except OSError:  # EIO and the like: as good as EOF
+                n = 0
+            if n == 0:
+                self._eof()
+                break
+            got += n
+            sink = self.sink if self.sink is not None else self._open_bound()
+            sink.store(buf, n)
+            if sink.slow:  # passed on to the replica (it blocks on its full pipe), not paid again here
+                sink.slow = False
+                self._pause(SLOW_PAUSE)
+            if n < want:
+                break  # the pipe is empty now: no second read just to hear EAGAIN
+            if n == CHUNK and not self.grown:
+                self._grow()
+        return got
+
+    def bind(self, log_id: str, stream: str) -> None:
+        """What it reads goes to ``log_id``'s ``stream`` file from now on (a task's,
+        ``<pool>#<n>.out``: its first byte makes it, rotated by this stream's limits), until
+        ``unbind``. Nothing but two names set: a task that writes nothing costs no more."""
+        if self.sink is not self.file:
+            self.unbind()
+        self.bound, self.bound_stream, self.sink = log_id, stream, None
+
+    def unbind(self) -> None:
+        """What it reads goes to its own file again; the bound one is closed."""
+        if self.sink is not self.file:
+            if self.sink is not None:
+                self.sink.close()
+            self.bound, self.sink = None, self.file
+
+    def _open_bound(self) -> _File:
+        assert self.bound is not None
+        name = f"{base_name(self.bound)}.{check_stream(self.bound_stream)}"
+        self.sink = _File(self.cap, name, self.file.max_bytes, self.file.backups, False)
+        return self.sink
+
+    def drain(self) -> int:
+        """What the pipe holds now, into the sink, at once (a pause or the turn's budget
+        notwithstanding), at most ``DRAIN_LIMIT`` bytes: the writer is done with this sink."""
+        return self._pump(DRAIN_LIMIT, paused_too=True) if self.r >= 0 else 0
+
+    def _grow(self) -> None:
+        self.grown = True
+        with contextlib.suppress(OSError):  # EPERM over pipe-max-size or the per-user limit
+            fcntl.fcntl(self.r, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+
+    def create(self) -> None:
+        """The replica has run CREATE_AFTER seconds: its file exists from now on, output or not."""
+        if self.r >= 0:
+            self.file.create()
 
     def _pause(self, seconds: float) -> None:
         if self.watching and self.paused is None:
@@ -345,7 +454,8 @@ class _Stream:
         """Every write end is closed: nothing more can come."""
         self._unwatch()
         self._close_read_end()
-        self._close_file()
+        if self.owns_file:
+            self.file.close()
 
     # -- ends
 
@@ -368,17 +478,13 @@ class _Stream:
         self._unwatch()
         self.spawned()
         self._close_read_end()
-        self._close_file()
+        if self.owns_file:
+            self.file.close()
 
     def _close_read_end(self) -> None:
         if self.r >= 0:
             os.close(self.r)
             self.r = -1
-
-    def _close_file(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 Stream = _Stream  # what open_stream gives: its ``w`` to hand out, ``finish()`` when done
@@ -431,6 +537,11 @@ class ReplicaLog:
             self._cap._open.pop(self.replica_id, None)
             self._cap._finished(self.replica_id)
 
+    def stream(self, name: str) -> _Stream:
+        """Its stdout's (``out``) or stderr's (``err``) pipe: a worker's first pair, whose
+        sink a task's logs take while the task runs (tasklogs.py)."""
+        return self._out if check_stream(name) == "out" else self._err
+
     @property
     def bytes(self) -> int:
         return self._out.bytes + self._err.bytes
@@ -474,6 +585,8 @@ class LogCapture:
         self._dropped = 0
         self._turn_left = TURN_BUDGET
         self._bucket = _Bucket(total_rate, reactor.monotonic()) if total_rate else None
+        self._noted: list[_File] = []  # files with lines of ours to write (File.note)
+        self._notes_timer: Timer | None = None
         # Files of forgotten replicas still to remove: (id, stream, index), index 0 the
         # current file, k its .k backup; and ids forgotten while their capture was open.
         self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
@@ -496,6 +609,12 @@ class LogCapture:
 
     def _new_turn(self) -> None:
         self._turn_left = TURN_BUDGET
+
+    def _write_notes(self) -> None:
+        self._notes_timer = None
+        noted, self._noted = self._noted, []
+        for f in noted:
+            f.write_notes()
 
     def open(self, replica_id: str, *, max_bytes: int | None = None, backups: int | None = None) -> ReplicaLog:
         """The pipes and files of a replica about to be spawned. Raises OSError when they
@@ -547,13 +666,28 @@ class LogCapture:
             raise OSError(errno.EINVAL, f"invalid stream {name!r}.{stream!r}")
         return _Stream(self, name, stream, self.max_bytes, self.backups, self.create_after == 0)
 
+    def replica(self, replica_id: str) -> ReplicaLog | None:
+        """The open capture of a replica, if it has one."""
+        return self._open.get(replica_id)
+
+    def take_pipe(self, read_end: int, file: _File) -> _Stream:
+        """A pipe a process of a replica made (a worker's second stdout or stderr: tasklogs.py),
+        pumped as the replica's own into ``file`` (one of that replica's) unless its sink is
+        set to another; ``finish()`` when the replica is gone."""
+        if self.dirfd < 0:
+            raise OSError(errno.EBADF, "the log capture is closed")
+        return _Stream(self, "", "", file.max_bytes, file.backups, False, read_end, file)
+
     def forget(self, replica_ids: Iterable[str]) -> None:
-        """The journal forgot these ended replicas: remove their files (current and rotated,
-        stdout and stderr), a bounded number per turn from the next turn on. A replica whose
-        capture is still open is removed once it finishes."""
+        """The journal forgot these ended replicas or tasks (``POOL/N``): remove their files
+        (current and rotated, stdout and stderr), a bounded number per turn from the next
+        turn on. A replica whose capture is still open is removed once it finishes."""
         if self.dirfd < 0:
             return  # closed: the next start's scan removes them
         for rid in replica_ids:
+            if isinstance(rid, str) and parse_task_id(rid) is not None:
+                self._doomed.extend((base_name(rid), stream, 0) for stream in STREAMS)
+                continue
             if not isinstance(rid, str) or parse_replica_id(rid) is None:
                 continue
             if rid in self._open:
@@ -623,6 +757,9 @@ class LogCapture:
         """Finish every open ReplicaLog (daemon shutdown); later opens raise OSError."""
         for rlog in list(self._open.values()):
             rlog.finish()
+        if self._notes_timer is not None:
+            self._notes_timer.cancel()
+        self._write_notes()
         if self._removal is not None:  # what is left is removed by the next start's scan
             self._removal.cancel()
             self._removal = None

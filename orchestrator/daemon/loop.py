@@ -1,9 +1,9 @@
 """One builder of a control loop, for both processes that run one: the daemon (main.py)
 and the embedded ``Orchestrator`` (embedded.py, which ``orchestrator.Executor`` runs).
 
-    build_loop(config, os_api, store, link, containment, daemon=None | DaemonParts)
+    build_loop(config, os_api, store, link, containment, daemon=None | DaemonParts, logs=None | DIR)
         ├─► Reactor (reactor.py): the loop's clock, fds, timers and turn ends
-        ├─► the daemon's replica log files (logcapture.py) on it, if ``daemon``
+        ├─► the replica and task log files (logcapture.py) on it, if ``daemon`` (or ``logs``)
         ├─► Engine (engine.py) on that reactor, with its Hooks given at construction:
         │   the daemon's commands, status, limits, log files, store reopening, turn ends
         └─► the watchdog child (children.py) that guards its replicas, if ``link``
@@ -58,9 +58,11 @@ class Loop:
 
 
 def build_loop(config: EngineConfig, *, os_api: OSApi, store: Any, link: Any,
-               containment: Cgroups | ProcessGroups | None, daemon: DaemonParts | None = None) -> Loop:
+               containment: Cgroups | ProcessGroups | None, daemon: DaemonParts | None = None,
+               logs: str | os.PathLike[str] | None = None) -> Loop:
     """The loop of the daemon (``daemon`` given) or of an embedded Orchestrator (None).
-    ``link``: the watchdog's ledger feed (watchdog.WatchdogLink), None for no watchdog."""
+    ``link``: the watchdog's ledger feed (watchdog.WatchdogLink), None for no watchdog;
+    ``logs``: an embedded loop's dir for its replicas' and tasks' logs, as the daemon's."""
     reactor = Reactor(os_api.monotonic)
     hooks = None
     capture = None
@@ -69,6 +71,9 @@ def build_loop(config: EngineConfig, *, os_api: OSApi, store: Any, link: Any,
         hooks = Hooks(status=daemon.status, commands=daemon.commands, deferred=daemon.deferred,
                       limits=daemon.limits, log_capture=capture, reopen_store=daemon.reopen_store,
                       turn_end=daemon.turn_end)
+    elif logs is not None:
+        capture = LogCapture(logs, reactor)
+        hooks = Hooks(log_capture=capture)
     engine = Engine(config, os_api=os_api, store=store, watchdog=link, reactor=reactor,
                     containment=containment, hooks=hooks)
     watchdog = None

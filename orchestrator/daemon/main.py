@@ -604,9 +604,10 @@ class Daemon:
 
     def _prune_logs(self) -> None:
         """Logs live as long as their replica's record: drop those the journal forgot."""
-        known = {r["id"] for r in self.store.replicas(include_terminal=True)}
+        known = {r["id"] for r in self.store.replicas(include_terminal=True)} | self.store.task_ids()
         ids = {name.split(".", 1)[0] for name in os.listdir(self.paths.logs)
                if name.endswith((".out", ".err")) or ".out." in name or ".err." in name}
+        ids = {i.replace("#", "/", 1) for i in ids}  # a task's files: <pool>#<n> (logfiles.py)
         stale = ids - known - {"daemon"}
         if stale:
             remove_logs(self.paths.logs, stale)

@@ -16,7 +16,7 @@ import base64
 import mmap
 import os
 import socket
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .. import taskwire as w
 from ..errors import InvalidSpec
@@ -122,7 +122,7 @@ class TaskCarry:
                             "asked": worker.asked.id if worker.asked is not None else None,
                             "done": worker.done, "tasks": [t.id for t in worker.tasks],
                             "kill": deadline(worker.kill_timer), "lost_reason": worker.lost_reason,
-                            "over_memory": worker.over_memory})
+                            "over_memory": worker.over_memory, "pipes": self._pipes_of(worker, keep)})
         carried_pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said,
                           "ended": dict(xp.ended), "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                          for xp in pools if not xp.closing]
@@ -131,6 +131,12 @@ class TaskCarry:
         listener = self.tasks.listener_fd
         return {"address": self.tasks.address, "listener": keep(listener) if listener is not None else None,
                 "pools": carried_pools, "tasks": tasks, "workers": workers, "sessions": sessions}
+
+    def _pipes_of(self, worker: Worker, keep: Callable[[int], int]) -> list[int] | None:
+        """The read ends of the worker's second stdout/stderr pair (tasklogs.py), if it has one."""
+        logs = self.tasks.task_logs
+        ends = logs.read_ends(worker) if logs is not None else None
+        return [keep(fd) for fd in ends] if ends is not None else None
 
     def take_over(self, doc: Doc | None) -> None:
         """The next image: the executor pools of the store (restored already) go on as the
@@ -213,5 +219,14 @@ class TaskCarry:
                 task.worker = worker
             if task_id == item.get("asked"):
                 worker.asked = task
+        pipes = [int(fd) for fd in item.get("pipes") or ()]
+        logs = self.tasks.task_logs
+        if logs is not None and pipes:  # its tasks' output goes on into their logs
+            logs.pipes(worker, pipes)
+            for task in worker.tasks:
+                logs.sent(worker, task)
+        else:
+            for fd in pipes:
+                os.close(fd)
         kill = item.get("kill")
         self.tasks.resume_worker(worker, max(0.0, float(kill) - now) if kill is not None else None)

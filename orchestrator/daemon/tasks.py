@@ -9,6 +9,8 @@ its two collaborators, put together here. Loop thread only.
     taskcarry.py     TaskCarry: what carries across a restart (``restore``) and an upgrade
                      (``before_handover``, ``carried``, ``take_over``)
     taskrecords.py   the records and the pure checks and shapes around them
+    tasklogs.py      TaskLogs, each task's output in its own log (the daemon's), which
+                     the table tells when a task is sent, answered, given back, lost
 
 The collaborators hold the table and call only its public methods; neither is a part of
 it. ``Tasks`` is the engine's one door to the three.
@@ -23,6 +25,8 @@ from .pools import Pool
 from .taskcarry import TaskCarry
 from .taskcommands import Command, TaskCommands
 from .taskrecords import Doc
+from .logcapture import LogCapture
+from .tasklogs import TaskLogs
 from .tasktable import Table, TaskTable
 
 
@@ -34,9 +38,12 @@ class Tasks:
 
     def __init__(self, table: Table, *, address: str | None = None, token: str | None = None,
                  stop_reason: str = "interrupted: the executor shut down",
-                 result_max_bytes: int | None = None) -> None:
-        """As TaskTable's (``table``: the engine; ``token`` is unused here)."""
-        self.tasktable = TaskTable(table, address=address, stop_reason=stop_reason, result_max_bytes=result_max_bytes)
+                 result_max_bytes: int | None = None, log_capture: LogCapture | None = None) -> None:
+        """As TaskTable's (``table``: the engine; ``token`` is unused here); ``log_capture``:
+        the daemon's, which then also keeps each task's output in a log of its own."""
+        logs = TaskLogs(log_capture) if log_capture is not None else None
+        self.tasktable = TaskTable(table, address=address, stop_reason=stop_reason, result_max_bytes=result_max_bytes,
+                                   task_logs=logs)
         self._commands = TaskCommands(self.tasktable, table)
         self._carry = TaskCarry(self.tasktable, table)
 

@@ -67,6 +67,7 @@ from .elastic import Elastic
 from .pools import CRASHLOOP, Pool
 from .reactor import BufferedWriter, Reactor, Timer
 from .taskmemory import CHECK_INTERVAL, IDLE_INTERVAL, TreeMemory
+from .tasklogs import TaskLogs
 from .taskqueue import TaskQueue, lane_key
 from .taskwait import End, TaskWait, deadline_line
 from .taskrecords import (
@@ -198,11 +199,13 @@ class TaskTable:
 
     def __init__(self, table: Table, *, address: str | None = None,
                  stop_reason: str = "interrupted: the executor shut down",
-                 result_max_bytes: int | None = None) -> None:
+                 result_max_bytes: int | None = None, task_logs: TaskLogs | None = None) -> None:
         """``address``: the workers' listener (None: an abstract socket of this process);
         ``stop_reason``: what a task cut short by a shutdown ends with; ``result_max_bytes``:
-        a larger result fails its task (None: no bound)."""
+        a larger result fails its task (None: no bound); ``task_logs``: each task's output
+        in its own log (the daemon's; None: the workers' output is their own)."""
         self.table = table
+        self.task_logs = task_logs
         # No address given (an embedded loop): an abstract name nobody can guess, so none can
         # bind it first; who connects is checked at accept either way.
         self._address = address or f"@orchestrator-tasks-{secrets.token_hex(16)}"
@@ -685,6 +688,8 @@ class TaskTable:
         if worker.idle_timer is not None:
             self._elastic.busy(worker)
         worker.tasks.append(task)
+        if self.task_logs is not None:
+            self.task_logs.sent(worker, task)
         payload = task.payload or b""
         if len(payload) < COPY_MAX:  # one write (one syscall, one read in the worker)
             worker.writer.write(w.frame(w.TASK, task.n, payload))
@@ -848,6 +853,8 @@ class TaskTable:
             self._ended_bytes -= len(old_task.result or b"")
             if old_task.key is not None and self._keys.get((old_task.pool.name, old_task.key)) is old_task:
                 del self._keys[(old_task.pool.name, old_task.key)]  # the store finds it by its key from now on
+            if self.task_logs is not None and self.table.journal.store is None:
+                self.task_logs.forget(old_task.id)  # no store: this was its record, its log goes with it
         self._save(task, old)
         for reply, cmd_id in task.waiters:
             self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
@@ -1027,7 +1034,7 @@ class TaskTable:
     def _readable(self, worker: Worker) -> bool:
         """Read what the worker sent; False if there was nothing to read now."""
         try:
-            if worker.pid == 0:
+            if worker.pid == 0 or not worker.ready:  # HELLO and PIPES come with fds
                 data, anc, _, _ = worker.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 4))
                 fds = received_fds(anc)
             else:
@@ -1057,6 +1064,10 @@ class TaskTable:
             elif kind == w.HELLO:
                 self._hello(worker, number, fds, payload[0] if payload else 1)
                 fds = []
+            elif kind == w.PIPES and worker.pid and not worker.ready:
+                if self.task_logs is not None:
+                    self.task_logs.pipes(worker, fds)
+                    fds = []
             else:
                 self._frame(worker, kind, number, payload)
         for fd in fds:
@@ -1115,6 +1126,8 @@ class TaskTable:
         xp.workers[rep.id] = worker
         if version >= 2:
             config: w.ConfigPayload = {"grace": xp.grace}
+            if self.task_logs is not None and self.task_logs.wanted(rep.id):
+                config["task_logs"] = True
             worker.writer.write(w.frame(w.CONFIG, 0, json.dumps(config).encode()))
         worker.writer.write(w.frame(w.WELCOME, xp.max_tasks, xp.init))
 
@@ -1174,6 +1187,8 @@ class TaskTable:
                 self._retry(task, payload)
             else:  # STOPPED for a task we did not stop: cannot be; as a cancel
                 self.end(task, T.CANCELLED, "cancelled", None)
+        if self.task_logs is not None:
+            self.task_logs.answered(worker, task)
         worker.done += 1
         if worker.tasks:
             self._head(worker)
@@ -1195,6 +1210,8 @@ class TaskTable:
         if task is None or task not in worker.tasks:
             return
         worker.next_slot = task.slot
+        if self.task_logs is not None:
+            self.task_logs.given_back(worker, task)
         head = worker.tasks[0] is task
         worker.tasks.remove(task)
         xp.holders.discard(worker)
@@ -1351,6 +1368,8 @@ class TaskTable:
                 self.requeue(task, f"its worker {rep.id} was lost ({reason})")
             else:  # a stop of the loop is no loss of the worker: its own kind (TaskInterrupted)
                 self.end(task, T.FAILED, "interrupted" if self.table.closing else "lost", reason)
+        if self.task_logs is not None:
+            self.task_logs.worker_ended(worker, task)
         self._dispatch(xp)
         self._check_quiet(xp)
         self.table.changed()
@@ -1468,6 +1487,8 @@ class TaskTable:
         for xp in self._pools.values():
             for worker in xp.workers.values():
                 self._close(worker)
+        if self.task_logs is not None:
+            self.task_logs.close()
         for worker in list(self._accepted):
             self._close(worker)
         self._accepted.clear()
