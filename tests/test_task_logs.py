@@ -181,6 +181,20 @@ def test_logs_of_tasks_refuse_what_is_not_there(daemon: DaemonUnderTest, logtask
     assert bad.returncode != 0 and len(bad.stderr.splitlines()) == 1
 
 
+def test_logs_take_a_tasks_key(daemon: DaemonUnderTest, logtasks: Any) -> None:
+    """``logs POOL/@KEY`` is the log of the task that key names; a key that names none is
+    one line, exit 1."""
+    daemon.start()
+    with Client(daemon.state_dir).executor("jobs", max_workers=1) as ex:
+        keyed = ex.options(key="req-7").submit(logtasks.speak, "k")
+        other = ex.submit(logtasks.speak, "o")
+        assert (keyed.result(timeout=60), other.result(timeout=60)) == ("k", "o")
+    shown = cli(daemon.state_dir, "logs", "jobs/@req-7", "--lines", "100", check=True).stdout.splitlines()
+    assert sorted(shown) == sorted(_read(daemon.state_dir / "logs", keyed.task_id)) and "k raw" in shown
+    missing = cli(daemon.state_dir, "logs", "jobs/@req-8")
+    assert missing.returncode == 1 and len(missing.stderr.splitlines()) == 1 and "req-8" in missing.stderr
+
+
 def test_a_tasks_log_goes_with_its_record(daemon: DaemonUnderTest, logtasks: Any) -> None:
     """Retention that forgets a task's record removes its log files."""
     daemon.start("--keep-replicas", "1")

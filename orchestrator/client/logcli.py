@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[P], common: P) -> None:
                        description="Print the last lines of replicas' captured output, from the files in "
                                    "the state dir's logs/ (rotated files included).")
     p.add_argument("ids", nargs="*", metavar="ID",
-                   help="replica id(s) (web-3) or task id(s) (POOL/N: that task's own output); more than one "
+                   help="replica id(s) (web-3) or task id(s) (POOL/N or POOL/@KEY: that task's own output); more than one "
                         "prefixes each line with its id (default: none, give --pool)")
     p.add_argument("--pool", metavar="P", default=None,
                    help="every replica of pool P that has logs, each line prefixed with its id (default: none)")
@@ -92,6 +92,7 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     elif not ids:
         raise UsageError("logs needs a replica ID or --pool P")
     else:
+        ids = [_by_key(paths, rid) for rid in ids]
         for rid in ids:
             if parse_task_id(rid) is not None:
                 if not (log_paths(logs_dir, rid, "out") or log_paths(logs_dir, rid, "err")) and \
@@ -130,6 +131,28 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
 
 
 TASK_POLL = 0.25  # seconds between two looks at a followed task's state in the journal
+
+
+def _by_key(paths: Paths, text: str) -> str:
+    """``POOL/@KEY``'s task id, as the journal has it (the daemon up or down); any other
+    text as it is. A key that names no task there is one line (NotFound)."""
+    from ..protocol import parse_task_ref
+    from .display import open_store_readonly
+
+    ref = parse_task_ref(text)
+    if ref is None or not isinstance(ref[1], str):
+        return text
+    rows = []
+    if paths.db.exists():
+        store = open_store_readonly(paths)
+        try:
+            rows = store.tasks(pool=ref[0], key=ref[1])
+        finally:
+            store.close()
+    if not rows:
+        raise NotFound(f"no task of pool {ref[0]!r} has the key {ref[1]!r} in {paths.state_dir} "
+                       f"(or its record was retired, its log with it)")
+    return str(rows[-1]["id"])
 
 
 def _task_state(paths: Paths, task_id: str) -> str | None:

@@ -45,15 +45,15 @@ EVENTS_KEPT = 200  # the latest events shown
 ENDED_TASKS_KEPT = 20  # tasks seen ending (in the journal) shown below the unfinished ones
 LOG_LINES = 100
 
-# A reader of a log: (paths, id, stream, lines) -> its last lines. "replica" is the
-# replicas' captured output; per-task logs plug in as "task" (Feed(log_readers=...)).
+# A reader of a log: (paths, id, stream, lines) -> its last lines, by whose it is: "replica"
+# and "task" both read the daemon's captured files (a task's own: logs POOL/N).
 LogReader = Callable[[Paths, str, str, int], list[str]]
 
 
-def replica_log(paths: Paths, replica_id: str, stream: str, lines: int) -> list[str]:
+def captured_log(paths: Paths, log_id: str, stream: str, lines: int) -> list[str]:
     from .logread import tail
 
-    return tail(paths.logs, replica_id, stream=stream, lines=lines)
+    return tail(paths.logs, log_id, stream=stream, lines=lines)
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,8 @@ def _stat_fields(pid: int) -> list[bytes] | None:
 class Feed:
     """Reads the daemon for ``top``: ``run`` is its loop (a thread of the client's own),
     ``select`` and ``poke`` are called from the UI thread, ``view`` is the latest picture.
-    ``log_readers``: how a log is read, by whose it is ("replica", and "task" once per-task
-    logs exist: the log pane asks for it when a task is selected). ``daemon_pid``: who holds
+    ``log_readers``: how a log is read, by whose it is ("replica"; "task" when a task is
+    selected): the captured files by default, a test's stand-in otherwise. ``daemon_pid``: who holds
     the state dir's pid file (paths.running_pid; a test's stand-in)."""
 
     def __init__(self, paths: Paths, client: Client, *, tick: float = TICK,
@@ -210,7 +210,7 @@ class Feed:
         self.client = client
         self.tick = tick
         self.daemon_pid = daemon_pid
-        self.log_readers: dict[str, LogReader] = {"replica": replica_log, **(log_readers or {})}
+        self.log_readers: dict[str, LogReader] = {"replica": captured_log, "task": captured_log, **(log_readers or {})}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._running = threading.Lock()  # prime() and run(): one at a time, in order
@@ -475,4 +475,4 @@ def uptime(since: float | None) -> str:
 
 
 __all__ = ["EventLine", "Feed", "LogReader", "PoolRow", "ReplicaRow", "Selection", "TaskRow", "Usage", "View",
-           "event_line", "replica_log", "uptime"]
+           "event_line", "captured_log", "uptime"]
