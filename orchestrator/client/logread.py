@@ -1,7 +1,7 @@
 """Reading the captured logs back: the last lines of a replica's stream across its rotated
 files, and following them as they are written. Runs in the reader's process (the ``logs``
-command, any tool), never in the daemon: it only reads the files, so it works with the
-daemon down and after the replicas ended.
+command, any tool, and the daemon's HTTP API for ``GET /v1/logs``): it only reads the
+files, so it works with the daemon down and after the replicas ended.
 """
 
 from __future__ import annotations
@@ -219,6 +219,9 @@ class _Follower:
 
     def close(self) -> None:
         self._close()
+
+
+Follower = _Follower  # for a reader that drives its own polls (the daemon's HTTP API, at each turn's end)
 
 
 def pool_replicas(logs_dir: str | os.PathLike[str], pool: str, stream: str = "out") -> list[str]:

@@ -168,6 +168,7 @@ def unix_listener(path: str, what: str = "http") -> socket.socket:
     old = os.umask(0o077)
     try:
         sock.bind(path)
+        os.chmod(path, 0o600)  # connecting takes write permission: the owner's only
         sock.listen(64)
         sock.setblocking(False)
     except OSError as err:
