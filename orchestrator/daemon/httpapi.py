@@ -579,7 +579,7 @@ class HttpApi:
         self._arm_keepalive()
 
     def _local_logs(self, route: Route, args: dict[str, Any], request: Request, exchange: Exchange) -> None:
-        from ..client.logread import Follower, tail  # file readers: they never ask the daemon anything
+        from ..logread import Follower, tail  # file readers: they never ask the daemon anything
         from ..logfiles import log_paths, open_dir
 
         rid, stream, lines = args["id"], args.get("stream", "out"), args.get("lines", 10)

@@ -20,6 +20,7 @@ is read with SO_PEERCRED on accept, before a byte of its request is read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import http
@@ -211,6 +212,11 @@ class HttpServer:
         self._sock = sock
         self.unix = sock.family == socket.AF_UNIX
         self.address: Any = sock.getsockname()
+        self._bound: tuple[int, int] | None = None  # the socket file we made: removed by close if still ours
+        if self.unix and isinstance(self.address, str) and self.address:
+            with contextlib.suppress(OSError):
+                st = os.stat(self.address)
+                self._bound = (st.st_dev, st.st_ino)
         try:
             self._ep = select.epoll()  # close-on-exec too
         except OSError:
@@ -545,12 +551,11 @@ class HttpServer:
         except (KeyError, ValueError, OSError):
             pass
         self._ep.close()
-        if self.unix and isinstance(self.address, str) and self.address:
-            try:
-                if os.stat(self.address).st_ino == os.fstat(self._sock.fileno()).st_ino:
-                    os.unlink(self.address)  # ours still: nobody else's socket is removed
-            except OSError:
-                pass
+        if self._bound is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(self.address)
+                if (st.st_dev, st.st_ino) == self._bound:
+                    os.unlink(self.address)  # ours still: another daemon's socket there is not removed
         self._sock.close()
 
 

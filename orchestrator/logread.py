@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..logfiles import READ_FLAGS, backup_names, check_id, check_stream, open_dir, open_log_file
-from ..protocol import pool_name
+from .logfiles import READ_FLAGS, backup_names, check_id, check_stream, open_dir, open_log_file
+from .protocol import pool_name
 
 CHUNK = 64 << 10  # bytes per read of a file
 
