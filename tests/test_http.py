@@ -67,7 +67,7 @@ class Api:
             resp = conn.getresponse()
             payload = resp.read()
             ctype = resp.getheader("Content-Type", "")
-            value: Any = json.loads(payload) if ctype.startswith("application/json") else payload.decode()
+            value: Any = json.loads(payload) if ctype.startswith("application/json") and payload else payload.decode()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, value
         finally:
             conn.close()
@@ -135,6 +135,17 @@ def open_sse(socket_path: str, headers: str = "") -> socket.socket:
     return s
 
 
+def _stream_opens(api: Api) -> bool:
+    """Whether a new event stream is admitted now (its head read, then closed)."""
+    assert api.unix is not None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    with s:
+        s.connect(api.unix)
+        s.sendall(b"GET /v1/events?follow=1&limit=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+        return s.recv(12) == b"HTTP/1.1 200"
+
+
 @pytest.fixture
 def api(daemon: DaemonUnderTest) -> Api:
     daemon.start()
@@ -144,10 +155,28 @@ def api(daemon: DaemonUnderTest) -> Api:
 # -- the routes over the unix socket ------------------------------------------------------
 
 
-def test_the_socket_is_the_owners_only(daemon: DaemonUnderTest, api: Api) -> None:
+def test_the_socket_is_the_owners_only_and_speaks_as_curl_does(daemon: DaemonUnderTest, api: Api) -> None:
     st = os.stat(daemon.state_dir / "http.sock")
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
     assert api.ok("GET", "/v1/ping") == "pong"
+    status, headers, value = api("HEAD", "/v1/status")
+    assert status == 200 and value == "" and int(headers["content-length"]) > 0
+    assert api("HEAD", "/v1/events?follow=1")[0] == 400  # a HEAD answer has no body to say why
+    # curl sends a body over 1 KiB after "Expect: 100-continue", once told to go on
+    body = json.dumps({"pool": "big", "n": 0, "spec": {"command": ["true"], "env": {"PAD": "x" * 2000}}}).encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    with s:
+        s.connect(str(daemon.state_dir / "http.sock"))
+        s.sendall(b"POST /v1/scale HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(1024).startswith(b"HTTP/1.1 100 ")
+        s.sendall(body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1]) == {"pool": "big", "desired": 0, "launched": [], "terminated": []}
 
 
 def test_every_replica_route_as_the_cli_says_it(daemon: DaemonUnderTest, api: Api, tmp_path: Path) -> None:
@@ -230,6 +259,16 @@ def test_events_and_logs(daemon: DaemonUnderTest, api: Api) -> None:
     api.refused("GET", "/v1/events?since=-1", status=400)
     api.refused("GET", "/v1/events?replica=no%20such", status=404)
     api.refused("GET", "/v1/events?follow=1", headers={"Last-Event-ID": "abc"}, status=400)
+
+    # streams are bounded (the rest of the connections stay for commands)
+    streams = [open_sse(str(daemon.state_dir / "http.sock")) for _ in range(httpapi.MAX_STREAMS)]
+    try:
+        api.refused("GET", "/v1/events?follow=1", status=429, code="too_many_streams")
+        assert api.ok("GET", "/v1/ping") == "pong"
+    finally:
+        for s in streams:
+            s.close()
+    wait_for(lambda: _stream_opens(api), 10, "a stream to be admitted again")
 
     # a followed log gets the lines written after it attached
     conn = api.connection()

@@ -57,6 +57,8 @@ PAGE = 500  # events (or log lines' reads) sent to one follower in one turn; the
 KEEPALIVE = 15.0  # seconds between SSE comments on an idle stream: a gone client is noticed
 TOKEN_MAX_BYTES = 4096
 DEFAULT_SOCKET = "http.sock"
+MAX_CONNECTIONS = 64  # per listener; beyond, a client gets a 503 at once
+MAX_STREAMS = 48  # followed events and logs, all listeners together: the rest is left to commands (429 beyond)
 
 # error code -> HTTP status; the NotFound family is 404 by its class (STATUS_OF)
 STATUS = {"invalid": 400, "usage": 400, "config": 400, "unsafe_file": 400, "frame_too_large": 413,
@@ -429,8 +431,9 @@ class HttpApi:
                     raise OSError(0, f"http {addr}: TCP needs --http-token-file (clients send Authorization: Bearer)")
                 sock = (unix_listener(addr.path) if addr.kind == "unix"
                         else tcp_listener(addr.host, addr.port))
+                options = {"max_connections": MAX_CONNECTIONS, **server_options}
                 self.servers.append(HttpServer(reactor, sock, self._serve, uids=uids if addr.kind == "unix" else None,
-                                               **server_options))
+                                               **options))
         except BaseException:
             self.close()
             raise
@@ -458,6 +461,13 @@ class HttpApi:
             self._error(exchange, status_of(err.code), err.code, str(err))
             return
         if route.op is None:
+            if request.method == "HEAD" and args.get("follow"):
+                self._error(exchange, 400, "invalid", "a stream has no HEAD: GET it")
+                return
+            if args.get("follow") and len(self._events) + len(self._logs) >= MAX_STREAMS:
+                self._error(exchange, 429, "too_many_streams", f"{MAX_STREAMS} streams are open already: "
+                                                               f"try again once one has closed")
+                return
             getattr(self, f"_local_{route.local}")(route, args, request, exchange)
             return
         self._command(route, args, exchange)
@@ -701,7 +711,7 @@ def openapi() -> dict[str, Any]:
     errors = {str(s): {"description": d, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
               for s, d in ((400, "bad input"), (401, "no valid token"), (403, "a read-only token writing"),
                            (404, "not found"), (405, "another method"), (409, "refused in this state"),
-                           (413, "body too large"), (503, "shutting down, busy or the journal failing"))}
+                           (413, "body too large"), (429, "too many streams open"), (503, "shutting down, busy or the journal failing"))}
     for route in ROUTES:
         op: dict[str, Any] = {
             "operationId": route.path.strip("/").replace("/", "_").replace("{", "").replace("}", "").replace(".", "_")

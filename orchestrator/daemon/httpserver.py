@@ -375,6 +375,10 @@ class HttpServer:
                         self.respond(conn, 431, _TEXT, b"request too large\n")
                         return
                     conn.head = event
+                    if conn.h11.they_are_waiting_for_100_continue:  # curl's, for a body over 1 KiB
+                        with contextlib.suppress(OSError):  # a few bytes into an empty buffer: best effort
+                            conn.sock.send(conn.h11.send(h11.InformationalResponse(status_code=100, headers=[])),
+                                           socket.MSG_NOSIGNAL)
                     length = dict(event.headers).get(b"content-length")
                     if length is not None and int(length) > self.max_body:  # h11 checked it is a number
                         conn.outcome = "too_large"
@@ -462,7 +466,11 @@ class HttpServer:
     def stream_data(self, conn: _Conn, data: bytes) -> None:
         if self.is_closed(conn) or conn.finishing:
             return
-        self._frame(conn, data)
+        try:
+            self._frame(conn, data)
+        except h11.LocalProtocolError:  # a body where there may be none (a HEAD's): the stream ends here
+            self._close(conn, "error")
+            return
         if len(conn.out) - conn.sent > self.max_buffered:
             self._close(conn, "slow_reader")
             return
