@@ -31,17 +31,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-pc = time.perf_counter
-
-
-def pct(vals: list[float], q: float) -> float:
-    s = sorted(vals)
-    return s[max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))] if s else float("nan")
+from benchmarks.scale import pct, time_calls  # noqa: E402 - after the path is set
 
 
 class _Unix(http.client.HTTPConnection):
@@ -66,15 +61,6 @@ def http_get(path: str, route: str) -> Any:
         return json.loads(body)
     finally:
         conn.close()
-
-
-def timed(fn: Callable[[], Any], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = pc()
-        fn()
-        out.append(pc() - t0)
-    return out
 
 
 class Sse(threading.Thread):
@@ -133,15 +119,15 @@ def main() -> int:
                                                            "channel status (pools)", "http status",
                                                            "channel status")}
             for fn in (lambda: http_get(sock, "/v1/ping"), lambda: client.call("ping")):
-                timed(fn, 50)  # warm-up
+                time_calls(fn, 50)  # warm-up
             block = max(1, args.rounds // 10)
             for _ in range(10):  # interleaved blocks: the same machine state for both
-                lat["http ping"] += timed(lambda: http_get(sock, "/v1/ping"), block)
-                lat["channel ping"] += timed(lambda: client.call("ping"), block)
-                lat["http pools"] += timed(lambda: http_get(sock, "/v1/pools"), block)
-                lat["channel status (pools)"] += timed(lambda: client.call("status")["pools"], block)
-                lat["http status"] += timed(lambda: http_get(sock, "/v1/status"), max(1, block // 10))
-                lat["channel status"] += timed(lambda: client.call("status"), max(1, block // 10))
+                lat["http ping"] += time_calls(lambda: http_get(sock, "/v1/ping"), block)
+                lat["channel ping"] += time_calls(lambda: client.call("ping"), block)
+                lat["http pools"] += time_calls(lambda: http_get(sock, "/v1/pools"), block)
+                lat["channel status (pools)"] += time_calls(lambda: client.call("status")["pools"], block)
+                lat["http status"] += time_calls(lambda: http_get(sock, "/v1/status"), max(1, block // 10))
+                lat["channel status"] += time_calls(lambda: client.call("status"), max(1, block // 10))
             for name, vals in lat.items():
                 rows.append((f"{name} ({args.replicas} replicas), n={len(vals)}",
                              f"p50 {pct(vals, 50) * 1e3:.2f} ms, p99 {pct(vals, 99) * 1e3:.2f} ms"))
