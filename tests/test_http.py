@@ -257,7 +257,8 @@ def test_events_and_logs(daemon: DaemonUnderTest, api: Api) -> None:
     assert len(api.ok("GET", "/v1/events?limit=2")) == 2
     api.refused("GET", "/v1/events?after=x", status=400)
     api.refused("GET", "/v1/events?since=-1", status=400)
-    api.refused("GET", "/v1/events?replica=no%20such", status=404)
+    api.refused("GET", "/v1/events?replica=no%20such", status=400)  # no replica id
+    api.refused("GET", "/v1/events?replica=ghost-9", status=404, code="unknown_replica")  # as the CLI says it
     api.refused("GET", "/v1/events?follow=1", headers={"Last-Event-ID": "abc"}, status=400)
 
     # streams are bounded (the rest of the connections stay for commands)

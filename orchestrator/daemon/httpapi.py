@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import re
+import signal
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,10 +86,25 @@ NUM: dict[str, Any] = {"type": "number", "minimum": 0}
 BOOL: dict[str, Any] = {"type": "boolean"}
 STRS: dict[str, Any] = {"type": "array", "items": STR}
 OPT_NUM: dict[str, Any] = {"type": ["number", "null"], "minimum": 0}
+POOL_NAME: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"}  # protocol.pool_name
+REPLICA_ID: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9]{1,18}$"}
+TASK_ID: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/[1-9][0-9]{0,17}$"}
+IDS: dict[str, Any] = {"type": "array", "items": STR, "minItems": 1}
+SIZE: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": protocol.MAX_COUNT}
+_SIGNALS = sorted(signal.Signals, key=int)
+SIGNAL: dict[str, Any] = {"oneOf": [  # what policy.signal_number reads: TERM, SIGTERM, term, 15
+    {"type": "string", "enum": sorted({w for s in _SIGNALS for n in (s.name, s.name[3:], str(int(s)))
+                                       for w in (n, n.lower())})},
+    {"type": "integer", "enum": sorted({int(s) for s in _SIGNALS})}]}
+IDS_OR_POOL: list[dict[str, Any]] = [{"required": ["ids"]}, {"required": ["pool"]}]  # one, not both
 
 
-def body(required: Sequence[str] = (), **props: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+def body(required: Sequence[str] = (), one_of: list[dict[str, Any]] | None = None,
+         **props: dict[str, Any]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+    if one_of is not None:
+        schema["oneOf"] = one_of
+    return schema
 
 
 def reply(**props: dict[str, Any]) -> dict[str, Any]:
@@ -111,14 +127,26 @@ ERROR = {"type": "object", "properties": {"error": {
     "required": ["error"]}
 
 
+BOOL_WORDS = ("true", "false", "1", "0")  # a query's boolean: what a client may write
+
+
 @dataclass(frozen=True)
 class Param:
-    """A query parameter: its name, JSON type (boolean, integer, number, string) and meaning."""
+    """A query parameter: its name, JSON type (boolean, integer, number, string), meaning,
+    and the bounds of its value (``limits``: minimum, maximum, enum, pattern)."""
 
     name: str
     type: str
     description: str
     required: bool = False
+    limits: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """As the document gives it (a boolean is one of BOOL_WORDS in a query string)."""
+        if self.type == "boolean":
+            return {"type": "string", "enum": list(BOOL_WORDS)}
+        return {"type": self.type, **self.limits}
 
 
 @dataclass(frozen=True)
@@ -202,52 +230,58 @@ ROUTES: tuple[Route, ...] = (
           result={"type": "object", "properties": {"healthy": BOOL}, "required": ["healthy"]}),
     Route("GET", "/v1/metrics", "`metrics`: Prometheus text", op="metrics", ctype=TEXT, result=STR),
     Route("POST", "/v1/launch", "`launch --json`: add replicas to a pool", op="launch", write=True,
-          body=body(("pool", "spec"), pool=STR, spec=SPEC, count=INT, wait=BOOL, timeout=OPT_NUM,
+          body=body(("pool", "spec"), pool=POOL_NAME, spec=SPEC, count={**SIZE, "minimum": 1}, wait=BOOL, timeout=OPT_NUM,
                     policy=OBJ, replace=BOOL),
           result=reply(ids=STRS, failed=STRS), shape=_launched),
     Route("POST", "/v1/terminate", "`terminate --json`", op="terminate", write=True,
-          body=body(("ids",), ids=STRS, wait=BOOL, timeout=OPT_NUM),
+          body=body(("ids",), ids=IDS, wait=BOOL, timeout=OPT_NUM),
           result=reply(terminated=STRS), shape=lambda result, args, api: {"terminated": list(result)}),
     Route("POST", "/v1/scale", "`scale --json`: set a pool's size", op="scale", write=True,
-          body=body(("pool", "n"), pool=STR, n=INT, spec=SPEC),
+          body=body(("pool", "n"), pool=POOL_NAME, n=SIZE, spec=SPEC),
           result=reply(pool=STR, desired=INT, launched=STRS, terminated=STRS)),
     Route("POST", "/v1/restart", "`restart --json`: replace replicas (rolling for a pool)", op="restart",
-          write=True, body=body((), ids=STRS, pool=STR, max_unavailable=INT, timeout=NUM),
+          write=True, body=body((), IDS_OR_POOL, ids=IDS, pool=POOL_NAME, max_unavailable={"type": "integer", "minimum": 1},
+                                timeout=NUM),
           result={"type": "object", "properties": {"replaced": OBJ}, "required": ["replaced"]}),
     Route("POST", "/v1/delete", "`delete --json`: end a pool's replicas and forget it", op="delete", write=True,
-          body=body(("pool",), pool=STR), result={"type": "object", "properties": {
+          body=body(("pool",), pool=POOL_NAME), result={"type": "object", "properties": {
               "pool": STR, "terminated": STRS}, "required": ["pool", "terminated"]}),
     Route("POST", "/v1/signal", "`signal --json`", op="signal", write=True,
-          body=body(("signal",), signal={"type": ["string", "integer"]}, ids=STRS, pool=STR),
+          body=body(("signal",), IDS_OR_POOL, signal=SIGNAL, ids=IDS, pool=POOL_NAME),
           result={"type": "object", "properties": {"signal": ANY, "sent": STRS}, "required": ["sent"]}),
     Route("POST", "/v1/wait", "until replicas run (or have ended)", op="wait",
-          body=body(("ids",), ids=STRS, until={"enum": ["running", "ended"]}, timeout=NUM), result=OBJ),
+          body=body(("ids",), ids=IDS, until={"enum": ["running", "ended"]}, timeout=NUM), result=OBJ),
     Route("POST", "/v1/reload", "`reload --json`: apply the config file again", op="reload", write=True,
           body=body(), result=OBJ),
     Route("GET", "/v1/events", "`events --json` (a list); with follow=1 a Server-Sent Events stream",
           local="events", stream=SSE, result={"type": "array", "items": EVENT},
-          query=(Param("replica", "string", "this replica's only"),
-                 Param("since", "number", "at or after this unix time"),
-                 Param("after", "integer", "after this seq (Last-Event-ID says it too)"),
-                 Param("limit", "integer", "at most this many"),
+          query=(Param("replica", "string", "this replica's only", limits=REPLICA_ID),
+                 Param("since", "number", "at or after this unix time", limits={"minimum": 0}),
+                 Param("after", "integer", "after this seq (Last-Event-ID says it too)", limits={"minimum": 0}),
+                 Param("limit", "integer", "at most this many", limits={"minimum": 0}),
                  Param("follow", "boolean", "then stream events as they are journaled"))),
     Route("GET", "/v1/logs/{id}", "`logs ID`: the last lines; with follow=1 then the lines as they come",
           local="logs", stream=TEXT, result=reply(id=STR, stream=STR, lines=STRS),
-          query=(Param("lines", "integer", "lines from the end (default 10)"),
-                 Param("stream", "string", "out (default) or err"),
+          query=(Param("lines", "integer", "lines from the end (default 10)",
+                       limits={"minimum": 0, "maximum": 100_000}),
+                 Param("stream", "string", "out (default) or err", limits={"enum": ["out", "err"]}),
                  Param("follow", "boolean", "then stream lines as they are written"))),
     Route("GET", "/v1/tasks", "`tasks --json`: tasks of executor pools", op="tasks",
-          query=(Param("pool", "string", "this pool's only"), ALL), result={"type": "array", "items": TASK}),
+          query=(Param("pool", "string", "this pool's only", limits=POOL_NAME), ALL),
+          result={"type": "array", "items": TASK}),
     Route("POST", "/v1/submit", "`submit --json`: queue a task (MODULE:FUNC, JSON arguments)", op="task_submit",
-          write=True, body=body(("pool",), pool=STR, target=STR, args={"type": "array"}, kwargs=OBJ,
-                                timeout=NUM, retries=INT, priority=INT, tenant=STR, cwd=STR, pythonpath=STRS),
+          write=True, body=body(("pool",), pool=POOL_NAME, target=STR, args={"type": "array"}, kwargs=OBJ,
+                                timeout={"type": "number", "exclusiveMinimum": 0},
+                                retries={"type": "integer", "minimum": 0}, priority=INT, tenant=STR, cwd=STR,
+                                pythonpath=STRS),
           result=reply(id=STR), shape=lambda result, args, api: {"id": result}),
     Route("POST", "/v1/cancel", "`cancel --json`", op="task_cancel", write=True,
-          body=body(("ids",), ids={"type": "array", "items": STR, "minItems": 1}),
+          body=body(("ids",), ids=IDS),
           result=reply(cancelled=STRS, ended=STRS), shape=_cancelled),
     Route("GET", "/v1/result", "`result --json`: a task's outcome", op="task_result",
-          query=(Param("id", "string", "the task (POOL/N)", required=True),
-                 Param("wait", "boolean", "until it has ended"), Param("timeout", "number", "bound of wait")),
+          query=(Param("id", "string", "the task (POOL/N)", required=True, limits=TASK_ID),
+                 Param("wait", "boolean", "until it has ended"),
+                 Param("timeout", "number", "bound of wait", limits={"minimum": 0})),
           result={"type": "object", "properties": {"id": STR, "state": STR}, "required": ["id", "state"]},
           shape=_outcome),
     Route("GET", "/openapi.json", "this document", local="openapi", result=OBJ),
@@ -265,8 +299,9 @@ _TYPES: dict[str, Callable[[Any], bool]] = {
 
 def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
     """InvalidSpec with one line unless ``value`` conforms to ``schema`` (the subset of JSON
-    Schema this table uses: type, enum, minimum, minItems, items, properties, required,
-    additionalProperties false). The tests check replies with it too."""
+    Schema this table uses: type, enum, oneOf, minimum, exclusiveMinimum, maximum, pattern,
+    minItems, items, properties, required, additionalProperties false). The tests check
+    replies with it too."""
     types = schema.get("type")
     if types is not None:
         names = [types] if isinstance(types, str) else list(types)
@@ -274,8 +309,26 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
             raise InvalidSpec(f"{where} must be {' or '.join(names)}, got {type(value).__name__}")
     if "enum" in schema and value not in schema["enum"]:
         raise InvalidSpec(f"{where} must be one of {schema['enum']}, got {value!r}")
-    if "minimum" in schema and _TYPES["number"](value) and value < schema["minimum"]:
+    if "oneOf" in schema:
+        fits = 0
+        for alternative in schema["oneOf"]:
+            try:
+                check(value, alternative, where)
+                fits += 1
+            except InvalidSpec:
+                pass
+        if fits != 1:
+            alternatives = [a.get("required", a.get("type")) for a in schema["oneOf"]]
+            raise InvalidSpec(f"{where} must be one of {alternatives}, exactly one, got {value!r}"[:300])
+    number = _TYPES["number"](value)
+    if number and "minimum" in schema and value < schema["minimum"]:
         raise InvalidSpec(f"{where} must be at least {schema['minimum']}, got {value!r}")
+    if number and "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        raise InvalidSpec(f"{where} must be more than {schema['exclusiveMinimum']}, got {value!r}")
+    if number and "maximum" in schema and value > schema["maximum"]:
+        raise InvalidSpec(f"{where} must be at most {schema['maximum']}, got {value!r}")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        raise InvalidSpec(f"{where} is not well formed: {value!r}"[:300])
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0):
             raise InvalidSpec(f"{where} needs at least {schema['minItems']} item(s)")
@@ -295,25 +348,25 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
 
 
 def _query_value(param: Param, text: str) -> Any:
+    where = f"query {param.name}"
+    value: Any = text
     if param.type == "boolean":
-        if text.lower() in ("", "1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise InvalidSpec(f"query {param.name} must be true or false, got {text!r}")
+        if text.lower() not in BOOL_WORDS:
+            raise InvalidSpec(f"{where} must be true or false (or 1, 0), got {text!r}")
+        return text.lower() in ("true", "1")
     if param.type == "integer":
         if not re.fullmatch(r"-?[0-9]{1,18}", text):
-            raise InvalidSpec(f"query {param.name} must be a whole number, got {text!r}")
-        return int(text)
-    if param.type == "number":
+            raise InvalidSpec(f"{where} must be a whole number, got {text!r}")
+        value = int(text)
+    elif param.type == "number":
         try:
-            number = float(text)
+            value = float(text)
         except ValueError:
-            number = math.nan
-        if not math.isfinite(number) or number < 0:
-            raise InvalidSpec(f"query {param.name} must be a finite non-negative number, got {text!r}")
-        return number
-    return text
+            value = math.nan
+        if not math.isfinite(value):
+            raise InvalidSpec(f"{where} must be a finite number, got {text!r}")
+    check(value, param.schema, where)
+    return value
 
 
 def query_args(route: Route, query: Mapping[str, list[str]]) -> dict[str, Any]:
@@ -560,11 +613,10 @@ class HttpApi:
 
     def _local_events(self, route: Route, args: dict[str, Any], request: Request, exchange: Exchange) -> None:
         replica, since, limit = args.get("replica"), args.get("since"), args.get("limit")
-        if replica is not None and protocol.parse_replica_id(replica) is None:
+        store = self._store()
+        if replica is not None and (store is None or not store.events(replica=replica, limit=1)):
+            # as `events --replica` says it: a replica the journal has no event of is unknown
             self._error(exchange, 404, "unknown_replica", f"unknown replica {replica!r}")
-            return
-        if limit is not None and limit < 0:
-            self._error(exchange, 400, "invalid", "limit must be 0 or more")
             return
         after = args.get("after", 0)
         last_id = request.headers.get("last-event-id", "").strip()
@@ -573,7 +625,6 @@ class HttpApi:
                 self._error(exchange, 400, "invalid", f"Last-Event-ID must be an event seq, got {last_id!r}")
                 return
             after = int(last_id)
-        store = self._store()
         if not args.get("follow"):
             rows = store.events(replica=replica, since=since, after_seq=after, limit=limit) if store else []
             exchange.respond(200, JSON, _dumps(rows))
@@ -593,12 +644,6 @@ class HttpApi:
         from ..logfiles import log_paths, open_dir
 
         rid, stream, lines = args["id"], args.get("stream", "out"), args.get("lines", 10)
-        if stream not in ("out", "err"):
-            self._error(exchange, 400, "invalid", f"stream must be out or err, got {stream!r}")
-            return
-        if lines < 0 or lines > 100_000:
-            self._error(exchange, 400, "invalid", "lines must be from 0 to 100000")
-            return
         if protocol.parse_replica_id(rid) is None or not (log_paths(self.logs_dir, rid, "out")
                                                         or log_paths(self.logs_dir, rid, "err")):
             self._error(exchange, 404, "not_found", f"no logs of replica {rid!r}")
@@ -720,9 +765,9 @@ def openapi() -> dict[str, Any]:
             "tags": ["write" if route.write else "read"],
         }
         params = [{"name": p.name, "in": "query", "required": p.required, "description": p.description,
-                   "schema": {"type": p.type}} for p in route.query]
-        params += [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                   for name in re.findall(r"\{(\w+)\}", route.path)]
+                   "schema": p.schema} for p in route.query]
+        params += [{"name": name, "in": "path", "required": True, "schema": REPLICA_ID}
+                   for name in re.findall(r"\{(\w+)\}", route.path)]  # the one path parameter: a replica's id
         if params:
             op["parameters"] = params
         if route.body is not None:
