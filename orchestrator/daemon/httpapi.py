@@ -48,6 +48,7 @@ from ..paths import read_operator_file
 from ..version import __version__
 from .httpserver import Exchange, HttpServer, Request, tcp_listener, unix_listener
 from .reactor import Reactor, Timer
+from .taskrecords import PRIORITY_MAX, PRIORITY_MIN
 
 log = logging.getLogger("orchestrator")
 
@@ -257,8 +258,9 @@ ROUTES: tuple[Route, ...] = (
           local="events", stream=SSE, result={"type": "array", "items": EVENT},
           query=(Param("replica", "string", "this replica's only", limits=REPLICA_ID),
                  Param("since", "number", "at or after this unix time", limits={"minimum": 0}),
-                 Param("after", "integer", "after this seq (Last-Event-ID says it too)", limits={"minimum": 0}),
-                 Param("limit", "integer", "at most this many", limits={"minimum": 0}),
+                 Param("after", "integer", "after this seq (Last-Event-ID says it too)",
+                       limits={"minimum": 0, "maximum": 2 ** 63 - 1}),
+                 Param("limit", "integer", "at most this many", limits={"minimum": 0, "maximum": 2 ** 63 - 1}),
                  Param("follow", "boolean", "then stream events as they are journaled"))),
     Route("GET", "/v1/logs/{id}", "`logs ID`: the last lines; with follow=1 then the lines as they come",
           local="logs", stream=TEXT, result=reply(id=STR, stream=STR, lines=STRS),
@@ -272,7 +274,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/submit", "`submit --json`: queue a task (MODULE:FUNC, JSON arguments)", op="task_submit",
           write=True, body=body(("pool",), pool=POOL_NAME, target=STR, args={"type": "array"}, kwargs=OBJ,
                                 timeout={"type": "number", "exclusiveMinimum": 0},
-                                retries={"type": "integer", "minimum": 0}, priority=INT, tenant=STR, cwd=STR,
+                                retries={"type": "integer", "minimum": 0},
+                                priority={"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX}, tenant=STR, cwd=STR,
                                 pythonpath=STRS),
           result=reply(id=STR), shape=lambda result, args, api: {"id": result}),
     Route("POST", "/v1/cancel", "`cancel --json`", op="task_cancel", write=True,
@@ -297,29 +300,32 @@ _TYPES: dict[str, Callable[[Any], bool]] = {
     "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict), "null": lambda v: v is None}
 
 
-def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
-    """InvalidSpec with one line unless ``value`` conforms to ``schema`` (the subset of JSON
-    Schema this table uses: type, enum, oneOf, minimum, exclusiveMinimum, maximum, pattern,
-    minItems, items, properties, required, additionalProperties false). The tests check
-    replies with it too."""
+def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
+    """``value`` if it conforms to ``schema``, else InvalidSpec with one line (the subset of
+    JSON Schema this table uses: type, enum, oneOf, minimum, exclusiveMinimum, maximum,
+    pattern, minItems, items, properties, required, additionalProperties false). A float
+    with no fraction is an integer to JSON Schema: where one is wanted, it is returned as an
+    int (the commands check ``int``); nothing else is changed. The tests check replies with it."""
     types = schema.get("type")
     if types is not None:
         names = [types] if isinstance(types, str) else list(types)
+        if "integer" in names and isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+            value = int(value)
         if not any(_TYPES[t](value) for t in names):
             raise InvalidSpec(f"{where} must be {' or '.join(names)}, got {type(value).__name__}")
     if "enum" in schema and value not in schema["enum"]:
-        raise InvalidSpec(f"{where} must be one of {schema['enum']}, got {value!r}")
+        raise InvalidSpec(f"{where} must be one of {schema['enum']}, got {value!r}"[:300])
     if "oneOf" in schema:
-        fits = 0
+        fits = []
         for alternative in schema["oneOf"]:
             try:
-                check(value, alternative, where)
-                fits += 1
+                fits.append(check(value, alternative, where))
             except InvalidSpec:
                 pass
-        if fits != 1:
+        if len(fits) != 1:
             alternatives = [a.get("required", a.get("type")) for a in schema["oneOf"]]
             raise InvalidSpec(f"{where} must be one of {alternatives}, exactly one, got {value!r}"[:300])
+        value = fits[0]
     number = _TYPES["number"](value)
     if number and "minimum" in schema and value < schema["minimum"]:
         raise InvalidSpec(f"{where} must be at least {schema['minimum']}, got {value!r}")
@@ -333,18 +339,22 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
         if len(value) < schema.get("minItems", 0):
             raise InvalidSpec(f"{where} needs at least {schema['minItems']} item(s)")
         if "items" in schema:
-            for i, item in enumerate(value):
-                check(item, schema["items"], f"{where}[{i}]")
+            value = [check(item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict):
         props = schema.get("properties", {})
         for key in schema.get("required", ()):
             if key not in value:
                 raise InvalidSpec(f"{where} needs {key!r}")
+        out = {}
         for key, item in value.items():
             if key in props:
-                check(item, props[key], f"{where}.{key}")
+                out[key] = check(item, props[key], f"{where}.{key}")
             elif schema.get("additionalProperties") is False:
-                raise InvalidSpec(f"{where}: unknown field {key!r} (known: {', '.join(props) or 'none'})")
+                raise InvalidSpec(f"{where}: unknown field {key!r} (known: {', '.join(props) or 'none'})"[:300])
+            else:
+                out[key] = item
+        value = out
+    return value
 
 
 def _query_value(param: Param, text: str) -> Any:
@@ -355,7 +365,7 @@ def _query_value(param: Param, text: str) -> Any:
             raise InvalidSpec(f"{where} must be true or false (or 1, 0), got {text!r}")
         return text.lower() in ("true", "1")
     if param.type == "integer":
-        if not re.fullmatch(r"-?[0-9]{1,18}", text):
+        if not re.fullmatch(r"-?[0-9]{1,30}", text):
             raise InvalidSpec(f"{where} must be a whole number, got {text!r}")
         value = int(text)
     elif param.type == "number":
@@ -365,8 +375,7 @@ def _query_value(param: Param, text: str) -> Any:
             value = math.nan
         if not math.isfinite(value):
             raise InvalidSpec(f"{where} must be a finite number, got {text!r}")
-    check(value, param.schema, where)
-    return value
+    return check(value, param.schema, where)
 
 
 def query_args(route: Route, query: Mapping[str, list[str]]) -> dict[str, Any]:
@@ -562,8 +571,7 @@ class HttpApi:
                 doc = json.loads(request.body, parse_constant=_no_constant)
             except (ValueError, RecursionError) as err:
                 raise InvalidSpec(f"the body is not JSON: {str(err).splitlines()[0]}") from None
-            check(doc, route.body)
-            args.update(doc)
+            args.update(check(doc, route.body))
         elif route.body is not None:
             check({}, route.body)
         elif request.body.strip():
