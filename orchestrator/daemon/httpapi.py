@@ -30,6 +30,7 @@ seqs are never reused, so a client that reconnects gets every event once, with n
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hmac
 import json
 import logging
@@ -45,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import protocol
 from ..errors import ERROR_TYPES, InvalidSpec, NotFound, OrchestratorError, UnsafeFile
 from ..paths import read_operator_file
+from ..policy import Policy
 from ..version import __version__
 from .httpserver import Exchange, HttpServer, Request, tcp_listener, unix_listener
 from .reactor import Reactor, Timer
@@ -112,9 +114,20 @@ def reply(**props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-SPEC = {"type": "object", "properties": {
-    "command": {"type": "array", "items": STR, "minItems": 1}, "target": STR, "env": {"type": "object"},
-    "cwd": STR, "pythonpath": STRS, "preload": STRS}, "additionalProperties": False}
+TEXT_NO_NUL: dict[str, Any] = {"type": "string", "pattern": "^[^\\x00]*$"}  # the kernel takes C strings
+SPEC: dict[str, Any] = {  # WorkerSpec.from_wire's checks, but whether the command exists here
+    "type": "object", "additionalProperties": False, "properties": {
+        "command": {"type": "array", "items": TEXT_NO_NUL, "prefixItems": [{"minLength": 1}], "minItems": 1},
+        "target": {"type": "string", "pattern": "^[^:\\x00]+:[^\\x00]+$"},
+        "env": {"type": "object", "propertyNames": {"pattern": "^[^=\\x00]+$"}, "additionalProperties": TEXT_NO_NUL},
+        "cwd": {"type": "string", "pattern": "^/[^\\x00]*$"},
+        "pythonpath": {"type": "array", "items": TEXT_NO_NUL},
+        "preload": {"type": "array", "items": {"type": "string",
+                                               "pattern": r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"}}},
+    "oneOf": [{"required": ["command"], "properties": {"preload": {"maxItems": 0}}}, {"required": ["target"]}]}
+# launch's policy: Policy's keys (policy.py checks their values, in its own words)
+POLICY: dict[str, Any] = {"type": "object", "additionalProperties": False,
+                          "properties": {f.name: ANY for f in dataclasses.fields(Policy)}}
 REPLICA = {"type": "object", "properties": {"id": STR, "pool": STR, "state": STR}, "required": ["id", "state"]}
 POOL = {"type": "object", "properties": {"name": STR}, "required": ["name"]}
 STATUS_REPLY = {"type": "object", "properties": {"state_dir": STR, "daemon": OBJ,
@@ -231,8 +244,8 @@ ROUTES: tuple[Route, ...] = (
           result={"type": "object", "properties": {"healthy": BOOL}, "required": ["healthy"]}),
     Route("GET", "/v1/metrics", "`metrics`: Prometheus text", op="metrics", ctype=TEXT, result=STR),
     Route("POST", "/v1/launch", "`launch --json`: add replicas to a pool", op="launch", write=True,
-          body=body(("pool", "spec"), pool=POOL_NAME, spec=SPEC, count={**SIZE, "minimum": 1}, wait=BOOL, timeout=OPT_NUM,
-                    policy=OBJ, replace=BOOL),
+          body=body(("pool", "spec"), pool=POOL_NAME, spec=SPEC, count={**SIZE, "minimum": 1}, wait=BOOL,
+                    timeout=OPT_NUM, policy=POLICY, replace=BOOL),
           result=reply(ids=STRS, failed=STRS), shape=_launched),
     Route("POST", "/v1/terminate", "`terminate --json`", op="terminate", write=True,
           body=body(("ids",), ids=IDS, wait=BOOL, timeout=OPT_NUM),
@@ -241,7 +254,8 @@ ROUTES: tuple[Route, ...] = (
           body=body(("pool", "n"), pool=POOL_NAME, n=SIZE, spec=SPEC),
           result=reply(pool=STR, desired=INT, launched=STRS, terminated=STRS)),
     Route("POST", "/v1/restart", "`restart --json`: replace replicas (rolling for a pool)", op="restart",
-          write=True, body=body((), IDS_OR_POOL, ids=IDS, pool=POOL_NAME, max_unavailable={"type": "integer", "minimum": 1},
+          write=True, body=body((), IDS_OR_POOL, ids=IDS, pool=POOL_NAME,
+                                max_unavailable={"type": "integer", "minimum": 1},
                                 timeout=NUM),
           result={"type": "object", "properties": {"replaced": OBJ}, "required": ["replaced"]}),
     Route("POST", "/v1/delete", "`delete --json`: end a pool's replicas and forget it", op="delete", write=True,
@@ -275,7 +289,8 @@ ROUTES: tuple[Route, ...] = (
           write=True, body=body(("pool",), pool=POOL_NAME, target=STR, args={"type": "array"}, kwargs=OBJ,
                                 timeout={"type": "number", "exclusiveMinimum": 0},
                                 retries={"type": "integer", "minimum": 0},
-                                priority={"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX}, tenant=STR, cwd=STR,
+                                priority={"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
+                                tenant=STR, cwd=STR,
                                 pythonpath=STRS),
           result=reply(id=STR), shape=lambda result, args, api: {"id": result}),
     Route("POST", "/v1/cancel", "`cancel --json`", op="task_cancel", write=True,
@@ -335,9 +350,15 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
         raise InvalidSpec(f"{where} must be at most {schema['maximum']}, got {value!r}")
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
         raise InvalidSpec(f"{where} is not well formed: {value!r}"[:300])
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        raise InvalidSpec(f"{where} must not be empty")
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0):
             raise InvalidSpec(f"{where} needs at least {schema['minItems']} item(s)")
+        if len(value) > schema.get("maxItems", len(value)):
+            raise InvalidSpec(f"{where} takes at most {schema['maxItems']} item(s)")
+        prefix = schema.get("prefixItems", [])
+        value = [check(item, prefix[i] if i < len(prefix) else {}, f"{where}[{i}]") for i, item in enumerate(value)]
         if "items" in schema:
             value = [check(item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict):
@@ -346,13 +367,16 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
             if key not in value:
                 raise InvalidSpec(f"{where} needs {key!r}")
         out = {}
+        extra = schema.get("additionalProperties")
         for key, item in value.items():
+            if "propertyNames" in schema:
+                check(key, schema["propertyNames"], f"{where}: the name {key!r}")
             if key in props:
                 out[key] = check(item, props[key], f"{where}.{key}")
-            elif schema.get("additionalProperties") is False:
+            elif extra is False:
                 raise InvalidSpec(f"{where}: unknown field {key!r} (known: {', '.join(props) or 'none'})"[:300])
             else:
-                out[key] = item
+                out[key] = check(item, extra, f"{where}.{key}") if isinstance(extra, dict) else item
         value = out
     return value
 
@@ -764,7 +788,8 @@ def openapi() -> dict[str, Any]:
     errors = {str(s): {"description": d, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
               for s, d in ((400, "bad input"), (401, "no valid token"), (403, "a read-only token writing"),
                            (404, "not found"), (405, "another method"), (409, "refused in this state"),
-                           (413, "body too large"), (429, "too many streams open"), (503, "shutting down, busy or the journal failing"))}
+                           (413, "body too large"), (429, "too many streams open"),
+                           (503, "shutting down, busy or the journal failing"))}
     for route in ROUTES:
         op: dict[str, Any] = {
             "operationId": route.path.strip("/").replace("/", "_").replace("{", "").replace("}", "").replace(".", "_")
@@ -779,11 +804,13 @@ def openapi() -> dict[str, Any]:
         if params:
             op["parameters"] = params
         if route.body is not None:
-            op["requestBody"] = {"required": bool(route.body.get("required")),
+            op["requestBody"] = {"required": bool(route.body.get("required") or route.body.get("oneOf")),
                                  "content": {JSON: {"schema": route.body}}}
         content: dict[str, Any] = {route.ctype: {"schema": route.result}}
-        if route.stream is not None:
-            content[route.stream] = {"schema": {"type": "string"}}
+        if route.stream == SSE:  # one event, as a client's parser gives it (data: an event of `events`, as JSON)
+            content[SSE] = {"schema": {"type": "object", "properties": {"id": STR, "event": STR, "data": STR}}}
+        elif route.stream is not None:
+            content[route.stream] = {"schema": STR}
         op["responses"] = {"200": {"description": "done", "content": content}, **errors}
         if route.op == "health":
             op["responses"]["503"] = {"description": "unhealthy", "content": {JSON: {"schema": route.result}}}

@@ -316,6 +316,11 @@ class HttpServer:
                 continue
             self._conns[conn.fd] = conn
             conn.timer = self.reactor.call_later(self.request_timeout, functools.partial(self._expire, conn))
+            try:  # a client that wrote as it connected (most do) is read now, not a turn later
+                self._read(conn, 0)
+            except Exception:  # as in _on_ready: one client's failure
+                log.exception("http server: client failed")
+                self._close(conn, conn.outcome or "error")
 
     def _pause(self) -> None:
         if not self._listening:
