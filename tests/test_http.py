@@ -568,3 +568,9 @@ def test_a_stream_whose_client_stops_reading_is_dropped(reactor: Any, tmp_path: 
     assert closed and streams[0].closed and server.counts["slow_reader"] == 1
     c.close()
     server.close()
+
+
+def test_the_documents_copy_in_docs_is_current() -> None:
+    """docs/openapi.json, linked from the README, is what /openapi.json serves (regenerate:
+    .venv/bin/python -m orchestrator.daemon.httpapi > docs/openapi.json)."""
+    assert json.loads((TESTS.parent / "docs" / "openapi.json").read_text()) == httpapi.openapi()

@@ -827,3 +827,6 @@ def openapi() -> dict[str, Any]:
 
 
 __all__ = ["ROUTES", "Address", "HttpApi", "Route", "check", "openapi", "parse_address", "read_token"]
+
+if __name__ == "__main__":  # the document, for docs/openapi.json: python -m orchestrator.daemon.httpapi
+    print(json.dumps(openapi(), indent=1, sort_keys=True))
