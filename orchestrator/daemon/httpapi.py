@@ -117,7 +117,8 @@ def reply(**props: dict[str, Any]) -> dict[str, Any]:
 TEXT_NO_NUL: dict[str, Any] = {"type": "string", "pattern": "^[^\\x00]*$"}  # the kernel takes C strings
 SPEC: dict[str, Any] = {  # WorkerSpec.from_wire's checks, but whether the command exists here
     "type": "object", "additionalProperties": False, "properties": {
-        "command": {"type": "array", "items": TEXT_NO_NUL, "prefixItems": [{"minLength": 1}], "minItems": 1},
+        "command": {"type": "array", "items": TEXT_NO_NUL, "prefixItems": [{**TEXT_NO_NUL, "minLength": 1}],
+                    "minItems": 1},
         "target": {"type": "string", "pattern": "^[^:\\x00]+:[^\\x00]+$"},
         "env": {"type": "object", "propertyNames": {"pattern": "^[^=\\x00]+$"}, "additionalProperties": TEXT_NO_NUL},
         "cwd": {"type": "string", "pattern": "^/[^\\x00]*$"},
@@ -357,10 +358,9 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
             raise InvalidSpec(f"{where} needs at least {schema['minItems']} item(s)")
         if len(value) > schema.get("maxItems", len(value)):
             raise InvalidSpec(f"{where} takes at most {schema['maxItems']} item(s)")
-        prefix = schema.get("prefixItems", [])
-        value = [check(item, prefix[i] if i < len(prefix) else {}, f"{where}[{i}]") for i, item in enumerate(value)]
-        if "items" in schema:
-            value = [check(item, schema["items"], f"{where}[{i}]") for i, item in enumerate(value)]
+        prefix = schema.get("prefixItems", [])  # the first items' schemas; "items" is the rest's (2020-12)
+        value = [check(item, prefix[i] if i < len(prefix) else schema.get("items", {}), f"{where}[{i}]")
+                 for i, item in enumerate(value)]
     if isinstance(value, dict):
         props = schema.get("properties", {})
         for key in schema.get("required", ()):
