@@ -125,7 +125,8 @@ SPEC: dict[str, Any] = {  # WorkerSpec.from_wire's checks, but whether the comma
         "pythonpath": {"type": "array", "items": TEXT_NO_NUL},
         "preload": {"type": "array", "items": {"type": "string",
                                                "pattern": r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"}}},
-    "oneOf": [{"required": ["command"], "properties": {"preload": {"maxItems": 0}}}, {"required": ["target"]}]}
+    "oneOf": [{"required": ["command"], "not": {"required": ["target"]}, "properties": {"preload": {"maxItems": 0}}},
+              {"required": ["target"], "not": {"required": ["command"]}}]}
 # launch's policy: Policy's keys (policy.py checks their values, in its own words)
 POLICY: dict[str, Any] = {"type": "object", "additionalProperties": False,
                           "properties": {f.name: ANY for f in dataclasses.fields(Policy)}}
@@ -318,8 +319,9 @@ _TYPES: dict[str, Callable[[Any], bool]] = {
 
 def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
     """``value`` if it conforms to ``schema``, else InvalidSpec with one line (the subset of
-    JSON Schema this table uses: type, enum, oneOf, minimum, exclusiveMinimum, maximum,
-    pattern, minItems, items, properties, required, additionalProperties false). A float
+    JSON Schema this table uses: type, enum, oneOf, not, minimum, exclusiveMinimum, maximum,
+    pattern, minLength, minItems, maxItems, prefixItems, items, properties, required,
+    propertyNames, additionalProperties). A float
     with no fraction is an integer to JSON Schema: where one is wanted, it is returned as an
     int (the commands check ``int``); nothing else is changed. The tests check replies with it."""
     types = schema.get("type")
@@ -342,6 +344,13 @@ def check(value: Any, schema: Mapping[str, Any], where: str = "body") -> Any:
             alternatives = [a.get("required", a.get("type")) for a in schema["oneOf"]]
             raise InvalidSpec(f"{where} must be one of {alternatives}, exactly one, got {value!r}"[:300])
         value = fits[0]
+    if "not" in schema:
+        try:
+            check(value, schema["not"], where)
+        except InvalidSpec:
+            pass
+        else:
+            raise InvalidSpec(f"{where} must not be {schema['not']}"[:300])
     number = _TYPES["number"](value)
     if number and "minimum" in schema and value < schema["minimum"]:
         raise InvalidSpec(f"{where} must be at least {schema['minimum']}, got {value!r}")
