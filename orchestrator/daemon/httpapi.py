@@ -527,8 +527,9 @@ class HttpApi:
                 sock = (unix_listener(addr.path) if addr.kind == "unix"
                         else tcp_listener(addr.host, addr.port))
                 options = {"max_connections": MAX_CONNECTIONS, **server_options}
-                self.servers.append(HttpServer(reactor, sock, self._serve, uids=uids if addr.kind == "unix" else None,
-                                               **options))
+                unix = addr.kind == "unix"
+                self.servers.append(HttpServer(reactor, sock, self._serve, uids=uids if unix else None,
+                                               path=addr.path if unix else None, **options))
         except BaseException:
             self.close()
             raise

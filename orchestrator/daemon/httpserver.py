@@ -46,6 +46,7 @@ MAX_BODY = 1 << 20  # bytes of a request body by default; beyond: 413
 MAX_BUFFERED = 4 << 20  # bytes a stream may hold unsent for a client that does not read: beyond, it is closed
 _TEXT = "text/plain; charset=utf-8"
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_SUN_PATH_MAX = 107  # sockaddr_un's sun_path holds 108 bytes, the last one a NUL
 
 
 def _canned(status: int, body: bytes) -> bytes:
@@ -167,8 +168,13 @@ def unix_listener(path: str, what: str = "http") -> socket.socket:
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)
+    dirfd = None
     try:
-        sock.bind(path)
+        name = path
+        if len(os.fsencode(path)) > _SUN_PATH_MAX:  # a deep state dir: the same file by a short name
+            dirfd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            name = f"/proc/self/fd/{dirfd}/{os.path.basename(path)}"
+        sock.bind(name)
         os.chmod(path, 0o600)  # connecting takes write permission: the owner's only
         sock.listen(64)
         sock.setblocking(False)
@@ -177,6 +183,8 @@ def unix_listener(path: str, what: str = "http") -> socket.socket:
         raise OSError(err.errno, f"cannot serve {what} on {path}: {err.strerror or err}") from None
     finally:
         os.umask(old)
+        if dirfd is not None:
+            os.close(dirfd)
     return sock
 
 
@@ -192,7 +200,10 @@ class HttpServer:
     def __init__(self, reactor: Reactor, sock: socket.socket, handle: Handler, *,
                  max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
                  max_body: int = MAX_BODY, max_buffered: int = MAX_BUFFERED,
-                 uids: Collection[int] | None = None, on_outcome: Callable[[str], None] | None = None) -> None:
+                 uids: Collection[int] | None = None, on_outcome: Callable[[str], None] | None = None,
+                 path: str | None = None) -> None:
+        """``path``: a unix listener's file name, where its bound name is not it (a long one
+        bound through /proc/self/fd); the file is removed by ``close`` while it is still ours."""
         self.reactor = reactor
         self.handle = handle
         self.max_connections = max_connections
@@ -211,7 +222,7 @@ class HttpServer:
         sock.setblocking(False)
         self._sock = sock
         self.unix = sock.family == socket.AF_UNIX
-        self.address: Any = sock.getsockname()
+        self.address: Any = path if path is not None and self.unix else sock.getsockname()
         self._bound: tuple[int, int] | None = None  # the socket file we made: removed by close if still ours
         if self.unix and isinstance(self.address, str) and self.address:
             with contextlib.suppress(OSError):
