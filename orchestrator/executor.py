@@ -252,7 +252,7 @@ class Executor(futures_base.Executor):
         Each task's output is kept in a daemon's pool, and in an embedded one made with
         ``task_logs=DIR``; without, its workers write to this process's stdout and stderr,
         as a ProcessPoolExecutor's do, and this raises ``ValueError``."""
-        from .client.logread import tail
+        from .logread import tail
 
         if self._logs_dir is None:
             raise ValueError(f"executor {self._pool} keeps no task logs: its tasks write to this process's "

@@ -45,6 +45,9 @@ keep_replicas = 100
 keep_events = 200
 keep_days = 2
 result_max_bytes = "4M"
+http = ["unix:http.sock", "tcp://127.0.0.1:8470"]
+http_token_file = "http.token"
+http_read_token_file = "read.token"
 
 [pools.web]
 kind = "replicas"
@@ -90,6 +93,8 @@ def test_every_key_is_parsed(tmp_path):
     assert cfg.daemon == DaemonSettings(
         grace=2.5, stop_budget=20.0, metrics_port=9464, cgroup="/sys/fs/cgroup/orch", log_max_bytes=1 << 20,
         log_backups=5, keep_replicas=100, keep_events=200, keep_days=2.0, result_max_bytes=4 << 20,
+        http=("unix:http.sock", "tcp://127.0.0.1:8470"), http_token_file=str(tmp_path / "http.token"),
+        http_read_token_file=str(tmp_path / "read.token"),
     )
     assert list(cfg.pools) == ["web", "jobs"]
     web = cfg.pools["web"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -191,7 +192,19 @@ def test_long_state_dir_and_file_modes(tmp_path: Path) -> None:
             mode = stat.S_IMODE(os.stat(deep / name).st_mode)
             assert mode == 0o600, (name, oct(mode))
         assert stat.S_ISSOCK(os.stat(deep / "control.sock").st_mode)
+        # the HTTP socket too, bound by a short name of the same file
+        assert stat.S_IMODE(os.stat(deep / "http.sock").st_mode) == 0o600
+        dirfd = os.open(deep, os.O_PATH | os.O_DIRECTORY)
+        try:
+            with socket.socket(socket.AF_UNIX) as c:
+                c.settimeout(10)
+                c.connect(f"/proc/self/fd/{dirfd}/http.sock")
+                c.sendall(b"GET /v1/ping HTTP/1.0\r\n\r\n")
+                assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        finally:
+            os.close(dirfd)
         assert cli(deep, "stop").returncode == 0
+        assert not (deep / "http.sock").exists()
     finally:
         assert not d.teardown()
 

@@ -33,7 +33,7 @@ from orchestrator.client import logcli
 from orchestrator.errors import NotFound, OrchestratorError, UsageError
 from orchestrator.daemon.logcapture import LogCapture
 from orchestrator.logfiles import log_paths, remove
-from orchestrator.client.logread import follow, pool_replicas, tail
+from orchestrator.logread import follow, pool_replicas, tail
 from orchestrator.paths import Paths
 from orchestrator.daemon.reactor import Reactor
 

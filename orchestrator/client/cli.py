@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-budget", type=_positive_seconds, metavar="S",
                    help="a stop (SIGTERM) finishes within this many seconds, graces cut to fit (default 30)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve /metrics on 127.0.0.1:PORT (default: off)")
+    p.add_argument("--http", action="append", metavar="ADDR", help="serve the HTTP control plane on unix:PATH or "
+                   "tcp://HOST:PORT (repeatable; off: none; default unix:http.sock in the state dir)")
+    p.add_argument("--http-token-file", metavar="FILE", help="the token TCP clients send (Authorization: Bearer)")
+    p.add_argument("--http-read-token-file", metavar="FILE", help="a token that may only read")
     p.add_argument("--cgroup", metavar="auto|off|PATH", help="a cgroup per replica: auto (where this host allows it, "
                    "else process groups), off, or under the cgroup2 dir PATH (default auto)")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -334,7 +338,9 @@ def _client(paths: Any, timeout: float | None = None) -> Any:
 # start's settings: flag -> Daemon keyword (only the ones given are passed on, so that a
 # config file's [daemon] table fills in the rest)
 _START_SETTINGS = {"--grace": "grace", "--stop-budget": "stop_budget", "--metrics-port": "metrics_port",
-                   "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes"}
+                   "--config": "config_path", "--cgroup": "cgroup", "--result-max-bytes": "result_max_bytes",
+                   "--http": "http", "--http-token-file": "http_token_file",
+                   "--http-read-token-file": "http_read_token_file"}
 UPGRADE_TIMEOUT = 120.0  # the check (imports), the drain of ended replicas' cgroups, the exec and the take-over
 _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events", "--keep-days": "keep_days"}
 
@@ -347,6 +353,9 @@ def cmd_start(args: argparse.Namespace, paths: Paths) -> int:
 
         args.config = os.path.abspath(args.config)
         config_file.load(args.config)  # an invalid file: one line here, before anything starts
+    for flag in ("http_token_file", "http_read_token_file"):  # the daemon runs in /: absolute paths
+        if getattr(args, flag) is not None:
+            setattr(args, flag, os.path.abspath(getattr(args, flag)))
     given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in (*_START_SETTINGS, *_RETENTION)}
     given = {flag: value for flag, value in given.items() if value is not None}
     if args.foreground:
@@ -361,7 +370,9 @@ def cmd_start(args: argparse.Namespace, paths: Paths) -> int:
                                      "keep_events": kept.get("keep_events", KEEP_EVENTS),
                                      "keep_seconds": kept.get("keep_days", KEEP_SECONDS / 86400) * 86400}
         return daemon.run_foreground(paths, ready_fd=args.ready_fd, **settings)
-    pid = control.start_detached(paths, [item for flag, value in given.items() for item in (flag, str(value))])
+    pid = control.start_detached(paths, [item for flag, value in given.items()
+                                         for one in (value if isinstance(value, list) else [value])
+                                         for item in (flag, str(one))])
     print(pid)
     return EXIT_OK
 

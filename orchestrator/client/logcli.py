@@ -75,8 +75,8 @@ def _quiet_stdout() -> None:
 def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
+    from ..logread import follow, pool_replicas, tail
     from ..protocol import parse_replica_id, parse_task_id, pool_name
-    from .logread import follow, pool_replicas, tail
 
     stream = "err" if args.stderr else "out"
     ids = list(args.ids or ())

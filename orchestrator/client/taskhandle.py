@@ -115,7 +115,7 @@ class TaskHandle:
         """The last ``lines`` lines (None: all) of the task's own stdout (``stderr``: its
         stderr), read from the daemon's files (``orchestrator logs ID``); [] if it has
         written nothing yet. Its log lives as long as its record."""
-        from .logread import tail
+        from ..logread import tail
 
         return tail(self.client.paths.logs, self.id, stream="err" if stderr else "out",
                     lines=sys.maxsize if lines is None else lines)

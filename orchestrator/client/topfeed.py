@@ -51,7 +51,7 @@ LogReader = Callable[[Paths, str, str, int], list[str]]
 
 
 def captured_log(paths: Paths, log_id: str, stream: str, lines: int) -> list[str]:
-    from .logread import tail
+    from ..logread import tail
 
     return tail(paths.logs, log_id, stream=stream, lines=lines)
 

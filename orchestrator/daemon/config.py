@@ -11,6 +11,9 @@
     keep_events = 20000
     keep_days = 7
     result_max_bytes = "16M"    # a task's result larger than this fails the task
+    http = ["unix:http.sock", "tcp://127.0.0.1:8470"]   # the HTTP control plane (default: the first)
+    http_token_file = "http.token"       # TCP needs it: clients send Authorization: Bearer
+    http_read_token_file = "read.token"  # optional: a token that may only read
 
     [pools.web]                 # the keys of a pool are the flags of `launch`, with `_`
     command = ["python3", "-m", "http.server", "{port}"]   # or target = "module:function"
@@ -92,7 +95,8 @@ EXECUTOR_KEYS: tuple[str, ...] = ("kind", "size", "target", "preload", "env", "e
                                   "log_backups", "min_workers", "idle_timeout", "memory_budget",
                                   "tenant_weights", "max_wait")
 DAEMON_KEYS = ("grace", "stop_budget", "metrics_port", "cgroup", "log_max_bytes", "log_backups",
-               "keep_replicas", "keep_events", "keep_days", "result_max_bytes")
+               "keep_replicas", "keep_events", "keep_days", "result_max_bytes", "http", "http_token_file",
+               "http_read_token_file")
 TOP_KEYS = ("daemon", "pools")
 
 
@@ -111,6 +115,9 @@ class DaemonSettings:
     keep_events: int = KEEP_EVENTS
     keep_days: float = KEEP_SECONDS / 86400
     result_max_bytes: int = RESULT_MAX_BYTES
+    http: tuple[str, ...] | None = None  # addresses of the HTTP control plane; None: unix:http.sock
+    http_token_file: str | None = None  # absolute (relative ones are the config file's directory's)
+    http_read_token_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,15 @@ class _Reader:
             return _integer(value, key, low=0)
         if key == "result_max_bytes":
             return result_max_bytes(value, key)
+        if key == "http":
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) and v for v in items):
+                raise InvalidSpec(f"must be an address or a list of them (unix:PATH, tcp://HOST:PORT, off), got {value!r}")
+            return tuple(items)
+        if key in ("http_token_file", "http_read_token_file"):
+            if not isinstance(value, str) or not value or "\0" in value:
+                raise InvalidSpec(f"must be a file name, got {value!r}")
+            return os.path.join(self.base_dir, value)
         raise AssertionError(key)  # pragma: no cover - DAEMON_KEYS and this stay in step
 
     # [pools.NAME]

@@ -1,25 +1,38 @@
-"""The loopback HTTP endpoint for ``/metrics`` and ``/healthz``, served by the control loop.
+"""HTTP/1.1 served by the control loop: the connection handling ``/metrics`` and the JSON
+control plane (httpapi.py) share, and the loopback ``/metrics`` + ``/healthz`` endpoint.
 
 HTTP/1.1 is parsed and framed by ``h11`` (sans-IO: it never touches a socket), and the
 sockets are driven by the reactor: a non-blocking listener and non-blocking connections in
 a private epoll whose fd is one reader of the reactor (the reactor's writer API cannot share
 an fd with a reader, so readiness for both directions is watched here). Nothing here
 sleeps, blocks or starts a thread, and no reactor callback of this module raises: a broken
-client is closed and counted. Every response closes its connection (a scraper reconnects
-once every few seconds; keep-alive would only add idle sockets to bound).
+client is closed and counted. Every response closes its connection (a client reconnects;
+keep-alive would only add idle sockets to bound).
+
+``HttpServer`` is the public face: a listener, a ``handle(request, exchange)`` callback
+that sees each whole request (head bounded to ``MAX_REQUEST`` bytes whether it came in one
+read or in pieces, body to ``max_body``), and an ``Exchange`` that answers it now or later
+(a command that waits), whole (``respond``) or as a stream (``start``/``send``/``end``:
+Server-Sent Events, a followed log). A unix listener may admit only some uids: the peer's
+is read with SO_PEERCRED on accept, before a byte of its request is read.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import http
 import json
 import logging
+import os
 import select
 import socket
-from typing import Any, Callable, Mapping
+import struct
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import h11
 
@@ -29,76 +42,192 @@ log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
 MAX_REQUEST = 8192  # bytes of request line and headers; beyond: 431
+MAX_BODY = 1 << 20  # bytes of a request body by default; beyond: 413
+MAX_BUFFERED = 4 << 20  # bytes a stream may hold unsent for a client that does not read: beyond, it is closed
 _TEXT = "text/plain; charset=utf-8"
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n")
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_SUN_PATH_MAX = 107  # sockaddr_un's sun_path holds 108 bytes, the last one a NUL
+
+
+def _canned(status: int, body: bytes) -> bytes:
+    return (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: {_TEXT}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+_REFUSAL = _canned(503, b"busy\n")
+_FORBIDDEN = _canned(403, b"forbidden: another user's process\n")
+
+
+@dataclass
+class Request:
+    """One whole request, as the handler sees it. ``headers``: names lower-cased (a repeated
+    header's last value); ``peer_uid``: the client's uid on a unix listener, else None."""
+
+    method: str
+    target: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes = b""
+    peer_uid: int | None = None
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "h11", "fed", "out", "sent", "timer", "outcome")
+    __slots__ = ("sock", "fd", "h11", "fed", "out", "sent", "timer", "outcome", "state", "body", "head",
+                 "peer_uid", "exchange", "finishing")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer_uid: int | None) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         # h11's bound holds only while the head is incomplete (a request in pieces); a whole
         # one in a single read is measured in _read, from what h11 was fed and kept.
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
         self.fed = 0  # bytes given to h11
-        self.out: bytes | None = None  # the response, once there is one
+        self.out = bytearray()  # what is to be sent
         self.sent = 0
         self.timer: Timer | None = None
         self.outcome = ""
+        self.state = "reading"  # reading -> handling (the handler has it) -> writing | streaming
+        self.body = bytearray()
+        self.head: h11.Request | None = None
+        self.peer_uid = peer_uid
+        self.exchange: Exchange | None = None
+        self.finishing = False  # the whole response is in ``out``: close once it is sent
 
 
-class MetricsServer:
-    """``GET /metrics`` (and ``/healthz``) on 127.0.0.1:``port``. A request is read within
-    ``request_timeout`` s, the response written as the socket takes it within
-    ``write_timeout`` s; beyond ``max_connections`` a client gets a 503 and is closed.
+class Exchange:
+    """The answer to one request: ``respond`` once, or ``start`` a stream, ``send`` to it and
+    ``end`` it. Any of them after the client left is a no-op (``closed`` says so), so a
+    command's late reply needs no check; ``on_close`` hears the connection's end."""
 
-    ``render()`` gives the /metrics body; ``healthz()`` -> (ok, info) gives /healthz (200 or
-    503, info as JSON; 404 when None). ``port`` 0 binds an ephemeral port (``.port`` says
-    which). ``counts`` holds what happened to clients (outcome -> n), and ``on_outcome``
-    (e.g. ``Metrics.http_request``) hears each outcome. A port that cannot be bound raises
-    OSError with a one-line message.
-    """
+    def __init__(self, server: HttpServer, conn: _Conn) -> None:
+        self._server = server
+        self._conn = conn
+        self.on_close: Callable[[], None] | None = None
+        self.started = False
 
-    HOST = "127.0.0.1"
+    @property
+    def closed(self) -> bool:
+        return self._server.is_closed(self._conn)
 
-    def __init__(self, reactor: Reactor, port: int, render: Callable[[], str],
-                 healthz: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None, *,
+    def respond(self, status: int, ctype: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> None:
+        if self.closed or self.started:
+            return
+        self.started = True
+        self._server.respond(self._conn, status, ctype, body, headers)
+
+    def start(self, status: int, ctype: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        if self.closed or self.started:
+            return
+        self.started = True
+        self._server.start_stream(self._conn, status, ctype, headers)
+
+    def send(self, data: bytes) -> None:
+        if not self.closed and self.started:
+            self._server.stream_data(self._conn, data)
+
+    def end(self) -> None:
+        if not self.closed and self.started:
+            self._server.end_stream(self._conn)
+
+
+Handler = Callable[[Request, Exchange], None]
+
+
+def tcp_listener(host: str, port: int, what: str = "http") -> socket.socket:
+    """A non-blocking TCP listener on (host, port); OSError with one line if it cannot be."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise OSError(errno.EINVAL, f"invalid {what} port {port!r} (0-65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)  # close-on-exec, as every Python fd
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+        sock.setblocking(False)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot serve {what} on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def unix_listener(path: str, what: str = "http") -> socket.socket:
+    """A non-blocking unix listener at ``path``, mode 0600 from its creation (bound under a
+    umask of 077); a stale socket there is replaced, anything else is refused."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise OSError(err.errno, f"cannot serve {what} on {path}: {err.strerror or err}") from None
+    else:
+        import stat
+
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.EEXIST, f"cannot serve {what} on {path}: something that is not a socket is there")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    dirfd = None
+    try:
+        name = path
+        if len(os.fsencode(path)) > _SUN_PATH_MAX:  # a deep state dir: the same file by a short name
+            dirfd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            name = f"/proc/self/fd/{dirfd}/{os.path.basename(path)}"
+        sock.bind(name)
+        os.chmod(path, 0o600)  # connecting takes write permission: the owner's only
+        sock.listen(64)
+        sock.setblocking(False)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot serve {what} on {path}: {err.strerror or err}") from None
+    finally:
+        os.umask(old)
+        if dirfd is not None:
+            os.close(dirfd)
+    return sock
+
+
+class HttpServer:
+    """Serves ``handle`` on the listener ``sock`` (taken over: closed by ``close``). A request
+    is read within ``request_timeout`` s and a whole response written within
+    ``write_timeout`` s; a stream lives until either end closes it, but a client that lets
+    more than ``max_buffered`` bytes of it pile up is dropped. Beyond ``max_connections``
+    a client gets a 503 and is closed; on a unix listener, a peer whose uid is not in
+    ``uids`` gets a 403 (None: any). ``counts`` holds what happened to clients (outcome -> n),
+    and ``on_outcome`` hears each outcome."""
+
+    def __init__(self, reactor: Reactor, sock: socket.socket, handle: Handler, *,
                  max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
-                 on_outcome: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
-        """``sock``: a listener bound already (carried by an upgrade), else one is bound on ``port``."""
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise OSError(errno.EINVAL, f"invalid metrics port {port!r} (0-65535)")
+                 max_body: int = MAX_BODY, max_buffered: int = MAX_BUFFERED,
+                 uids: Collection[int] | None = None, on_outcome: Callable[[str], None] | None = None,
+                 path: str | None = None) -> None:
+        """``path``: a unix listener's file name, where its bound name is not it (a long one
+        bound through /proc/self/fd); the file is removed by ``close`` while it is still ours."""
         self.reactor = reactor
-        self.render = render
-        self.healthz = healthz
+        self.handle = handle
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.write_timeout = write_timeout
+        self.max_body = max_body
+        self.max_buffered = max_buffered
+        self.uids = None if uids is None else frozenset(uids)
         self.on_outcome = on_outcome
         self.counts: collections.Counter[str] = collections.Counter()
         self.closed = False
         self._conns: dict[int, _Conn] = {}
         self._listening = False
         self._resume: Timer | None = None
-        if sock is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # close-on-exec, as every Python fd
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((self.HOST, port))
-                sock.listen(64)
-                sock.setblocking(False)
-            except OSError as err:
-                sock.close()
-                raise OSError(err.errno, f"cannot serve metrics on {self.HOST}:{port}: "
-                                         f"{err.strerror or err}") from None
-        else:
-            sock.set_inheritable(False)
-            sock.setblocking(False)
+        sock.set_inheritable(False)
+        sock.setblocking(False)
         self._sock = sock
-        self.port: int = sock.getsockname()[1]
+        self.unix = sock.family == socket.AF_UNIX
+        self.address: Any = path if path is not None and self.unix else sock.getsockname()
+        self._bound: tuple[int, int] | None = None  # the socket file we made: removed by close if still ours
+        if self.unix and isinstance(self.address, str) and self.address:
+            with contextlib.suppress(OSError):
+                st = os.stat(self.address)
+                self._bound = (st.st_dev, st.st_ino)
         try:
             self._ep = select.epoll()  # close-on-exec too
         except OSError:
@@ -121,11 +250,14 @@ class MetricsServer:
             try:
                 self.on_outcome(outcome)
             except Exception:  # a metrics callback must not take the server down with it
-                log.exception("metrics server: on_outcome")
+                log.exception("http server: on_outcome")
 
     @property
     def connections(self) -> int:
         return len(self._conns)
+
+    def is_closed(self, conn: _Conn) -> bool:
+        return self._conns.get(conn.fd) is not conn
 
     # -- events --
 
@@ -146,13 +278,22 @@ class MetricsServer:
             if conn is None:
                 continue
             try:
-                if conn.out is None:
+                if conn.state == "reading":
                     self._read(conn, mask)
-                else:
+                elif mask & (select.EPOLLHUP | select.EPOLLERR):
+                    self._close(conn, conn.outcome or "closed_early")
+                elif conn.state in ("handling", "streaming") and mask & select.EPOLLRDHUP:
+                    self._close(conn, conn.outcome or "served")  # gone while its answer waits or streams
+                elif mask & select.EPOLLOUT:
                     self._write(conn)
             except Exception:  # a bug here must cost one client, never the loop
-                log.exception("metrics server: client failed")
+                log.exception("http server: client failed")
                 self._close(conn, conn.outcome or "error")
+
+    def _peer_uid(self, sock: socket.socket) -> int | None:
+        if not self.unix:
+            return None
+        return int(_CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1])
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -167,15 +308,18 @@ class MetricsServer:
                 return
             try:
                 sock.setblocking(False)
-                if len(self._conns) >= self.max_connections:
+                uid = self._peer_uid(sock)
+                refusal = (_REFUSAL if len(self._conns) >= self.max_connections else
+                           _FORBIDDEN if self.uids is not None and uid not in self.uids else None)
+                if refusal is not None:
                     try:
-                        sock.send(_REFUSAL, socket.MSG_NOSIGNAL)
+                        sock.send(refusal, socket.MSG_NOSIGNAL)
                     except OSError:
                         pass
                     sock.close()
-                    self._count("refused")
+                    self._count("refused" if refusal is _REFUSAL else "forbidden")
                     continue
-                conn = _Conn(sock)
+                conn = _Conn(sock, uid)
                 self._ep.register(conn.fd, select.EPOLLIN | select.EPOLLRDHUP)
             except OSError:
                 sock.close()
@@ -183,6 +327,11 @@ class MetricsServer:
                 continue
             self._conns[conn.fd] = conn
             conn.timer = self.reactor.call_later(self.request_timeout, functools.partial(self._expire, conn))
+            try:  # a client that wrote as it connected (most do) is read now, not a turn later
+                self._read(conn, 0)
+            except Exception:  # as in _on_ready: one client's failure
+                log.exception("http server: client failed")
+                self._close(conn, conn.outcome or "error")
 
     def _pause(self) -> None:
         if not self._listening:
@@ -202,7 +351,7 @@ class MetricsServer:
             self._ep.register(self._sock.fileno(), select.EPOLLIN)
             self._listening = True
         except OSError:
-            log.exception("metrics server: cannot listen again")
+            log.exception("http server: cannot listen again")
 
     def _expire(self, conn: _Conn) -> None:
         if self._conns.get(conn.fd) is conn:
@@ -210,8 +359,8 @@ class MetricsServer:
             self._close(conn, "timeout")
 
     def _read(self, conn: _Conn, mask: int) -> None:
-        """Feed what the socket has to h11 until it yields a whole request (answered), an
-        error (answered with its status hint), or wants more than there is."""
+        """Feed what the socket has to h11 until it yields a whole request (handed to the
+        handler), an error (answered with its status hint), or wants more than there is."""
         while True:
             try:
                 data = conn.sock.recv(65536)
@@ -224,70 +373,141 @@ class MetricsServer:
                 return
             conn.h11.receive_data(data)  # b"" tells it the client closed
             conn.fed += len(data)
-            try:
-                event = conn.h11.next_event()
-            except h11.RemoteProtocolError as err:
-                if not data:  # closed in the middle of a request: nobody to answer
-                    self._close(conn, "closed_early")
+            while True:
+                try:
+                    event = conn.h11.next_event()
+                except h11.RemoteProtocolError as err:
+                    if not data:  # closed in the middle of a request: nobody to answer
+                        self._close(conn, "closed_early")
+                        return
+                    too_large = err.error_status_hint == 431
+                    conn.outcome = "too_large" if too_large else ""
+                    self.respond(conn, err.error_status_hint, _TEXT,
+                                 b"request too large\n" if too_large else b"bad request\n")
                     return
-                too_large = err.error_status_hint == 431
-                conn.outcome = "too_large" if too_large else ""
-                self._respond(conn, err.error_status_hint,
-                              _TEXT, b"request too large\n" if too_large else b"bad request\n")
-                return
-            if isinstance(event, h11.Request):
-                if conn.fed - len(conn.h11.trailing_data[0]) > MAX_REQUEST:  # its head, whole in one read
-                    conn.outcome = "too_large"
-                    self._respond(conn, 431, _TEXT, b"request too large\n")
+                if isinstance(event, h11.Request):
+                    if conn.fed - len(conn.h11.trailing_data[0]) > MAX_REQUEST:  # its head, whole in one read
+                        conn.outcome = "too_large"
+                        self.respond(conn, 431, _TEXT, b"request too large\n")
+                        return
+                    conn.head = event
+                    if conn.h11.they_are_waiting_for_100_continue:  # curl's, for a body over 1 KiB
+                        with contextlib.suppress(OSError):  # a few bytes into an empty buffer: best effort
+                            conn.sock.send(conn.h11.send(h11.InformationalResponse(status_code=100, headers=[])),
+                                           socket.MSG_NOSIGNAL)
+                    length = dict(event.headers).get(b"content-length")
+                    if length is not None and int(length) > self.max_body:  # h11 checked it is a number
+                        conn.outcome = "too_large"
+                        self.respond(conn, 413, _TEXT, b"request body too large\n")
+                        return
+                    continue
+                if isinstance(event, h11.Data):
+                    conn.body += event.data
+                    if len(conn.body) > self.max_body:
+                        conn.outcome = "too_large"
+                        self.respond(conn, 413, _TEXT, b"request body too large\n")
+                        return
+                    continue
+                if isinstance(event, h11.EndOfMessage):
+                    self._dispatch(conn)
                     return
-                self._respond(conn, *self._handle(event), head=event.method == b"HEAD")
-                return
-            if not data or isinstance(event, h11.ConnectionClosed):
+                break  # NEED_DATA (or PAUSED): read on
+            if not data:
                 self._close(conn, "closed_early")  # gone before a whole request
                 return
 
-    def _handle(self, request: h11.Request) -> tuple[int, str, bytes]:
-        """(status, content type, body) for one request."""
-        method = request.method.decode("latin-1")
-        path = request.target.decode("latin-1").split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            return 405, _TEXT, b"only GET\n"
-        if path == "/metrics":
-            try:
-                body = self.render().encode("utf-8")
-            except Exception:  # a render bug is this request's 500, not the loop's end
-                log.exception("metrics server: render failed")
-                return 500, _TEXT, b"metrics failed\n"
-            return 200, CONTENT_TYPE, body
-        if path == "/healthz" and self.healthz is not None:
-            try:
-                ok, info = self.healthz()
-                body = (json.dumps(info, sort_keys=True) + "\n").encode("utf-8")
-            except Exception:  # as for render
-                log.exception("metrics server: health failed")
-                return 500, _TEXT, b"health failed\n"
-            return (200 if ok else 503), "application/json", body
-        return 404, _TEXT, b"not found: try /metrics or /healthz\n"
+    def _dispatch(self, conn: _Conn) -> None:
+        head = conn.head
+        assert head is not None
+        if conn.timer is not None:  # the request is read; its answer may take as long as its command
+            conn.timer.cancel()
+            conn.timer = None
+        conn.state = "handling"
+        self._ep.modify(conn.fd, select.EPOLLRDHUP)  # only its going away, until there is something to send
+        target = head.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        request = Request(
+            method=head.method.decode("latin-1"), target=target, path=urllib.parse.unquote(path),
+            query=urllib.parse.parse_qs(query, keep_blank_values=True),
+            headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.headers},
+            body=bytes(conn.body), peer_uid=conn.peer_uid)
+        conn.body = bytearray()
+        exchange = conn.exchange = Exchange(self, conn)
+        try:
+            self.handle(request, exchange)
+        except Exception:  # a handler bug is this request's 500, not the loop's end
+            log.exception("http server: handler failed")
+            exchange.respond(500, _TEXT, b"internal error\n")
 
-    def _respond(self, conn: _Conn, status: int, ctype: str, body: bytes, head: bool = False) -> None:
+    # -- answers --
+
+    def _head(self, conn: _Conn, status: int, headers: list[tuple[str, str]]) -> None:
+        conn.out += conn.h11.send(h11.Response(status_code=status, headers=headers,
+                                               reason=http.HTTPStatus(status).phrase))
+
+    def _frame(self, conn: _Conn, data: bytes) -> None:
+        if data:
+            conn.out += conn.h11.send(h11.Data(data=data))
+
+    def _outcome(self, conn: _Conn, status: int) -> None:
         if not conn.outcome:
             conn.outcome = ("served" if status < 400 or status == 503 else
                             "bad_request" if status < 500 else "error")
-        headers = [("Content-Type", ctype), ("Content-Length", str(len(body))), ("Connection", "close")]
-        h = conn.h11
-        out = h.send(h11.Response(status_code=status, headers=headers, reason=http.HTTPStatus(status).phrase))
+
+    def respond(self, conn: _Conn, status: int, ctype: str, body: bytes,
+                headers: Sequence[tuple[str, str]] = (), head: bool | None = None) -> None:
+        """The whole response to ``conn``, then the connection closed (use ``Exchange``)."""
+        if self.is_closed(conn):
+            return
+        self._outcome(conn, status)
+        if head is None:
+            head = conn.head is not None and conn.head.method == b"HEAD"
+        self._head(conn, status, [("Content-Type", ctype), ("Content-Length", str(len(body))),
+                                  ("Connection", "close"), *headers])
         if not head:
-            out += h.send(h11.Data(data=body))
-        out += h.send(h11.EndOfMessage())
-        conn.out = out
-        if conn.timer is not None:
-            conn.timer.cancel()
-        conn.timer = self.reactor.call_later(self.write_timeout, functools.partial(self._expire, conn))
-        self._ep.modify(conn.fd, select.EPOLLOUT)
+            self._frame(conn, body)
+        conn.out += conn.h11.send(h11.EndOfMessage())
+        self._sending(conn, finishing=True)
+
+    def start_stream(self, conn: _Conn, status: int, ctype: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        if self.is_closed(conn):
+            return
+        self._outcome(conn, status)
+        # No length: h11 chunks it for an HTTP/1.1 client, and ends it by closing for a 1.0 one.
+        self._head(conn, status, [("Content-Type", ctype), ("Cache-Control", "no-cache"),
+                                  ("Connection", "close"), *headers])
+        conn.state = "streaming"
+        self._sending(conn, finishing=False)
+
+    def stream_data(self, conn: _Conn, data: bytes) -> None:
+        if self.is_closed(conn) or conn.finishing:
+            return
+        try:
+            self._frame(conn, data)
+        except h11.LocalProtocolError:  # a body where there may be none (a HEAD's): the stream ends here
+            self._close(conn, "error")
+            return
+        if len(conn.out) - conn.sent > self.max_buffered:
+            self._close(conn, "slow_reader")
+            return
+        self._sending(conn, finishing=False)
+
+    def end_stream(self, conn: _Conn) -> None:
+        if self.is_closed(conn) or conn.finishing:
+            return
+        conn.out += conn.h11.send(h11.EndOfMessage())
+        self._sending(conn, finishing=True)
+
+    def _sending(self, conn: _Conn, *, finishing: bool) -> None:
+        if finishing:
+            conn.finishing = True
+            conn.state = "writing"
+            if conn.timer is not None:
+                conn.timer.cancel()
+            conn.timer = self.reactor.call_later(self.write_timeout, functools.partial(self._expire, conn))
         self._write(conn)
 
     def _write(self, conn: _Conn) -> None:
-        assert conn.out is not None
         try:
             while conn.sent < len(conn.out):
                 n = conn.sock.send(memoryview(conn.out)[conn.sent:conn.sent + 65536], socket.MSG_NOSIGNAL)
@@ -295,18 +515,28 @@ class MetricsServer:
                     break
                 conn.sent += n
         except (BlockingIOError, InterruptedError):
-            return  # the rest on EPOLLOUT
+            pass  # the rest on EPOLLOUT
         except OSError:
             self._close(conn, "error")
             return
         if conn.sent >= len(conn.out):
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-                while conn.sock.recv(4096):  # what the client sent beyond the request: a close
-                    pass                     # with unread data would reset the connection
-            except OSError:
-                pass
-            self._close(conn, conn.outcome)
+            del conn.out[:]
+            conn.sent = 0
+            if conn.finishing:
+                try:
+                    conn.sock.shutdown(socket.SHUT_WR)
+                    while conn.sock.recv(4096):  # what the client sent beyond the request: a close
+                        pass                     # with unread data would reset the connection
+                except OSError:
+                    pass
+                self._close(conn, conn.outcome)
+                return
+            self._ep.modify(conn.fd, select.EPOLLRDHUP)
+            return
+        if conn.state == "streaming" and conn.sent > (1 << 20):  # a stream's buffer keeps only what is unsent
+            del conn.out[:conn.sent]
+            conn.sent = 0
+        self._ep.modify(conn.fd, select.EPOLLOUT | select.EPOLLRDHUP)
 
     def _close(self, conn: _Conn, outcome: str) -> None:
         if self._conns.pop(conn.fd, None) is None:
@@ -320,6 +550,12 @@ class MetricsServer:
             pass
         conn.sock.close()
         self._count(outcome)
+        exchange = conn.exchange
+        if exchange is not None and exchange.on_close is not None:
+            try:
+                exchange.on_close()
+            except Exception:  # as for on_outcome
+                log.exception("http server: on_close")
 
     def listener(self) -> socket.socket:
         """The listening socket (an upgrade carries it)."""
@@ -339,4 +575,62 @@ class MetricsServer:
         except (KeyError, ValueError, OSError):
             pass
         self._ep.close()
+        if self._bound is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(self.address)
+                if (st.st_dev, st.st_ino) == self._bound:
+                    os.unlink(self.address)  # ours still: another daemon's socket there is not removed
         self._sock.close()
+
+
+class MetricsServer(HttpServer):
+    """``GET /metrics`` (and ``/healthz``) on 127.0.0.1:``port``. A request is read within
+    ``request_timeout`` s, the response written as the socket takes it within
+    ``write_timeout`` s; beyond ``max_connections`` a client gets a 503 and is closed.
+
+    ``render()`` gives the /metrics body; ``healthz()`` -> (ok, info) gives /healthz (200 or
+    503, info as JSON; 404 when None). ``port`` 0 binds an ephemeral port (``.port`` says
+    which). ``counts`` holds what happened to clients (outcome -> n), and ``on_outcome``
+    (e.g. ``Metrics.http_request``) hears each outcome. A port that cannot be bound raises
+    OSError with a one-line message.
+    """
+
+    HOST = "127.0.0.1"
+
+    def __init__(self, reactor: Reactor, port: int, render: Callable[[], str],
+                 healthz: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None, *,
+                 max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
+                 on_outcome: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
+        """``sock``: a listener bound already (carried by an upgrade), else one is bound on ``port``."""
+        if sock is None:
+            sock = tcp_listener(self.HOST, port, "metrics")
+        self.render = render
+        self.healthz = healthz
+        super().__init__(reactor, sock, self._serve, max_connections=max_connections,
+                         request_timeout=request_timeout, write_timeout=write_timeout, max_body=0,
+                         on_outcome=on_outcome)
+        self.port: int = self.address[1]
+
+    def _serve(self, request: Request, exchange: Exchange) -> None:
+        exchange.respond(*self._handle(request))
+
+    def _handle(self, request: Request) -> tuple[int, str, bytes]:
+        """(status, content type, body) for one request."""
+        if request.method not in ("GET", "HEAD"):
+            return 405, _TEXT, b"only GET\n"
+        if request.path == "/metrics":
+            try:
+                body = self.render().encode("utf-8")
+            except Exception:  # a render bug is this request's 500, not the loop's end
+                log.exception("metrics server: render failed")
+                return 500, _TEXT, b"metrics failed\n"
+            return 200, CONTENT_TYPE, body
+        if request.path == "/healthz" and self.healthz is not None:
+            try:
+                ok, info = self.healthz()
+                body = (json.dumps(info, sort_keys=True) + "\n").encode("utf-8")
+            except Exception:  # as for render
+                log.exception("metrics server: health failed")
+                return 500, _TEXT, b"health failed\n"
+            return (200 if ok else 503), "application/json", body
+        return 404, _TEXT, b"not found: try /metrics or /healthz\n"

@@ -52,6 +52,8 @@ from ..protocol import DEFERRED
 from . import containment, handover, logsink, probes
 from .children import ManagerBridge, WatchdogChild
 from .engine import Engine, EngineConfig
+from .httpapi import DEFAULT_SOCKET as HTTP_SOCKET
+from .httpapi import HttpApi, parse_address, read_token
 from .httpserver import MetricsServer
 from .loop import DaemonParts, build_loop
 from .metrics import Health, LagMonitor, health
@@ -78,6 +80,8 @@ class Daemon:
                  retention: dict[str, Any] | None = None, config_path: str | None = None,
                  stop_budget: float | None = None, metrics_port: int | None = None,
                  cgroup: str | None = None, result_max_bytes: int | None = None,
+                 http: list[str] | None = None, http_token_file: str | None = None,
+                 http_read_token_file: str | None = None,
                  handover: dict[str, Any] | None = None) -> None:
         """``handover``: the document of an upgrade (handover.py): take over from the earlier
         image of this process instead of starting."""
@@ -85,7 +89,8 @@ class Daemon:
         # What an upgrade hands to the next image, to make this same Daemon again.
         self.settings = {"grace": grace, "retention": retention, "config_path": config_path,
                          "stop_budget": stop_budget, "metrics_port": metrics_port, "cgroup": cgroup,
-                         "result_max_bytes": result_max_bytes}
+                         "result_max_bytes": result_max_bytes, "http": http, "http_token_file": http_token_file,
+                         "http_read_token_file": http_read_token_file}
         self.handover = handover
         self.upgraded_at: float | None = None
         self.upgrade: Any = None  # handover.Upgrade in progress
@@ -104,6 +109,12 @@ class Daemon:
         self.result_max_bytes = RESULT_MAX_BYTES if result_max_bytes is None else result_max_bytes
         self.retention = retention or {}
         self.metrics_server: MetricsServer | None = None
+        # The HTTP control plane (httpapi.py): what the command line gave wins over the config
+        # file's [daemon] keys; neither: a unix socket in the state dir.
+        self._given_http = (list(http) if http is not None else None, http_token_file, http_read_token_file)
+        self.http: list[str] = list(http) if http is not None else [f"unix:{HTTP_SOCKET}"]
+        self.http_token_file, self.http_read_token_file = http_token_file, http_read_token_file
+        self.http_api: HttpApi | None = None
         self.log_capture: Any = None
         self.lag: LagMonitor | None = None
         self.ready_fd = ready_fd
@@ -224,6 +235,11 @@ class Daemon:
         self.metrics_port = d.metrics_port if self._given_metrics_port is None else self._given_metrics_port
         if self._given_result_max_bytes is None:
             self.result_max_bytes = d.result_max_bytes
+        http, token_file, read_token_file = self._given_http
+        if http is None and d.http is not None:
+            self.http = list(d.http)
+        self.http_token_file = token_file if token_file is not None else d.http_token_file
+        self.http_read_token_file = read_token_file if read_token_file is not None else d.http_read_token_file
         if not self.retention:
             self.retention = {"keep_replicas": d.keep_replicas, "keep_events": d.keep_events,
                               "keep_seconds": d.keep_days * 86400}
@@ -377,6 +393,25 @@ class Daemon:
                     on_outcome=engine.metrics.http_request, sock=listener)
             except OSError as err:
                 raise OrchestratorError(str(err)) from None
+        self._serve_http()
+
+    def _serve_http(self) -> None:
+        """The HTTP control plane on its addresses (``off``: none). An upgrade's new image binds
+        them again: the old image's listeners closed with its exec (close-on-exec), and a
+        client that reconnects (an event stream with Last-Event-ID) goes on where it was."""
+        engine = self._engine
+        if not self.http or self.http == ["off"]:
+            return
+        try:
+            addresses = [parse_address(a, self.paths.state_dir) for a in self.http]
+            token = read_token(self.http_token_file, "http token file") if self.http_token_file else None
+            read_only = (read_token(self.http_read_token_file, "http read token file")
+                         if self.http_read_token_file else None)
+            self.http_api = HttpApi(engine, engine.reactor, addresses, state_dir=str(self.paths.state_dir),
+                                    logs_dir=self.paths.logs, token=token, read_token=read_only)
+        except OSError as err:
+            raise OrchestratorError(str(err.strerror or err)) from None
+        log.info("http: serving on %s", ", ".join(self.http_api.addresses()))
 
     def _ready(self, how: str) -> None:
         """Once the manager serves the channel: READY to `start` (and systemd)."""
@@ -665,6 +700,8 @@ class Daemon:
     def _shutdown(self, engine: Engine) -> None:
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.http_api is not None:
+            self.http_api.close()
         if self.lag is not None:
             self.lag.stop()
         engine.shutdown(self.stop_budget)

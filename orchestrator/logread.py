@@ -1,7 +1,7 @@
 """Reading the captured logs back: the last lines of a replica's stream across its rotated
 files, and following them as they are written. Runs in the reader's process (the ``logs``
-command, any tool), never in the daemon: it only reads the files, so it works with the
-daemon down and after the replicas ended.
+command, any tool, and the daemon's HTTP API for ``GET /v1/logs``): it only reads the
+files, so it works with the daemon down and after the replicas ended.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..logfiles import READ_FLAGS, backup_names, base_name, check_id, check_stream, open_dir, open_log_file
-from ..protocol import pool_name
+from .logfiles import READ_FLAGS, backup_names, base_name, check_id, check_stream, open_dir, open_log_file
+from .protocol import pool_name
 
 CHUNK = 64 << 10  # bytes per read of a file
 
@@ -220,6 +220,9 @@ class _Follower:
 
     def close(self) -> None:
         self._close()
+
+
+Follower = _Follower  # for a reader that drives its own polls (the daemon's HTTP API, at each turn's end)
 
 
 def pool_replicas(logs_dir: str | os.PathLike[str], pool: str, stream: str = "out") -> list[str]:
