@@ -42,7 +42,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 import orchestrator
-from orchestrator.client.logread import follow
+from orchestrator.logread import follow
 from orchestrator.paths import default_state_dir
 
 STATE_DIR = default_state_dir()  # $ORCHESTRATOR_STATE_DIR, as the `orchestrator` command's
