@@ -131,12 +131,14 @@ class ExecPool:
     ended: collections.Counter[str] = field(default_factory=collections.Counter)  # state -> tasks ended since the start
     about: str | None = None  # what its initializer is, as its first session named it (a joiner's conflict says)
     # An elastic pool's sizing (elastic.py): the workers' memory as last measured (bytes,
-    # the largest one's, at monotonic time), why it may not grow now, the re-check's timer.
+    # the largest one's, at monotonic time), why it may not grow now, the re-check's timer,
+    # and the ids of its replicas whose start the budget holds back (PENDING meanwhile).
     memory_used: int = 0
     memory_largest: int = 0
     memory_at: float = float("-inf")
     blocked: str | None = None
     budget_timer: Timer | None = None
+    held_starts: set[str] = field(default_factory=set)
 
     def stored(self) -> dict[str, Any]:
         """Its part of the pool's row: options, initializer, the next task number recorded."""

@@ -1166,6 +1166,16 @@ class TaskTable:
             return f"held by {self._name(worker)}, behind the task it runs"
         return self._elastic.waiting(task.pool)
 
+    def start_held(self, rep: Replica, begun: int) -> str | None:
+        """Why ``rep``, a PENDING worker of an executor pool, may not start now (its pool's
+        memory budget: elastic.Elastic.start_held); None: it may. Spawning asks before each
+        start, ``begun``: how many of that pool's it has started in this batch."""
+        xp = self._pools.get(rep.pool)
+        pool = self.table.pool(rep.pool)
+        if xp is None or pool is None:
+            return None
+        return self._elastic.start_held(xp, pool, rep, begun)
+
     def workers(self, xp: ExecPool) -> Doc:
         """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a
         memory_budget, ``budget``: {used, limit} in bytes (elastic.Elastic.counts)."""
