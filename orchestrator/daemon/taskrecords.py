@@ -195,6 +195,7 @@ class Session:
     outbox: list[Event] = field(default_factory=list)  # a sink's events of this turn, handed over at its end
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
+    started_timer: Timer | None = None  # a sink's lone STARTED events, held for their ends (tasktable._tell)
     idle_timer: Timer | None = None
 
 
