@@ -202,11 +202,13 @@ def _submit(pool: Any, fn: Callable, *args: Any) -> cf.Future:
 def _rounds(progress: Callable[[str], None], part: str, runs: dict[str, Callable[[int], float]],
             budget: float, rounds: int, fn_n: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """Every variant once per round, rotating, after a warm-up that sizes each one's count of
-    tasks (``budget`` seconds a round; within ``fn_n[name]``'s bounds). tasks/s per variant."""
+    tasks (``budget`` seconds a round; within ``fn_n[name]``'s bounds; the second of two
+    warm-up runs, once its workers are surely up). tasks/s per variant."""
     sizes: dict[str, int] = {}
     for name, go in runs.items():
         low, high = fn_n[name]
         progress(f"{part}: warm-up: {name}")
+        go(low)  # unmeasured: a pool whose workers were still coming up would size itself to a tiny round
         took = go(low)
         sizes[name] = max(low, min(high, int(budget * low / took) if took > 0 else high))
     times: dict[str, list[float]] = {n: [] for n in runs}

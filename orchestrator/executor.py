@@ -212,7 +212,7 @@ class Executor(futures_base.Executor):
                 # (a grant would wait behind the submits the loop has still to take).
                 "numbers": FIRST_BLOCK if state_dir is not None else EMBEDDED_BLOCK}
         if isinstance(self._backend, _Embedded):
-            args["sink"] = self._events.put  # in this process: the loop hands each event over at once
+            args["sink"] = self._deliver  # in this process: the loop hands each turn's events over at once
         else:
             self._backend.rejoin = functools.partial(self._rejoin, args)
         try:
@@ -556,6 +556,22 @@ class Executor(futures_base.Executor):
                 self._events.put(("refused", ref, msg, None))  # from the loop's thread: the collector's to handle
             else:
                 self._on_event(("refused", ref, msg, None))
+
+    def _deliver(self, events: list[Any]) -> None:
+        """The embedded loop's sink, in its thread, once per turn: a task's result goes
+        into its future here (``TaskFuture.finish_pickled``: left pickled for the thread
+        that reads it), one wake-up fewer per task than through the collector; the other
+        events, and a future with a done-callback, are the collector's."""
+        rest = []
+        for event in events:
+            if event[0] == "result" and isinstance(event[2], bytes):
+                fut = self._futures.get(event[1])
+                if fut is not None and fut.finish_pickled(event[2], event[3]):
+                    self._futures.pop(event[1], None)
+                    continue
+            rest.append(event)
+        if rest:
+            self._events.put(rest)
 
     def _collect(self) -> None:
         """The one thread that moves what the embedded loop reports into the futures (a

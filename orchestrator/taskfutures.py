@@ -86,6 +86,54 @@ class TaskFuture(Future[Any]):
             self._reported, self._stop_pending = True, False
             self._condition.notify_all()
 
+    def finish_pickled(self, data: bytes, task_id: str | None) -> bool:
+        """Its task's result, ``data`` still pickled: the future is done now (from the
+        embedded loop's thread, with no hop through the collector), its value unpickled
+        by the first thread that reads it (``result``, ``exception``: user code never runs
+        in the loop). Only while nothing is to run at its end: False if a done-callback
+        was added (those run in the collector, which resolves it then) or it is no longer
+        pending (a cancel came first)."""
+        with self._condition:
+            if self._done_callbacks or self._state not in _OPEN:  # type: ignore[attr-defined]
+                return False
+            if task_id is not None:
+                self.task_id = task_id
+            self._reported = True
+            self._result = _Pickled(data)
+            self._state = futures_base.FINISHED
+            for waiter in self._waiters:
+                waiter.add_result(self)
+            self._condition.notify_all()
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        value = super().result(timeout)
+        if isinstance(value, _Pickled):
+            self._unpickle()
+            return super().result(0)
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        err = super().exception(timeout)
+        if err is None and isinstance(self._result, _Pickled):
+            self._unpickle()
+            return super().exception(0)
+        return err
+
+    def _unpickle(self) -> None:
+        """A result left pickled by ``finish_pickled``, unpickled once; one that cannot be
+        is this future's exception, as the collector makes it (executor._end)."""
+        with self._condition:
+            held = self._result
+            if not isinstance(held, _Pickled):
+                return  # another thread did it
+            try:
+                self._result = w.loads(held.data)
+            except BaseException as err:  # a __reduce__ raising SystemExit too: this future's error
+                self._result = None
+                self._exception = pickle.UnpicklingError(
+                    f"task {self.task_id}: its result cannot be unpickled here: {type(err).__name__}: {err}")
+
     def cancel(self) -> bool:
         with self._condition:
             if self._state in (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED):
@@ -119,6 +167,18 @@ class TaskFuture(Future[Any]):
                 callback(self)
             except BaseException:
                 futures_base.LOGGER.exception("exception calling callback for %r", self)
+
+
+class _Pickled:
+    """A task's result as its worker pickled it, until a reader unpickles it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+_OPEN = (futures_base.PENDING, futures_base.RUNNING)
 
 
 def resolve(fut: Future[Any], value: Any) -> None:

@@ -160,6 +160,40 @@ def test_the_budget_counts_starting_workers_at_the_largest_share(make: Callable[
     assert h.tasks.waiting(tasks[3]) == "2 workers starting; memory budget 100 MiB reached (30 MiB used)"
 
 
+def test_a_replacement_never_starts_at_the_budget(make: Callable[..., ElasticHarness], tmp_path: Path) -> None:
+    """Not only a grow: any start of a worker (here the supervisor's replacement of one that
+    died) is asked of start_held first, which spawning.py does for every start."""
+    h = make(options=elastic(1, 2, memory_budget=100 * MiB), size=2)
+    w1, w2 = h.worker(), h.worker()
+    memory(h, w1, tmp_path, 60 * MiB)
+    memory(h, w2, tmp_path, 20 * MiB)
+    t1, t2 = h.submit(), h.submit()
+    assert w1.tasks_sent(1) == [t1.n] and w2.tasks_sent(1) == [t2.n]
+    w2.die(-9)
+    assert state(t2) is T.FAILED
+    h.advance(1.0)  # the 20 MiB it held are no longer measured
+    spare = Replica(f"{POOL}-3", POOL, 3)  # PENDING, as the supervisor's replacement is launched
+    h.pool.add(spare)
+    t3 = h.submit()
+    assert h.tasks.start_held(spare, 0) == "memory budget 100 MiB reached (60 MiB used)"  # 60 + 60 > 100
+    assert h.tasks.waiting(t3) == "memory budget 100 MiB reached (60 MiB used)"  # not "worker starting"
+    assert h.tasks.workers(h.xp)["budget"] == {"used": 60 * MiB, "limit": 100 * MiB, "held": 1}
+    assert h.engine.grown == []  # nor does the pool grow around it (at max_workers anyway)
+    memory(h, w1, tmp_path, 30 * MiB)
+    h.advance(BUDGET_RECHECK)
+    assert h.tasks.start_held(spare, 0) is None  # 30 + 30 fits: it starts
+    assert h.tasks.workers(h.xp)["budget"] == {"used": 30 * MiB, "limit": 100 * MiB}
+    # Those started in spawning's batch, and those started but not READY, count at the
+    # largest share: 30 held + 2 x 30 fits in 100, a third would not.
+    more = [Replica(f"{POOL}-{n}", POOL, n) for n in (4, 5)]
+    for rep in more:
+        h.pool.add(rep)
+    assert h.tasks.start_held(more[0], 1) is None
+    spare.state = ReplicaState.STARTING
+    assert h.tasks.start_held(more[0], 1) == "memory budget 100 MiB reached (30 MiB used)"
+    assert h.tasks.start_held(more[1], 0) is None  # spare starting, this one: 30 + 60
+
+
 def test_an_idle_worker_retires_after_idle_timeout_never_below_min_workers(make: Callable[..., ElasticHarness]
                                                                             ) -> None:
     h = make(options=elastic(1, 3, idle_timeout=5), size=2)

@@ -134,6 +134,46 @@ def test_a_memory_budget_keeps_a_second_worker_from_starting(daemon: DaemonUnder
         assert second.exists()
 
 
+def test_a_worker_that_dies_at_the_budget_is_replaced_only_when_there_is_room(daemon: DaemonUnderTest, jobs: Any,
+                                                                              tmp_path: Path) -> None:
+    """The supervisor's replacement is bounded like a grow: it waits PENDING, saying why."""
+    daemon.start()
+    budget = 160 * MiB
+    first, big, release = tmp_path / "first", tmp_path / "big", tmp_path / "release"
+    with Client(daemon.state_dir).executor("rep", max_workers=2, min_workers=1, memory_budget=budget,
+                                           idle_timeout=600) as ex:
+        try:
+            doomed = ex.submit(jobs.held, str(first), str(release))
+            wait_for(first.exists, 60, "the first task to run")
+            holder = ex.submit(jobs.holding, 100, str(big), str(release))  # no worker idle: the pool grows
+            wait_for(big.exists, 60, "the second worker's task to hold its memory")
+            assert len(_workers(daemon, "rep")) == 2
+            os.kill(int(first.read_text()), 9)  # the first worker dies; the supervisor replaces it
+            with pytest.raises(Exception, match="lost"):
+                doomed.result(timeout=30)
+            # One is held behind the busy worker's task (for throughput), the other waits.
+            queued = [ex.submit(jobs.held, str(tmp_path / f"later-{i}"), str(release)) for i in range(2)]
+
+            def replacement() -> dict[str, Any] | None:
+                return next((r for r in daemon.status()["replicas"] if r["pool"] == "rep" and r["state"] == "PENDING"),
+                            None)
+
+            wait_for(lambda: ((replacement() or {}).get("reason") or "").startswith("memory budget 160 MiB reached"),
+                     30, "the replacement to wait for the budget")
+            rows = json.loads(cli(daemon.state_dir, "tasks", "--json").stdout)
+            why = sorted(r["waiting"] for r in rows if r["id"] in {f.task_id for f in queued})
+            assert why[0].startswith("held by rep-2") and why[1].startswith("memory budget 160 MiB reached"), why
+            row = _pool(daemon, "rep")
+            assert row["desired"] == 2 and len(_workers(daemon, "rep")) == 1  # nothing started meanwhile
+            assert row["workers"]["budget"]["held"] == 1 and row["workers"]["budget"]["used"] >= 100 * MiB
+            assert not any((tmp_path / f"later-{i}").exists() for i in range(2))
+        finally:
+            release.write_text("")  # the holder lets its memory go: the replacement starts
+        assert holder.result(timeout=30) > 0 and all(f.result(timeout=30) > 0 for f in queued)
+        wait_for(lambda: len(_workers(daemon, "rep")) == 2, 30, "the replacement to start once there is room")
+        assert replacement() is None
+
+
 def test_embedded_a_burst_grows_and_idle_retires_the_extra_workers(jobs: Any, tmp_path: Path) -> None:
     release = tmp_path / "release"
     starts = [tmp_path / f"started-{i}" for i in range(3)]

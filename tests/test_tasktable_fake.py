@@ -29,7 +29,7 @@ from orchestrator.daemon.reactor import Reactor
 from orchestrator.daemon.taskcarry import TaskCarry
 from orchestrator.daemon.taskcommands import TaskCommands
 from orchestrator.daemon.taskrecords import Doc, Event, ExecPool, Reply, Session, Task, parse_options
-from orchestrator.daemon.tasktable import TaskTable
+from orchestrator.daemon.tasktable import STARTED_HOLD, TaskTable
 from orchestrator.errors import InvalidSpec, UnknownTask
 from orchestrator.states import Replica, ReplicaState
 from orchestrator.states import TaskState as T
@@ -312,6 +312,8 @@ def test_idle_workers_first_then_one_held_task_per_busy_worker(make: Callable[..
     assert list(h.xp.queue) == [t[4]]
     assert h.commands.pool_counts(POOL) == {"queued": 3, "running": 2, "waiting": 0, "done": 0, "failed": 0, "cancelled": 0,
                                             "timed_out": 0, "lost": 0, "tenants": {"": {"queued": 3, "running": 2}}}
+    assert h.kinds(t[0].ref) == []  # a lone start waits STARTED_HOLD for its task's end to come with it
+    h.advance(STARTED_HOLD)
     assert h.kinds(t[0].ref) == ["started"] and h.kinds(t[2].ref) == []
     w1.send(w.RESULT, t[0].n, b"r1")
     assert t[0].state is T.DONE and t[2].state is T.RUNNING  # the held one started as its predecessor ended
@@ -333,6 +335,28 @@ def test_a_held_task_is_asked_back_for_an_idle_worker(make: Callable[..., Harnes
     w1.send(w.STOPPED, 1, bytes([w.REVOKE]))
     assert w2.tasks_sent(1) == [held.n] and held.state is T.RUNNING and held.worker_id == w2.rep.id
     assert w1.word(held.slot) == 0  # the ask's word cleared before that slot carries another task
+
+
+def test_a_start_waits_briefly_for_its_end_one_hand_over_per_short_task(make: Callable[..., Harness]) -> None:
+    h = make()
+    handed: list[list[Any]] = []
+    h.session.sink = handed.append  # each call is one wake-up of the submitter's collector
+    w1 = h.worker()
+    short, long = h.submit(), h.submit()
+    assert w1.tasks_sent(2) == [short.n, long.n]
+    assert handed == []  # the start alone is held
+    w1.send(w.RESULT, short.n, b"r")  # within STARTED_HOLD: one hand-over, its end saying both
+    assert [[(k, r) for k, r, _, _ in batch] for batch in handed] == [[("result", short.ref), ("started", long.ref)]]
+    h.advance(STARTED_HOLD * 0.9)
+    assert len(handed) == 1  # the next one's start was in it already: nothing more held
+    w1.send(w.RESULT, long.n, b"r")
+    assert [(k, r) for k, r, _, _ in handed[-1]] == [("result", long.ref)]
+    slow = h.submit()
+    assert w1.tasks_sent(1) == [slow.n] and len(handed) == 2
+    h.advance(STARTED_HOLD * 0.9)
+    assert len(handed) == 2
+    h.advance(STARTED_HOLD * 0.2)  # a task that runs longer: its start is told STARTED_HOLD late at most
+    assert [(k, r) for k, r, _, _ in handed[-1]] == [("started", slow.ref)]
 
 
 def test_a_held_task_that_had_started_stays_with_its_worker(make: Callable[..., Harness]) -> None:

@@ -89,6 +89,9 @@ def test_the_files_weights_share_the_worker_and_a_joiner_with_others_is_refused(
             assert metric(text, "orchestrator_tenant_tasks", pool="shares", tenant=tenant, state="QUEUED") == queued
             assert metric(text, "orchestrator_tenant_tasks", pool="shares", tenant=tenant,
                           state="RUNNING") == running_now
+        lines = cli(daemon.state_dir, "status").stdout.splitlines()
+        at = next(i for i, x in enumerate(lines) if x.startswith("pool shares:"))
+        assert lines[at + 1] == "  tenants (queued/running): alice 4/0, bob 2/0, (none) 0/1", lines
         gate.open()
         ran = {task_id: client.task(task_id).result(timeout=60) for task_id in ids}
     order = [ids[task_id] for task_id in sorted(ids, key=lambda i: ran[i])]
@@ -127,3 +130,19 @@ def test_a_task_queued_past_the_files_max_wait_starts_before_a_higher_priority(d
         ran = {name: client.task(task_id).result(timeout=60) for name, task_id in
                (("held", held), ("low", low), ("high", high))}
     assert sorted(ran, key=lambda n: ran[n]) == ["held", "low", "high"], ran
+
+
+def test_the_status_text_names_the_busiest_tenants_and_sums_the_rest() -> None:
+    from orchestrator.client.display import TENANTS_SHOWN, format_status
+
+    def text(tenants: dict[str, dict[str, int]]) -> list[str]:
+        pool = {"name": "px", "kind": "executor", "desired": 1, "tasks": {"queued": 0, "running": 0,
+                                                                          "tenants": tenants}}
+        data = {"daemon": {"running": False}, "state_dir": "/x", "pools": [pool], "replicas": []}
+        return format_status(data).splitlines()
+
+    assert not any("tenants" in x for x in text({"": {"queued": 3, "running": 1}}))  # no tenant: nothing more
+    many = {f"t{i:02d}": {"queued": i, "running": 1} for i in range(TENANTS_SHOWN + 3)}
+    line = next(x for x in text(many) if x.startswith("  tenants"))
+    shown = [f"t{i:02d} {i}/1" for i in range(TENANTS_SHOWN + 2, 2, -1)]
+    assert line == f"  tenants (queued/running): {', '.join(shown)}, 3 more 3/3"

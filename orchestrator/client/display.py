@@ -116,6 +116,9 @@ def format_status(data: Mapping[str, Any], *, samples: dict[int, tuple[float, fl
         if p.get("waiting"):
             line += f"; {p['waiting']}"
         out.append(line)
+        if p.get("kind") == "executor" and isinstance((p.get("tasks") or {}).get("tenants"), Mapping):
+            if tenants := _tenant_counts(p["tasks"]["tenants"]):
+                out.append(f"  tenants (queued/running): {tenants}")
     commands = {p["name"]: _command_text(p.get("spec")) for p in data["pools"]}
     if not data["replicas"]:
         out.append("no replicas")
@@ -146,9 +149,27 @@ def _task_counts(counts: Mapping[str, int]) -> str:
     return text
 
 
+TENANTS_SHOWN = 8  # a pool's status line names the tenants with the most tasks, up to this many
+
+
+def _tenant_counts(tenants: Mapping[str, Mapping[str, int]]) -> str:
+    """``alice 12/2, bob 0/1, (none) 3/0, 4 more 9/0``: an executor pool's queued and
+    running tasks by tenant, the busiest first; empty unless a task has a tenant."""
+    if not any(tenants):
+        return ""
+    rows = sorted(tenants.items(), key=lambda kv: (-(kv[1].get("queued", 0) + kv[1].get("running", 0)), kv[0]))
+    parts = [f"{name or '(none)'} {c.get('queued', 0)}/{c.get('running', 0)}" for name, c in rows[:TENANTS_SHOWN]]
+    rest = rows[TENANTS_SHOWN:]
+    if rest:
+        parts.append(f"{len(rest)} more {sum(c.get('queued', 0) for _, c in rest)}/"
+                     f"{sum(c.get('running', 0) for _, c in rest)}")
+    return ", ".join(parts)
+
+
 def _worker_counts(counts: Mapping[str, Any]) -> str:
     """``2 busy, 1 idle (min 1, max 3), memory 120 MiB of 512 MiB``: an executor pool's
-    workers (starting ones once there are), its size bounds and its memory budget."""
+    workers (starting ones once there are), its size bounds and its memory budget (and the
+    workers whose start it holds back, once there are)."""
     text = f"{counts.get('busy', 0)} busy, {counts.get('idle', 0)} idle"
     if counts.get("starting"):
         text += f", {counts['starting']} starting"
@@ -156,6 +177,8 @@ def _worker_counts(counts: Mapping[str, Any]) -> str:
     budget = counts.get("budget")
     if isinstance(budget, Mapping):
         text += f", memory {budget.get('used', 0) / (1 << 20):.0f} MiB of {budget.get('limit', 0) / (1 << 20):.0f} MiB"
+        if budget.get("held"):
+            text += f" ({budget['held']} held back by it)"
     return text
 
 

@@ -17,8 +17,11 @@ pool (``min_workers`` not given, or equal to ``max_workers``) is never touched h
     new worker starts only if that plus the largest worker's share (what a new one may
     come to hold) stays within the budget. Tasks wait meanwhile; while they do, the
     budget is looked at again every BUDGET_RECHECK (no kernel event says a tree shrank),
-    and at every task's end. The budget bounds starts, not a running worker: a task that
-    allocates is bounded by ``memory_max``.
+    and at every task's end. Every start of a worker is bounded so, not only a grow:
+    spawning.py asks ``start_held`` before it starts any (the supervisor's replacement of a
+    worker that died, a renewal after max_tasks_per_child, a rolling restart), and one held
+    back stays PENDING, with the reason, until there is room. The budget bounds starts, not
+    a running worker: a task that allocates is bounded by ``memory_max``.
   * Shrink: a worker that becomes idle arms its own timer (the reactor's, no poll); when
     it fires and the worker is still idle, holds no task and the pool is above
     ``min_workers``, it retires: stopped as a scale-down stops a replica (its pool's stop
@@ -124,8 +127,7 @@ class Elastic:
         if budget is not None:
             count = min(count, self._fits(xp, pool, budget))
             if count <= 0:
-                self._blocked(xp, f"memory budget {size_text(budget)} reached "
-                                  f"({xp.memory_used / (1 << 20):.0f} MiB used)")
+                self._blocked(xp, self._budget_text(xp, budget))
                 return
         try:
             self.host.supervisor.grow(pool, count)
@@ -133,6 +135,30 @@ class Elastic:
             self._blocked(xp, f"no worker can start: {err}")
             return
         self._free(xp)
+
+    def start_held(self, xp: ExecPool, pool: Pool, rep: Replica, begun: int) -> str | None:
+        """Why ``rep``, a worker of ``xp`` about to start (PENDING), may not start now; None:
+        it may. Spawning asks before every start of an executor pool's worker, whoever
+        launched it (a grow, the supervisor's replacement of a worker that died or retired
+        after max_tasks_per_child, a rolling restart), so no worker starts while the pool
+        is at its memory budget: what the workers hold, those starting (``begun`` of them in
+        spawning's batch now, not READY yet) at the largest one's share, and this one at that
+        share too. Held back, it stays PENDING with the reason, looked at again every
+        BUDGET_RECHECK (and at each turn's end); its pool's queued tasks wait, saying why."""
+        budget = xp.memory_budget
+        if budget is None or xp.closing:
+            return None
+        self._measure(xp, pool)
+        share, used = xp.memory_largest, xp.memory_used
+        starting = begun + sum(1 for r in pool.live.values() if r.id != rep.id and self._unready(xp, r))
+        if (used < budget) if share <= 0 else used + (starting + 1) * share <= budget:
+            xp.held_starts.discard(rep.id)
+            return None
+        xp.held_starts.add(rep.id)
+        why = self._budget_text(xp, budget)
+        if xp.budget_timer is None:  # no kernel event says a tree shrank: a look again soon
+            xp.budget_timer = self.host.reactor.call_later(BUDGET_RECHECK, lambda: self._recheck(xp))
+        return why
 
     def stop(self, xp: ExecPool) -> None:
         """The pool closes: nothing of its sizing is due any more."""
@@ -155,6 +181,8 @@ class Elastic:
         said = ["worker starting" if starting == 1 else f"{starting} workers starting"] if starting else []
         if xp.blocked is not None:
             said.append(xp.blocked)  # those the starting ones will not take wait for it
+        elif self._held(xp, pool) and xp.memory_budget is not None:  # a replacement held back, say
+            said.append(self._budget_text(xp, xp.memory_budget))
         if said:
             return "; ".join(said)
         busy = sum(1 for wk in xp.workers.values() if wk.tasks and not wk.closed)
@@ -183,6 +211,8 @@ class Elastic:
         if budget is not None and pool is not None:
             self._measure(xp, pool)
             out["budget"] = {"used": xp.memory_used, "limit": budget}
+            if held := self._held(xp, pool):  # workers whose start it holds back (start_held)
+                out["budget"]["held"] = held
         return out
 
     @staticmethod
@@ -206,9 +236,32 @@ class Elastic:
         self.host.supervisor.retire(rep, f"idle for {xp.idle_timeout:g} s")
 
     def _starting(self, xp: ExecPool, pool: Pool) -> int:
-        """Workers the pool has (or is about to have) that are not READY yet."""
+        """Workers the pool has (or is about to have) that are not READY yet, but for those
+        whose start the budget holds back (start_held): they are no help to a queued task."""
         ready = sum(1 for wk in xp.workers.values() if wk.ready and not wk.closed and self.takes_tasks(wk))
-        return max(0, pool.desired - ready)
+        return max(0, pool.desired - ready - self._held(xp, pool))
+
+    @staticmethod
+    def _held(xp: ExecPool, pool: Pool) -> int:
+        """``xp``'s replicas whose start the budget holds back now (still PENDING)."""
+        if not xp.held_starts:
+            return 0
+        xp.held_starts = {rid for rid in xp.held_starts
+                          if (r := pool.live.get(rid)) is not None and r.state is S.PENDING}
+        return len(xp.held_starts)
+
+    @staticmethod
+    def _unready(xp: ExecPool, rep: Replica) -> bool:
+        """Is ``rep`` started (its process exists) but not a READY worker yet? What it will
+        hold is not measured: the budget counts it at the largest worker's share."""
+        if rep.state is S.STARTING:
+            return True
+        worker = xp.workers.get(rep.id)
+        return rep.state is S.RUNNING and (worker is None or not worker.ready)
+
+    @staticmethod
+    def _budget_text(xp: ExecPool, budget: int) -> str:
+        return f"memory budget {size_text(budget)} reached ({xp.memory_used / (1 << 20):.0f} MiB used)"
 
     @staticmethod
     def _waiting_tasks(xp: ExecPool, enough: int) -> int:

@@ -684,7 +684,7 @@ class Engine:
 
     def settle(self) -> None:
         """The end of a turn: rollouts and waiters checked, one commit, then the replies."""
-        self.spawning.release()  # replicas that waited for the pools theirs starts after
+        self.spawning.release()  # replicas that waited for the pools theirs starts after, or a budget
         if self._dirty:
             self._dirty = False
             self.supervisor.settle()

@@ -47,9 +47,12 @@ MAX_FD_FAULTS = 10  # failures in a row of one fd's callback before the fd is dr
 
 
 def drain(fd: int) -> None:
-    """Empty a non-blocking wakeup pipe."""
+    """Empty a non-blocking wakeup pipe. A read that returns less than it asked for has
+    emptied it: no second read to hear EAGAIN (a syscall, and a release of the GIL that an
+    embedded loop's threads wait for, per wakeup); a byte written after it is the next
+    turn's (the epoll set is level-triggered)."""
     try:
-        while os.read(fd, 4096):
+        while len(os.read(fd, 4096)) == 4096:
             pass
     except BlockingIOError:
         pass

@@ -8,8 +8,9 @@ listening sockets, its ``LaunchPlan``) and asked of a spawner process (spawner.p
 batch is asked before any answer is collected, so the spawners fork while we send. The
 answer goes back to the table (``Engine.spawned``, or ``Engine.failed`` with the reason).
 
-    launch ─► PENDING ─► (held: a pool it starts after is not ready, or its preload
-                 │       spawner is not: the reason says which; released at a turn's end)
+    launch ─► PENDING ─► (held: a pool it starts after is not ready, its executor pool is
+                 │       at its memory budget, or its preload spawner is not ready: the
+                 │       reason says which; looked at again at a turn's end)
                  └─► begin: logs, cgroup, notify socket, plan ─► spawner / fork
                                         └─► end: the answer ─► Engine.spawned: STARTING
 """
@@ -48,6 +49,8 @@ class TaskListener(Protocol):
 
     @property
     def address(self) -> str: ...  # its listener, for $ORCHESTRATOR_TASK_SOCKET
+
+    def start_held(self, rep: Replica, begun: int) -> str | None: ...  # its pool's memory budget
 
 
 class Table(Protocol):
@@ -139,23 +142,33 @@ class Spawning:
         self.schedule()
 
     def release(self) -> None:
-        """At a turn's end: the replicas held for the pools their pool starts after are
-        queued once those meet their conditions; the others' reason says what they wait
-        for now (``waiting for db (1 of 2 ready)``)."""
+        """At a turn's end: the replicas held for the pools their pool starts after, or by
+        their executor pool's memory budget, are queued once nothing holds them; the
+        others' reason says what they wait for now (``waiting for db (1 of 2 ready)``,
+        ``memory budget 512 MiB reached (480 MiB used)``)."""
         if not self._gated or self.table.closing:
             return
         for name, held in list(self._gated.items()):
             held = [(rep, rt) for rep, rt in held if rep.state is S.PENDING]  # not interrupted meanwhile
             pool = self.table.pool(name)
-            why = self.supervisor.order.waiting(pool) if held and pool is not None else None
+            why = self._why_held(pool, held[0][0], 0) if held and pool is not None else None
             for rep, _ in held:
                 rep.reason = why
-            if why is None:
+            if why is None:  # each is looked at again as it starts (_spawn_pending)
                 del self._gated[name]
                 self._pending.extend(held)
             else:
                 self._gated[name] = held
         self.schedule()
+
+    def _why_held(self, pool: Pool, rep: Replica, begun: int) -> str | None:
+        """Why ``rep`` may not start now: a pool its pool starts after is not ready, or (an
+        executor pool's worker) its pool is at its memory budget, ``begun`` of its workers
+        started in this batch; None: it may start."""
+        why = self.supervisor.order.waiting(pool) if pool.policy.after else None
+        if why is None and pool.is_executor:
+            why = self.table.tasks.start_held(rep, begun)
+        return why
 
     # -- the queue ------------------------------------------------------------------------
 
@@ -185,12 +198,13 @@ class Spawning:
             self.table.reactor.call_later(1.0, self.schedule)
             return
         asked: list[_SpawnRequest] = []
+        begun: collections.Counter[str] = collections.Counter()  # pool -> its starts in this batch
         for _ in range(min(len(self._pending), self._batch)):
             rep, rt = self._pending.popleft()
             if rep.state is not S.PENDING:  # interrupted while it waited
                 continue
             pool = self._pool(rep)
-            why = self.supervisor.order.waiting(pool) if pool.policy.after else None
+            why = self._why_held(pool, rep, begun[rep.pool])
             if why is not None:
                 rep.reason = why  # status says what it waits for
                 self._gated.setdefault(rep.pool, []).append((rep, rt))
@@ -204,6 +218,7 @@ class Spawning:
                 self.table.failed(rep, f"could not start: {via.reason}")
             elif (req := self._begin(rep, rt, via)) is not None:
                 asked.append(req)
+                begun[rep.pool] += 1
         for req in asked:  # the spawners fork while the batch's plans are sent: then collect
             self._end(req)
         self.schedule()  # the rest of a burst, after the next round of events

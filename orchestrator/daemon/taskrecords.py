@@ -149,12 +149,14 @@ class ExecPool:
     ended: collections.Counter[str] = field(default_factory=collections.Counter)  # state -> tasks ended since the start
     about: str | None = None  # what its initializer is, as its first session named it (a joiner's conflict says)
     # An elastic pool's sizing (elastic.py): the workers' memory as last measured (bytes,
-    # the largest one's, at monotonic time), why it may not grow now, the re-check's timer.
+    # the largest one's, at monotonic time), why it may not grow now, the re-check's timer,
+    # and the ids of its replicas whose start the budget holds back (PENDING meanwhile).
     memory_used: int = 0
     memory_largest: int = 0
     memory_at: float = float("-inf")
     blocked: str | None = None
     budget_timer: Timer | None = None
+    held_starts: set[str] = field(default_factory=set)
 
     def stored(self) -> dict[str, Any]:
         """Its part of the pool's row: options, initializer, the next task number recorded."""
@@ -211,6 +213,7 @@ class Session:
     outbox: list[Event] = field(default_factory=list)  # a sink's events of this turn, handed over at its end
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
+    started_timer: Timer | None = None  # a sink's lone STARTED events, held for their ends (tasktable._tell)
     idle_timer: Timer | None = None
 
 

@@ -34,7 +34,7 @@ class Tasks:
     """What the engine asks of executor pools: ``tasktable`` (the TaskTable), ``commands()``
     and ``declare``/``pool_counts``/``pool_workers`` (TaskCommands), ``restore``, ``before_handover``,
     ``carried``, ``take_over`` (TaskCarry), and the table's own ``address``, ``spawned``,
-    ``worker_ended``, ``settle`` and ``close``."""
+    ``worker_ended``, ``start_held``, ``settle`` and ``close``."""
 
     def __init__(self, table: Table, *, address: str | None = None, token: str | None = None,
                  stop_reason: str = "interrupted: the executor shut down",
@@ -86,6 +86,9 @@ class Tasks:
 
     def worker_ended(self, rep: Replica) -> None:
         self.tasktable.worker_ended(rep)
+
+    def start_held(self, rep: Replica, begun: int) -> str | None:
+        return self.tasktable.start_held(rep, begun)
 
     def settle(self) -> None:
         self.tasktable.settle()

@@ -83,6 +83,7 @@ SESSION_IDLE = 60.0  # a polling session not heard from for this long is dropped
 SESSION_BACKLOG = 100_000  # events kept for a session that does not poll
 KEEP_ENDED = 1000  # ended tasks kept in memory for `result` (the store keeps more)...
 KEEP_ENDED_BYTES = 64 << 20  # ...and no more of their results than this
+STARTED_HOLD = 0.002  # seconds a sink's lone "started" waits for more events (its task's end)
 SESSION_BACKLOG_BYTES = 256 << 20  # results held for a session that does not poll
 HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is closed
 HELLO_MAX = 16  # the payload a connection may send before it said who it is
@@ -884,11 +885,17 @@ class TaskTable:
         event = (kind, task.ref, data, task.id)
         if session.sink is not None:
             # Handed over once per turn, all of the turn's at once: one wake-up of the
-            # submitter's thread for a burst of ends.
+            # submitter's thread for a burst of ends. A start alone waits STARTED_HOLD for
+            # more: a short task's end then comes with it (and says both), one wake-up of
+            # the collector for the task instead of two.
             session.outbox.append(event)
-            if not session.flushing:
+            if session.flushing:
+                pass
+            elif kind != TaskEvent.STARTED:
                 session.flushing = True
                 self.table.reactor.call_soon(lambda: self._hand_over(session))
+            elif session.started_timer is None:
+                session.started_timer = self.table.reactor.call_later(STARTED_HOLD, lambda: self._hand_over(session))
             return
         session.seq += 1
         # Over the channel (JSON): bytes travel as base64 text.
@@ -905,6 +912,9 @@ class TaskTable:
 
     def _hand_over(self, session: Session) -> None:
         session.flushing = False
+        if session.started_timer is not None:
+            session.started_timer.cancel()
+            session.started_timer = None
         events, session.outbox = session.outbox, []
         if len(events) > 1:  # a task that started and ended in the same turn: its end says both
             ended = {e[1] for e in events if e[0] != TaskEvent.STARTED}
@@ -1254,6 +1264,15 @@ class TaskTable:
     def parked(self, xp: ExecPool) -> int:
         """How many of ``xp``'s tasks are WAITING for their time (``status``, the metrics)."""
         return self._waits.count(xp.name)
+    def start_held(self, rep: Replica, begun: int) -> str | None:
+        """Why ``rep``, a PENDING worker of an executor pool, may not start now (its pool's
+        memory budget: elastic.Elastic.start_held); None: it may. Spawning asks before each
+        start, ``begun``: how many of that pool's it has started in this batch."""
+        xp = self._pools.get(rep.pool)
+        pool = self.table.pool(rep.pool)
+        if xp is None or pool is None:
+            return None
+        return self._elastic.start_held(xp, pool, rep, begun)
 
     def workers(self, xp: ExecPool) -> Doc:
         """``xp``'s workers for ``status``: busy, idle, starting, min, max and, with a

@@ -12,6 +12,7 @@ What the child does before it runs anything of the user's, in this order and why
   * in cgroup mode, its replica's cgroup (``LaunchPlan.cgroup``): one write of its pid to
     ``cgroup.procs``, so that everything it will ever fork is born inside (the kernel's
     migration, paid by the child; what cgroups cost the churn: benchmarks/bench_containment.py);
+    a child a spawner made with clone3 straight into its cgroup gets no ``cgroup`` here;
   * PR_SET_PDEATHSIG, then a getppid() check against the pid recorded before fork: the
     third layer against orphans, and the check closes the race where the parent died before
     the signal was armed;

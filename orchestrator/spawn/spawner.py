@@ -22,6 +22,10 @@ spawner. So the launcher reaps it, gets its exact exit status and holds its pidf
 as if it had forked it, its PR_SET_PDEATHSIG is tied to the launcher, and a spawner that
 dies strands nothing: it has no children. Python's own fork bookkeeping runs around the
 raw syscall (``PyOS_BeforeFork`` / ``PyOS_AfterFork_Child``), as ``os.fork()`` does.
+In cgroup mode it is ``clone3(CLONE_PARENT | CLONE_INTO_CGROUP)`` where the kernel allows
+it: born in its replica's cgroup, the child skips the migration that a write to
+``cgroup.procs`` costs (~10 ms of an elastic pool's new worker: an RCU grace period); where
+it does not (before 5.7, a filter), a plain clone and the child joins, as before.
 
 The launcher sends each plan with its fds (ready pipe, captured stdout and stderr, the
 pool's listening sockets) over a
@@ -63,6 +67,21 @@ _MAX_FRAME = 256 << 20  # a pickled closure may be large; a corrupt length must 
 _CLONE_PARENT = 0x00008000
 # The clone syscall's number where it is known; elsewhere (None) the launcher forks itself.
 SYS_CLONE = {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120, "riscv64": 220}.get(platform.machine())
+# clone3 (Linux 5.3; CLONE_INTO_CGROUP 5.7): one number in every table above. A child born
+# in its replica's cgroup skips the migration a write to cgroup.procs costs: the kernel
+# takes the cgroup threadgroup lock for writing and waits out an RCU grace period, ~10 ms
+# per start unless another migration came just before (benchmarks/bench_cgroup_join.py).
+SYS_CLONE3 = 435 if SYS_CLONE is not None else None
+_CLONE_INTO_CGROUP = 0x200000000
+_CLONE3_UNSUPPORTED = (1, 7, 22, 38)  # EPERM (a filter), E2BIG, EINVAL, ENOSYS: never again
+
+
+class _CloneArgs(ctypes.Structure):
+    """struct clone_args, as far as CLONE_INTO_CGROUP (its version 2, 88 bytes)."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls", "set_tid",
+        "set_tid_size", "cgroup")]
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
@@ -159,29 +178,57 @@ def _read_exactly(sock: socket.socket, have: bytes, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _clone_parent() -> Callable[[], int]:
+def _clone_parent() -> Callable[[int | None], tuple[int, bool]]:
     """clone(CLONE_PARENT | SIGCHLD) with Python's fork bookkeeping around it, holding the
-    GIL throughout (PyDLL), as os.fork() does. Returns 0 in the child."""
+    GIL throughout (PyDLL), as os.fork() does; given a cgroup's directory fd, clone3 into
+    that cgroup where the kernel allows it (else the child joins it itself, as before).
+    Returns (0 in the child, else its pid; whether it was born in the cgroup)."""
     libc = ctypes.PyDLL(None, use_errno=True)
     syscall = libc.syscall
     syscall.restype = ctypes.c_long
     syscall.argtypes = (ctypes.c_long,) + (ctypes.c_ulong,) * 5
     api = ctypes.pythonapi
     flags = _CLONE_PARENT | int(signal.SIGCHLD)
+    # No exit_signal: with CLONE_PARENT the child's is this process's own (SIGCHLD, to the
+    # launcher), and clone3 refuses one (EINVAL).
+    args = _CloneArgs(flags=_CLONE_PARENT | _CLONE_INTO_CGROUP)
+    where = ctypes.addressof(args)
+    usable = [SYS_CLONE3 is not None]
 
-    def clone() -> int:
+    def clone(cgroup_fd: int | None) -> tuple[int, bool]:
         api.PyOS_BeforeFork()
-        pid: int = syscall(SYS_CLONE, flags, 0, 0, 0, 0)
+        inside = cgroup_fd is not None and usable[0]
+        pid: int = -1
+        if inside:
+            args.cgroup = cgroup_fd
+            pid = syscall(SYS_CLONE3, where, ctypes.sizeof(args), 0, 0, 0)
+            if pid < 0:  # not here (an old kernel, a filter) or not into that cgroup: a clone
+                inside = False
+                if ctypes.get_errno() in _CLONE3_UNSUPPORTED:
+                    usable[0] = False
+        if not inside:
+            pid = syscall(SYS_CLONE, flags, 0, 0, 0, 0)
         if pid == 0:
             api.PyOS_AfterFork_Child()
-            return 0
+            return 0, inside
         err = ctypes.get_errno()
         api.PyOS_AfterFork_Parent()
         if pid < 0:
             raise OSError(err, os.strerror(err))
-        return pid
+        return pid, inside
 
     return clone
+
+
+def _cgroup_fd(path: str | None) -> int | None:
+    """The replica's cgroup directory, for clone3 (None: none, or it cannot be opened: the
+    child's join then says why)."""
+    if path is None:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _serve(sock: socket.socket, parent: int) -> None:
@@ -203,10 +250,11 @@ def _serve(sock: socket.socket, parent: int) -> None:
         if rest:
             plan = dataclasses.replace(plan, listen_fds=tuple(rest))
         go_r, go_w = os.pipe()
+        group = _cgroup_fd(plan.cgroup)
         old_mask = _signal.pthread_sigmask(signal.SIG_BLOCK, ALL_SIGNALS)
         before = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         try:
-            pid = clone()
+            pid, inside = clone(group)
         except OSError as err:
             _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             refused = err.errno in (1, 22, 38)  # EPERM, EINVAL, ENOSYS: a filter, not a shortage
@@ -214,12 +262,18 @@ def _serve(sock: socket.socket, parent: int) -> None:
         else:
             if pid == 0:  # pragma: no cover - the child: never returns
                 os.close(go_w)
+                if group is not None:
+                    os.close(group)  # a Python target never execs: no fd of ours left in it
+                if inside:  # born in its cgroup: nothing to join
+                    plan = dataclasses.replace(plan, cgroup=None)
                 run_child(plan, ready_w, parent, req["pdeathsig"], maxfd, req["nofile"], go_fd=go_r)
             after = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
             _signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             tick = before // _TICK_NS
             reply = {"pid": pid, "start": tick if after // _TICK_NS == tick else None}
         os.close(go_r)
+        if group is not None:
+            os.close(group)
         for fd in fds:
             os.close(fd)
         try:
