@@ -71,16 +71,27 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .daemon.embedded import Orchestrator
+    # Each as a re-export (``X as X``): __all__ is made from _HOMES, which a type checker
+    # does not read, so this is how a user's mypy --strict sees these names as public.
+    from .daemon.embedded import Orchestrator as Orchestrator
     from .errors import (
-        ChannelError, ConfigError, DaemonNotRunning, FrameTooLarge, InternalError, InvalidSpec, NotFound,
-        OrchestratorError, ShutdownRequested, ShuttingDown, SpawnerLost, StoreError, TaskInterrupted,
-        TaskTimeoutError, UnknownPool, UnknownReplica, UnknownSession, UnknownTask, UnsafeFile, UnsafeStateDir,
-        WaitTimeout, WorkerLost,
+        ChannelError as ChannelError, ConfigError as ConfigError, DaemonNotRunning as DaemonNotRunning,
+        FrameTooLarge as FrameTooLarge, InternalError as InternalError, InvalidSpec as InvalidSpec,
+        NotFound as NotFound, OrchestratorError as OrchestratorError, ShutdownRequested as ShutdownRequested,
+        ShuttingDown as ShuttingDown, SpawnerLost as SpawnerLost, StoreError as StoreError,
+        TaskInterrupted as TaskInterrupted, TaskTimeoutError as TaskTimeoutError, UnknownPool as UnknownPool,
+        UnknownReplica as UnknownReplica, UnknownSession as UnknownSession, UnknownTask as UnknownTask,
+        UnsafeFile as UnsafeFile, UnsafeStateDir as UnsafeStateDir, WaitTimeout as WaitTimeout,
+        WorkerLost as WorkerLost,
     )
-    from .executor import Client, Executor
-    from .spec import WorkerSpec
-    from .states import TERMINAL, TRANSITIONS, IllegalTransition, Replica, ReplicaState, TaskState
-    from .taskfutures import RemoteTraceback
-    from .version import __version__
-    from .worker import Cancelled, Retry, TaskTimeout, Terminated
+    from .executor import Client as Client, Executor as Executor
+    from .spec import WorkerSpec as WorkerSpec
+    from .states import (
+        TERMINAL as TERMINAL, TRANSITIONS as TRANSITIONS, IllegalTransition as IllegalTransition,
+        Replica as Replica, ReplicaState as ReplicaState, TaskState as TaskState,
+    )
+    from .taskfutures import RemoteTraceback as RemoteTraceback
+    from .version import __version__ as __version__
+    from .worker import (
+        Cancelled as Cancelled, Retry as Retry, TaskTimeout as TaskTimeout, Terminated as Terminated,
+    )
