@@ -27,8 +27,8 @@ Who writes, who reads
 * Not thread-safe: one thread at a time per Store object (the connection is created with
   ``check_same_thread=False`` so the daemon may open it in one thread and use it in another).
 
-Schema (``PRAGMA user_version`` = 2; a file of version 1 is migrated when a daemon opens it:
-storesql.MIGRATIONS, and read as it is until then)
+Schema (``PRAGMA user_version`` = 3; a file of an earlier version is migrated when a daemon
+opens it: storesql.MIGRATIONS, and read as it is until then)
 ------------------------------------------------------------------------------------------
 ``pools(name TEXT PRIMARY KEY, spec TEXT /*JSON*/, desired INTEGER, next_n INTEGER)``
     ``next_n`` is monotonic (every write takes the max) and is also raised by every replica
@@ -41,10 +41,11 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
     persist more without a schema change.
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
-INTEGER, tenant TEXT) WITHOUT ROWID``
+INTEGER, tenant TEXT, figures TEXT /*JSON or NULL*/) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart (at its
-    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended. Retention as for replicas, by ``retire_key`` (its end).
+    ``priority``, its ``tenant``'s: version 2); ``result`` once it ended, with ``figures``
+    (what it took in its worker: version 3). Retention as for replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -105,10 +106,12 @@ from .states import TERMINAL
 from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
     REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL, SQL_REPLICA,
-    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_SELECT_TASKS_V1, SQL_TASK, TASK_COLS, dumps, loads,
+    MIGRATIONS, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_SELECT_TASKS_OF, SQL_TASK, TASK_COLS, TASK_JSON,
+    dumps, loads,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
+_TASK_JSON_AT = tuple(TASK_COLS.index(name) for name in sorted(TASK_JSON))  # saved as JSON text
 
 # The terminal states as the strings rows hold (states.py imports nothing of ours, so the
 # CLI reading the store with the daemon down still loads none of the daemon).
@@ -428,7 +431,12 @@ class Store:
             self._writer()
         g = rec.get
         retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING") else None
-        self._tasks[rec["id"]] = tuple(g(k) for k in TASK_COLS[:-1]) + (retire,)
+        row = [g(k) for k in TASK_COLS[:-1]]
+        for at in _TASK_JSON_AT:
+            if row[at] is not None:
+                row[at] = dumps(row[at])
+        row.append(retire)
+        self._tasks[rec["id"]] = tuple(row)
 
     @property
     def pending(self) -> int:
@@ -636,11 +644,17 @@ class Store:
         if pool is not None:
             where.append("pool = ?")
             args.append(pool)
-        old = self._rows("PRAGMA user_version") == [(1,)]  # not migrated yet (read with no daemon of ours)
-        sql = (SQL_SELECT_TASKS_V1 if old else SQL_SELECT_TASKS) + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
+        version = self._rows("PRAGMA user_version")  # older: not migrated yet (read with no daemon of ours)
+        select = SQL_SELECT_TASKS_OF.get(version[0][0], SQL_SELECT_TASKS) if version else SQL_SELECT_TASKS
+        sql = select + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+        rows = [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+        for row in rows:
+            for name in TASK_JSON:
+                if isinstance(row[name], str):
+                    row[name] = loads(row[name])
+        return rows
 
     def task_numbers(self) -> dict[str, int]:
         """Each pool's highest task number ever stored (ids are never reused)."""

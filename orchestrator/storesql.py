@@ -10,7 +10,7 @@ import json
 import json.encoder as _json_encoder
 from typing import Any, Callable, Iterable
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS pools (
@@ -65,7 +65,8 @@ SCHEMA = (
         result     BLOB,
         retire_key REAL,
         priority   INTEGER,
-        tenant     TEXT
+        tenant     TEXT,
+        figures    TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
@@ -74,6 +75,9 @@ SCHEMA = (
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE tasks ADD COLUMN priority INTEGER",  # a task's queue place (its executor's options())
         "ALTER TABLE tasks ADD COLUMN tenant TEXT"),
+    2: (
+        "ALTER TABLE tasks ADD COLUMN figures TEXT",  # what a task took in its worker (JSON: taskwire.Figures)
+    ),
 }
 
 # Constant SQL strings: sqlite3 caches the prepared statement per string.
@@ -99,14 +103,19 @@ SQL_REPLICA = (
 SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
-             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "retire_key")
+             "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "figures",
+             "retire_key")
+TASK_JSON = frozenset({"figures"})  # columns of TASK_COLS that hold a record's object as JSON text
+# The version of the file that has each column added since version 1: a reader of an older
+# file (not migrated yet: no daemon of this version opened it) reads NULL for it.
+TASK_COLS_SINCE = {"priority": 2, "tenant": 2, "figures": 3}
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )
-SQL_SELECT_TASKS = "SELECT " + ", ".join(TASK_COLS) + " FROM tasks"
-# A file of version 1, read before a daemon of this version has opened (migrated) it.
-SQL_SELECT_TASKS_V1 = "SELECT " + ", ".join(c if c not in ("priority", "tenant") else "NULL" for c in TASK_COLS) + \
-    " FROM tasks"
+SQL_SELECT_TASKS_OF = {version: "SELECT " + ", ".join(c if TASK_COLS_SINCE.get(c, 1) <= version else "NULL"
+                                                       for c in TASK_COLS) + " FROM tasks"
+                       for version in range(1, SCHEMA_VERSION + 1)}
+SQL_SELECT_TASKS = SQL_SELECT_TASKS_OF[SCHEMA_VERSION]
 
 REPLICA_COLS = ("id", "pool", "n", "state", "pid", "start_time", "exit_code", "reason",
                  "created_at", "ended_at")

@@ -33,7 +33,7 @@ P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
-           "ended_at", "reason", "kind", "priority", "tenant")
+           "ended_at", "reason", "kind", "priority", "tenant", "figures")
 
 
 def _json_value(text: str) -> Any:

@@ -61,11 +61,14 @@ class Task:
     priority: int = 0  # higher starts first (taskqueue.py)
     tenant: str | None = None  # whose: tenants share the workers by weight
     aged: bool = False  # it waited its pool's max_wait: above every priority now
+    figures: w.Figures | None = None  # what it took in its worker (taskfigures.py), once it ran
 
     def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
         ``worker``: the replica that runs it or ran it (none while it is QUEUED, even after an
-        attempt: that worker is not its any more); ``last_worker``: the latest that did."""
+        attempt: that worker is not its any more); ``last_worker``: the latest that did;
+        ``figures``: what it took in its worker (``taskwire.Figures``; None until a worker
+        answered for it)."""
         return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
                 "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
                 "worker": self.worker_id if self.state is not T.QUEUED else None, "last_worker": self.worker_id,
@@ -73,7 +76,7 @@ class Task:
                 "ended_at": self.ended_at, "reason": self.reason,
                 "priority": self.priority, "tenant": self.tenant,
                 "payload": self.payload if not self.state.terminal else None,
-                "kind": self.kind, "result": self.result}
+                "kind": self.kind, "result": self.result, "figures": self.figures}
 
 
 @dataclass(eq=False)
