@@ -57,8 +57,9 @@ _FRAME = struct.Struct(w.HEADER.format + w.FIGURES_PAYLOAD.format.lstrip("!"))
 
 
 class Meter:
-    """The figures of the task that runs; ``start`` before each task, ``frame`` once its
-    answer is ready (main thread only, like the worker)."""
+    """The figures of the task that runs: made as the worker starts, ``settle`` once it is
+    ready for tasks, ``start`` before each task, ``frame`` once its answer is ready (main
+    thread only, like the worker)."""
 
     def __init__(self) -> None:
         self._reset_fd = _open("/proc/self/clear_refs", os.O_WRONLY)
@@ -76,6 +77,11 @@ class Meter:
                     self._floor = floor
         self._began = 0.0
         self._own = _usage(_SELF)
+        self._children = _usage(_CHILDREN)
+
+    def settle(self) -> None:
+        """The worker is ready for tasks: what its children took so far (its initializer's)
+        is no task's."""
         self._children = _usage(_CHILDREN)
 
     def start(self) -> None:

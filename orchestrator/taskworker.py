@@ -228,6 +228,7 @@ def main() -> None:
             sock.sendall(w.frame(w.UNPICKLABLE, 0, line.encode("utf-8", "replace")))
             raise SystemExit(3) from None
     _own.update(_children(os.getpid()))
+    meter.settle()
     sock.sendall(w.frame(w.READY))
     done = 0
     while max_tasks == 0 or done < max_tasks:

@@ -88,6 +88,13 @@ def test_cpu_time_includes_a_childs_and_a_daemonized_grandchilds(executor: Make,
     assert figures(orphan)["cpu"] >= spent, (figures(orphan), spent)
 
 
+def test_what_the_initializers_children_took_is_no_tasks(executor: Make) -> None:
+    ex = executor(max_workers=1, initializer=figurefns.child_burns, initargs=(0.5,))
+    fut = ex.submit(figurefns.small)
+    fut.result(timeout=120)
+    assert figures(fut)["cpu"] < 0.25, figures(fut)  # the initializer's child burned 0.5 s
+
+
 def test_wall_time_is_the_tasks_own(executor: Make) -> None:
     ex = executor(max_workers=1)
     fut = ex.submit(figurefns.sleeps, 0.3)
