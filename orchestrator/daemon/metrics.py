@@ -71,6 +71,7 @@ with them). The per-pool series count every task either way.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import math
@@ -127,12 +128,9 @@ class _Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        if not math.isfinite(value) or value < 0:
+        if not 0.0 <= value < math.inf:
             value = 0.0  # NaN, infinite or negative: a clock oddity, counted as 0
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value (+Inf last)
         self.sum += value
         self.count += 1
 
@@ -244,7 +242,6 @@ class Metrics:
 
     def task_figures(self, pool: str, figures: Figures) -> None:
         """What a task took in its worker (its record's ``figures``)."""
-        pool = str(pool)
         _observe(self._task_wall, pool, figures["wall"])
         _observe(self._task_cpu, pool, figures["cpu"])
         if figures["peak_rss"] is not None:
