@@ -76,19 +76,23 @@ class Meter:
                 if floor > self._high_water() + _SLACK:
                     self._floor = floor
         self._began = 0.0
-        self._own = _usage(_SELF)
-        self._children = _usage(_CHILDREN)
+        self._cpu = 0.0  # the worker's user + system seconds at the task's start
+        self._children_cpu = 0.0  # ...its reaped children's, and their largest ru_maxrss
+        self._children_peak = 0
+        self.settle()
 
     def settle(self) -> None:
         """The worker is ready for tasks: what its children took so far (its initializer's)
         is no task's."""
-        self._children = _usage(_CHILDREN)
+        children = _usage(_CHILDREN)  # (a struct_rusage read by index: cheaper than by name)
+        self._children_cpu, self._children_peak = children[0] + children[1], children[2]
 
     def start(self) -> None:
         """A task starts now: its clock and counters from here, the peak brought down. (The
         children's counters are where the last task's ``frame`` read them: between two
         tasks the worker reaps no child.)"""
-        self._own = _usage(_SELF)
+        own = _usage(_SELF)
+        self._cpu = own[0] + own[1]
         if self._reset_fd >= 0:
             try:
                 os.write(self._reset_fd, _RESET)
@@ -101,15 +105,14 @@ class Meter:
         """The FIGURES frame of task ``number``, measured now."""
         wall = _clock() - self._began
         own, children = _usage(_SELF), _usage(_CHILDREN)
-        was, had = self._own, self._children
-        self._children = children
-        cpu = (own.ru_utime - was.ru_utime + own.ru_stime - was.ru_stime
-               + children.ru_utime - had.ru_utime + children.ru_stime - had.ru_stime)
+        children_cpu, children_peak = children[0] + children[1], children[2]
+        cpu = own[0] + own[1] - self._cpu + children_cpu - self._children_cpu
         peak = 0
         if self._reset_fd >= 0:
-            peak = own.ru_maxrss if own.ru_maxrss > self._floor else self._high_water()
-        children_peak = children.ru_maxrss if children.ru_maxrss > had.ru_maxrss else 0
-        return _FRAME.pack(w.FIGURES_PAYLOAD.size, w.FIGURES, number, wall, cpu, peak << 10, children_peak << 10)
+            peak = own[2] if own[2] > self._floor else self._high_water()
+        risen = children_peak if children_peak > self._children_peak else 0
+        self._children_cpu, self._children_peak = children_cpu, children_peak
+        return _FRAME.pack(w.FIGURES_PAYLOAD.size, w.FIGURES, number, wall, cpu, peak << 10, risen << 10)
 
     def _high_water(self) -> int:
         """VmHWM (KiB) of /proc/self/status; 0 if it cannot be read."""
