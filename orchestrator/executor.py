@@ -527,6 +527,11 @@ class Executor(futures_base.Executor):
             return False
         return bool(cancelled)
 
+    def task_info(self, task_id: str) -> dict[str, Any]:
+        """The record of this executor's task ``task_id`` (its future's ``info()``)."""
+        (row,) = self._backend.call("tasks", {"id": task_id})
+        return dict(row)
+
     def _poll(self) -> None:
         """A daemon's pool: what its loop reports, fetched (long polls on the channel) and
         handed to the collector. A daemon that goes away is waited for (``Remote.call``:

@@ -42,13 +42,14 @@ created_at, ended_at, retire_key REAL, extra TEXT /*JSON or NULL*/) WITHOUT ROWI
 ``tasks(id TEXT PRIMARY KEY, pool, n, state, attempts, retries, timeout, worker, queued_at,
 started_at, ended_at, reason, payload BLOB, kind, result BLOB, retire_key REAL, priority
 INTEGER, tenant TEXT, key TEXT, deadline REAL, backoff_min REAL, backoff_max REAL, waits INTEGER,
-wait_until REAL, wait_reason TEXT) WITHOUT ROWID``
+wait_until REAL, wait_reason TEXT, figures TEXT /*JSON or NULL*/) WITHOUT ROWID``
     The tasks of executor pools (daemon/tasktable.py): ``payload`` (the pickled call) is kept
     while the task is unfinished, so that a queued task runs after a restart (at its
     ``priority``, its ``tenant``'s: version 2), a WAITING one at its ``wait_until``, each
-    bounded by its ``deadline`` (version 3: daemon/taskwait.py); ``result`` once it ended;
-    ``key``, its submitter's name for it (version 3; a partial index on (pool, key) finds it
-    by that). Retention as for replicas, by ``retire_key`` (its end).
+    bounded by its ``deadline`` (version 3: daemon/taskwait.py); ``result`` once it ended,
+    with ``figures`` (what it took in its worker: version 3); ``key``, its submitter's name
+    for it (version 3; a partial index on (pool, key) finds it by that). Retention as for
+    replicas, by ``retire_key`` (its end).
 ``events(seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL, kind TEXT, replica TEXT, data TEXT)``
     AUTOINCREMENT so that a ``seq`` is never reused even if retention empties the table:
     ``events --follow`` tails with ``after_seq`` and must never miss or repeat an event.
@@ -109,11 +110,12 @@ from .states import TERMINAL
 from .storeerrors import is_corruption, os_message, sql_message
 from .storesql import (
     INDEXES, MIGRATIONS, REPLICA_COLS, REPLICA_KEYS, SCHEMA, SCHEMA_VERSION, SQL_BUMP, SQL_EVENT, SQL_POOL,
-    SQL_REPLICA, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, TASK_COLS_SINCE, dumps, loads,
-    sql_select_tasks,
+    SQL_REPLICA, SQL_SELECT_REPLICAS, SQL_SELECT_TASKS, SQL_TASK, TASK_COLS, TASK_COLS_SINCE, TASK_JSON, dumps,
+    loads, sql_select_tasks,
 )
 
 __all__ = ["Store", "StoreError", "TERMINAL_STATES", "SCHEMA_VERSION"]
+_TASK_JSON_AT = tuple(TASK_COLS.index(name) for name in sorted(TASK_JSON))  # saved as JSON text
 
 # The terminal states as the strings rows hold (states.py imports nothing of ours, so the
 # CLI reading the store with the daemon down still loads none of the daemon).
@@ -435,7 +437,12 @@ class Store:
             self._writer()
         g = rec.get
         retire = (g("ended_at") or time.time()) if g("state") not in ("QUEUED", "RUNNING", "WAITING") else None
-        self._tasks[rec["id"]] = tuple(g(k) for k in TASK_COLS[:-1]) + (retire,)
+        row = [g(k) for k in TASK_COLS[:-1]]
+        for at in _TASK_JSON_AT:
+            if row[at] is not None:
+                row[at] = dumps(row[at])
+        row.append(retire)
+        self._tasks[rec["id"]] = tuple(row)
 
     @property
     def pending(self) -> int:
@@ -659,7 +666,12 @@ class Store:
         sql = select + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY pool, n"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+        rows = [dict(zip(TASK_COLS, row)) for row in self._rows(sql, args)]
+        for row in rows:
+            for name in TASK_JSON:
+                if isinstance(row[name], str):
+                    row[name] = loads(row[name])
+        return rows
 
     def task_ids(self) -> set[str]:
         """The ids of every task stored (unfinished and retained ended ones)."""

@@ -72,7 +72,8 @@ SCHEMA = (
         backoff_max REAL,
         waits       INTEGER,
         wait_until  REAL,
-        wait_reason TEXT
+        wait_reason TEXT,
+        figures    TEXT
     ) WITHOUT ROWID""",
     """CREATE INDEX IF NOT EXISTS tasks_retire ON tasks(retire_key) WHERE retire_key IS NOT NULL""",
 )
@@ -90,6 +91,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE tasks ADD COLUMN waits INTEGER",
         "ALTER TABLE tasks ADD COLUMN wait_until REAL",
         "ALTER TABLE tasks ADD COLUMN wait_reason TEXT",
+        "ALTER TABLE tasks ADD COLUMN figures TEXT",  # what a task took in its worker (JSON: taskwire.Figures)
     ),
 }
 # Run after the migrations (they may need a column a migration adds), on every open.
@@ -122,11 +124,12 @@ SQL_EVENT = "INSERT INTO events(ts, kind, replica, data) VALUES (?, ?, ?, ?)"
 
 TASK_COLS = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at",
              "started_at", "ended_at", "reason", "payload", "kind", "result", "priority", "tenant", "key",
-             "deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason", "retire_key")
+             "deadline", "backoff_min", "backoff_max", "waits", "wait_until", "wait_reason", "figures", "retire_key")
+TASK_JSON = frozenset({"figures"})  # columns of TASK_COLS that hold a record's object as JSON text
 # The schema version that added each column of TASK_COLS after the first: a file of an
 # earlier version, read before a daemon of this version has opened (migrated) it, has NULL.
 TASK_COLS_SINCE = {"priority": 2, "tenant": 2, "key": 3, "deadline": 3, "backoff_min": 3, "backoff_max": 3,
-                   "waits": 3, "wait_until": 3, "wait_reason": 3}
+                   "waits": 3, "wait_until": 3, "wait_reason": 3, "figures": 3}
 SQL_TASK = (
     "INSERT OR REPLACE INTO tasks(" + ", ".join(TASK_COLS) + ") VALUES (" + ", ".join("?" * len(TASK_COLS)) + ")"
 )

@@ -13,6 +13,7 @@ from concurrent.futures import _base as futures_base
 from typing import Any, Callable, Protocol
 
 from . import taskwire as w
+from .errors import UnknownTask
 
 
 class RemoteTraceback(Exception):
@@ -30,9 +31,11 @@ _ENDED = (futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED, futures_b
 
 
 class Canceller(Protocol):
-    """What a future's ``cancel()`` asks: the executor (or a task handle) that made it."""
+    """What a future's ``cancel()`` and ``info()`` ask: the executor (or a task handle) that
+    made it."""
 
     def cancel_ref(self, ref: int) -> bool: ...
+    def task_info(self, task_id: str) -> dict[str, Any]: ...
 
 
 class TaskFuture(Future[Any]):
@@ -51,6 +54,20 @@ class TaskFuture(Future[Any]):
     # future first), and whether a worker still runs the task then (its "stopping").
     _reported = False
     _stop_pending = False
+
+    def info(self) -> dict[str, Any]:
+        """Its task's record, as ``Client(DIR).task(fut.task_id).info()`` and ``orchestrator
+        tasks --json`` show it: state, attempts, worker, times, reason, and once a worker
+        answered for it its ``figures``, what it took there: ``wall`` and ``cpu`` seconds
+        (user + system, its child processes' included), ``peak_rss`` bytes (its worker's
+        own peak while it ran, not the worker's lifetime peak), ``children_peak_rss`` (or
+        None). One call to the loop (embedded: while the executor is open, for the latest
+        1,000 ended tasks; a daemon's store keeps more). A task cancelled or timed out while
+        it ran has its figures once ``wait_stopped()`` returned. UnknownTask: no record
+        (a future whose task was never made, or ended long ago)."""
+        if self.task_id is None or self._executor is None:
+            raise UnknownTask("this future has no task (its call could not be pickled)")
+        return self._executor.task_info(self.task_id)
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         """Wait until no worker runs this future's task any more; True if so (False: the

@@ -36,6 +36,12 @@ by SO_PEERCRED). Every frame is a 13-byte header, then ``size`` bytes:
                                  ``Retry``), or {"after": null, "reason": its line} and then a
                                  RAISED payload (it raised an exception of the call's retry_on;
                                  ``retry_payload``). An old worker never sends it.
+                     FIGURES     number: the task's; payload: ``FIGURES_PAYLOAD`` (what the
+                                 task took: wall s, CPU s, peak RSS bytes, its children's peak
+                                 RSS bytes; a size of 0: not known), written in the same
+                                 ``sendall`` as the task's answer and just before it (a
+                                 frame only workers of this version send: no version bump;
+                                 a longer payload may carry more after these fields)
 
 A TASK's pickled call is (fn, args, kwargs) or (fn, args, kwargs, retry_on): the exception
 types the submitter named, which only the worker can test an exception against (the loop
@@ -97,6 +103,8 @@ WORDS = 2  # a worker holds at most two tasks (one runs, one waits): a word each
 
 HELLO, WELCOME, READY, TASK, RESULT, RAISED, UNPICKLABLE, STOPPED, KEPT, CONFIG = range(1, 11)
 RETRY = 11  # worker -> loop only, never sent unasked: no VERSION of its own
+FIGURES = 12
+FIGURES_PAYLOAD = struct.Struct("!ddQQ")  # wall s, CPU s, peak RSS, children's peak RSS (bytes; 0: unknown)
 PIPES = 13  # worker -> loop, only when CONFIG asked for task logs
 # The cause in the cancel word's low bits, and in STOPPED. REVOKE words name a frame's index
 # (revoke_word), the others a task's number.
@@ -114,6 +122,24 @@ class TaskEvent(StrEnum):
     STARTED = "started"  # a worker runs it now (data: its task id)
     STOPPING = "stopping"  # it ended while a worker ran it: its end comes next, the worker still stops it
     STOPPED = "stopped"  # that worker is done with it (TaskFuture.wait_stopped returns)
+
+
+class Figures(TypedDict):
+    """What a task took in its worker (a FIGURES frame, ``read_figures``): its record's
+    ``figures``. The worker measures (taskmeter.py says how, and what each figure covers)."""
+
+    wall: float  # seconds from its start in the worker to its answer (its leftovers ended)
+    cpu: float  # seconds of CPU, user + system: the worker's and the children reaped meanwhile
+    peak_rss: int | None  # bytes: the worker's own peak resident set while it ran (None: not known here)
+    children_peak_rss: int | None  # bytes: its largest child's, where the kernel's figure tells it (else None)
+
+
+def read_figures(payload: bytes) -> Figures | None:
+    """A FIGURES payload's figures (None: too short to be one)."""
+    if len(payload) < FIGURES_PAYLOAD.size:
+        return None
+    wall, cpu, peak, children = FIGURES_PAYLOAD.unpack_from(payload)
+    return {"wall": wall, "cpu": cpu, "peak_rss": peak or None, "children_peak_rss": children or None}
 
 
 class ConfigPayload(TypedDict):

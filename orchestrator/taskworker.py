@@ -23,6 +23,9 @@ A task's leftovers: the worker is its descendants' subreaper, so every process a
 started, however it daemonized, stays below it; when a task ends, those still alive get
 SIGTERM, then SIGKILL after the pool's grace, before the answer goes out and the next task
 starts.
+
+What each task took (wall time, CPU time with its children's, its own peak RSS): measured
+around it (taskmeter.py) and sent as a FIGURES frame in the same write as its answer.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any, TypeAlias
 from . import signals
 from . import taskwire as w
 from .prctl import set_child_subreaper
+from .taskmeter import Meter
 from .worker import Cancelled, Retry, TaskTimeout, Terminated
 
 _BLOCK = {w.CANCEL_SIGNAL}
@@ -107,6 +111,7 @@ def _send(data: bytes) -> None:
     _sock.sendall(data)
 
 
+_JOIN = 1 << 16  # an answer up to this size goes in one write with its figures
 _READ = 1 << 16  # the reader's buffer (a tiny task's frame is ~100 bytes)
 Frame: TypeAlias = "tuple[int, int, bytes | memoryview]"
 
@@ -216,6 +221,7 @@ def main() -> None:
         raise SystemExit("the control loop closed the task socket before it welcomed this worker")
     _, max_tasks, init = got[0], got[1], bytes(got[2])
     _signal.signal(w.CANCEL_SIGNAL, _interrupt)
+    meter = Meter()  # before the initializer: its floor for ru_maxrss read at the smallest resident set
     authkey, init = w.split_authkey(init)
     if authkey is not None:  # before the initializer, whose initargs may hold a manager's proxy
         import multiprocessing.process
@@ -231,6 +237,7 @@ def main() -> None:
             sock.sendall(w.frame(w.UNPICKLABLE, 0, line.encode("utf-8", "replace")))
             raise SystemExit(3) from None
     _own.update(_children(os.getpid()))
+    meter.settle()
     sock.sendall(w.frame(w.READY))
     done = 0
     while max_tasks == 0 or done < max_tasks:
@@ -240,6 +247,7 @@ def main() -> None:
         kind, number, payload = got
         if kind != w.TASK:
             continue
+        meter.start()
         reply = _run(number, payload)
         if reply is None:
             continue  # given back: another worker runs it
@@ -249,7 +257,12 @@ def main() -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        sock.sendall(reply)
+        figures = meter.frame(number)
+        if len(reply) <= _JOIN:  # one write: the loop reads both in one turn
+            sock.sendall(figures + reply)
+        else:  # not a copy of a large result for 45 bytes
+            sock.sendall(figures)
+            sock.sendall(reply)
         done += 1
 
 

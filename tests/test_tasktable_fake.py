@@ -127,6 +127,9 @@ class FakeEngine:
     def task_ended(self, pool: str, state: str, ran: float | None) -> None:
         pass
 
+    def task_figures(self, pool: str, figures: w.Figures) -> None:
+        pass
+
     # the Table
     def pool(self, name: Any) -> Pool | None:
         return self.pools.get(name)

@@ -35,7 +35,7 @@ EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 WAIT_CHUNK = 2.0  # a wait is a series of bounded waits: a daemon that dies is noticed within a chunk
 LISTING = ("id", "pool", "n", "state", "attempts", "retries", "timeout", "worker", "queued_at", "started_at",
            "ended_at", "reason", "kind", "priority", "tenant", "key", "deadline", "waits", "wait_until",
-           "wait_reason")
+           "wait_reason", "figures")
 
 
 def _json_value(text: str) -> Any:

@@ -71,7 +71,8 @@ class TaskHandle:
 
     def info(self) -> dict[str, Any]:
         """The task's record, as ``orchestrator tasks --json`` shows it (id, pool, n, state,
-        attempts, worker, queued/started/ended times, reason, kind)."""
+        attempts, worker, queued/started/ended times, reason, kind, and ``figures``: what it
+        took in its worker, ``TaskFuture.info`` says what each is)."""
         (row,) = self._call("tasks", {"id": self.id})
         return dict(row)
 
@@ -158,6 +159,9 @@ class _HandleCanceller:
 
     def cancel_ref(self, ref: int) -> bool:
         return self.handle.cancel()
+
+    def task_info(self, task_id: str) -> dict[str, Any]:
+        return self.handle.info()
 
 
 def outcome_value(got: dict[str, Any]) -> Any:

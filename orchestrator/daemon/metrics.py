@@ -46,6 +46,10 @@ Metric names (all prefixed ``orchestrator_``; counters end in ``_total``)::
     tasks{pool,state}                       gauge      from status: QUEUED and RUNNING tasks of each executor pool
     task_queue_wait_seconds{pool}           histogram  queued -> handed to a worker
     task_run_seconds{pool}                  histogram  handed to a worker -> ended
+    task_wall_seconds{pool}                 histogram  each task's wall time in its worker (its figures)
+    task_cpu_seconds{pool}                  histogram  ...its CPU time, user + system, its children's included
+    task_peak_rss_bytes{pool}               histogram  ...its own peak resident set (a task whose worker
+                                                       could not tell it is not counted here)
     tenant_tasks{pool,tenant,state}         gauge      from status: tasks{pool,state} by tenant
     tenant_task_queue_wait_seconds{pool,tenant}
                                             histogram  task_queue_wait_seconds by tenant
@@ -67,6 +71,7 @@ with them). The per-pool series count every task either way.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import math
@@ -80,6 +85,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _untyped_go_float
 
 from ..states import ReplicaState
+from ..taskwire import Figures
 from .reactor import Reactor, Timer
 
 log = logging.getLogger(__name__)
@@ -98,6 +104,8 @@ COMMAND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # Seconds a task waited in its queue, or ran: from a tiny task to a long job.
 TASK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                 60.0, 300.0, 1800.0, 3600.0)
+# Bytes a task's worker held at its peak: from an idle Python worker (~15 MiB) to 64 GiB.
+RSS_BUCKETS = tuple(float(1 << shift) for shift in range(24, 37))
 CHURN_WINDOW = 60  # seconds
 LAG_WINDOW = 60.0  # seconds
 LAG_LIMIT = 1.0  # seconds: a loop later than this is unhealthy
@@ -120,12 +128,9 @@ class _Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        if not math.isfinite(value) or value < 0:
+        if not 0.0 <= value < math.inf:
             value = 0.0  # NaN, infinite or negative: a clock oddity, counted as 0
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value (+Inf last)
         self.sum += value
         self.count += 1
 
@@ -166,6 +171,9 @@ class Metrics:
         self._tasks_ended: dict[tuple[str, str], int] = collections.Counter()
         self._task_wait: dict[str, _Histogram] = {}
         self._task_run: dict[str, _Histogram] = {}
+        self._task_wall: dict[str, _Histogram] = {}  # the figures of tasks (task_figures)
+        self._task_cpu: dict[str, _Histogram] = {}
+        self._task_peak: dict[str, _Histogram] = {}
         self._tenant_wait: dict[str, dict[str, _Histogram]] = {}  # pool -> tenant label -> waits
         self._churn: collections.deque[list[int]] = collections.deque()  # [second, launches]
         self._collector = _Collector(self)
@@ -232,6 +240,13 @@ class Metrics:
         if ran is not None:
             _observe(self._task_run, str(pool), ran)
 
+    def task_figures(self, pool: str, figures: Figures) -> None:
+        """What a task took in its worker (its record's ``figures``)."""
+        _observe(self._task_wall, pool, figures["wall"])
+        _observe(self._task_cpu, pool, figures["cpu"])
+        if figures["peak_rss"] is not None:
+            _observe(self._task_peak, pool, figures["peak_rss"], RSS_BUCKETS)
+
     def http_request(self, outcome: str) -> None:
         """What MetricsServer did with one client (its ``on_outcome``)."""
         self._http[str(outcome)] += 1
@@ -250,6 +265,8 @@ class Metrics:
             del self._tasks_ended[key]
         self._task_wait.pop(pool, None)
         self._task_run.pop(pool, None)
+        for figures in (self._task_wall, self._task_cpu, self._task_peak):
+            figures.pop(pool, None)
         self._tenant_wait.pop(pool, None)
 
     # -- churn --
@@ -374,7 +391,12 @@ class Metrics:
         yield _family(CounterMetricFamily, "tasks_ended", "Tasks ended, by pool and state.", ("pool", "state"),
                       sorted(self._tasks_ended.items()))
         for name, by_pool, text in (("task_queue_wait_seconds", self._task_wait, "Time tasks waited in their queue."),
-                                    ("task_run_seconds", self._task_run, "Time tasks ran, to their end.")):
+                                    ("task_run_seconds", self._task_run, "Time tasks ran, to their end."),
+                                    ("task_wall_seconds", self._task_wall, "Wall time of each task in its worker."),
+                                    ("task_cpu_seconds", self._task_cpu,
+                                     "CPU time (user + system) of each task, its child processes' included."),
+                                    ("task_peak_rss_bytes", self._task_peak,
+                                     "Peak resident set of each task's worker while it ran (not its lifetime's).")):
             family = HistogramMetricFamily(PREFIX + name, text, labels=("pool",))
             for pool in sorted(by_pool):
                 h = by_pool[pool]
@@ -405,11 +427,12 @@ def _bounded_tenants(tenants: Mapping[Any, Any]) -> list[tuple[str, tuple[float,
     return sorted(out.items())
 
 
-def _observe(by_pool: dict[str, _Histogram], pool: str, seconds: float) -> None:
+def _observe(by_pool: dict[str, _Histogram], pool: str, value: float,
+             bounds: tuple[float, ...] = TASK_BUCKETS) -> None:
     h = by_pool.get(pool)
     if h is None:
-        h = by_pool[pool] = _Histogram(TASK_BUCKETS)
-    h.observe(seconds)
+        h = by_pool[pool] = _Histogram(bounds)
+    h.observe(value)
 
 
 class _Collector(Collector):

@@ -76,11 +76,14 @@ class Task:
         """Do ``retries`` remain for another attempt (one cut short, or of its retry_on)? The
         attempts that ended in a wait (Retry) do not count."""
         return self.attempts - self.waits <= self.retries
+    figures: w.Figures | None = None  # what it took in its worker (taskfigures.py), once it ran
 
     def record(self) -> Doc:
         """The task's row (store.save_task) and, without payload and result, its listing.
         ``worker``: the replica that runs it or ran it (none while it is QUEUED, even after an
-        attempt: that worker is not its any more); ``last_worker``: the latest that did."""
+        attempt: that worker is not its any more); ``last_worker``: the latest that did;
+        ``figures``: what it took in its worker (``taskwire.Figures``; None until a worker
+        answered for it)."""
         return {"id": self.id, "pool": self.pool.name, "n": self.n, "state": self.state.value,
                 "attempts": self.attempts, "retries": self.retries, "timeout": self.timeout,
                 "worker": self.worker_id if self.state is not T.QUEUED else None, "last_worker": self.worker_id,
@@ -91,7 +94,7 @@ class Task:
                 "backoff_max": self.backoff[1] if self.backoff else None, "waits": self.waits,
                 "wait_until": self.wait_until, "wait_reason": self.wait_reason,
                 "payload": self.payload if not self.state.terminal else None,
-                "kind": self.kind, "result": self.result}
+                "kind": self.kind, "result": self.result, "figures": self.figures}
 
 
 @dataclass(eq=False)

@@ -62,6 +62,7 @@ from ..errors import InvalidSpec, UnknownSession
 from ..states import Replica, task_transition
 from ..states import ReplicaState
 from ..states import TaskState as T
+from . import taskfigures
 from .containment import Tree
 from .elastic import Elastic
 from .pools import CRASHLOOP, Pool
@@ -147,6 +148,7 @@ class Metrics(Protocol):
 
     def task_started(self, pool: str, waited: float, tenant: str | None) -> None: ...
     def task_ended(self, pool: str, state: str, ran: float | None) -> None: ...
+    def task_figures(self, pool: str, figures: w.Figures) -> None: ...
 
 
 class Table(Protocol):
@@ -1153,6 +1155,10 @@ class TaskTable:
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
             xp.said = payload.decode("utf-8", "replace")
+            return
+        if kind == w.FIGURES:  # what the task it runs took; its answer comes next
+            if worker.task is not None and worker.task.n == number:
+                taskfigures.attach(worker.task, payload, self.table.metrics, self.table.journal.store)
             return
         if kind in (w.STOPPED, w.KEPT) and (kind == w.KEPT or payload == bytes([w.REVOKE])):
             if worker.asked is None or number != worker.asks:
