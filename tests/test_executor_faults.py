@@ -29,6 +29,7 @@ import pytest
 import faultfns
 import taskfns
 from conftest import TAG_VAR
+from helpers import wait_for
 from helpers import DaemonUnderTest, cli
 from orchestrator import Client, Executor, WorkerLost
 from test_executor import MakeExecutor, any_executor, make_executor  # noqa: F401  (fixtures)
@@ -76,6 +77,9 @@ def test_a_done_callback_that_raises_is_logged_as_the_standard_library_does(make
     with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
         assert fut.result(timeout=30) == "value"
         assert ex.submit(taskfns.square, 3).result(timeout=30) == 9  # the collector lives on
+        # As in the standard library, result() may return before the callbacks have run
+        # (they run after the waiters are woken, in the thread that set the result).
+        wait_for(lambda: len(seen) == 2, 30, "the second callback")
     assert seen == ["bad", "value"]
     logged = [r for r in caplog.records if r.name == "concurrent.futures"]
     assert len(logged) == 1 and logged[0].getMessage().startswith("exception calling callback for <")

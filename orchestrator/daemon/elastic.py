@@ -154,7 +154,11 @@ class Elastic:
         if (used < budget) if share <= 0 else used + (starting + 1) * share <= budget:
             xp.held_starts.discard(rep.id)
             return None
-        xp.held_starts.add(rep.id)
+        if rep.id not in xp.held_starts:
+            xp.held_starts.add(rep.id)
+            # No longer a worker about to start: a busy one may hold a queued task now
+            # (may_hold), so the queue is handed out again, after spawning's batch.
+            self.host.reactor.call_soon(lambda: None if xp.closing else self.run(xp))
         why = self._budget_text(xp, budget)
         if xp.budget_timer is None:  # no kernel event says a tree shrank: a look again soon
             xp.budget_timer = self.host.reactor.call_later(BUDGET_RECHECK, lambda: self._recheck(xp))
