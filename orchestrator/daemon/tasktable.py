@@ -1270,6 +1270,7 @@ class TaskTable:
     def parked(self, xp: ExecPool) -> int:
         """How many of ``xp``'s tasks are WAITING for their time (``status``, the metrics)."""
         return self._waits.count(xp.name)
+
     def start_held(self, rep: Replica, begun: int) -> str | None:
         """Why ``rep``, a PENDING worker of an executor pool, may not start now (its pool's
         memory budget: elastic.Elastic.start_held); None: it may. Spawning asks before each
