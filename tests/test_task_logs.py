@@ -127,6 +127,9 @@ def test_follow_a_task_until_it_ends(daemon: DaemonUnderTest, logtasks: Any, tmp
     release = tmp_path / "release"
     with Client(daemon.state_dir).executor("jobs", max_workers=1) as ex:
         fut = ex.submit(logtasks.held, "slow", str(release))
+        # Its id is known at submit, before its batch reaches the daemon; logs reads the
+        # journal, which has the task once it runs.
+        wait_for(fut.running, 30, "the task to start")
         follow = subprocess.Popen(
             [sys.executable, "-m", "orchestrator", "--state-dir", str(daemon.state_dir), "logs", fut.task_id,
              "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
