@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from typing import Any, Callable, Mapping, NotRequired, Protocol, TypedDict, TypeVar
+from typing import Any, Callable, Mapping, NotRequired, Protocol, TypedDict, TypeVar, cast
 
 from .errors import AWAY, ChannelError, OrchestratorError, ShuttingDown
 from .paths import Paths
@@ -381,21 +381,11 @@ class Remote(Backend):
         self.handle.close()
 
 
+_PLACE_KEYS = Place.__optional_keys__  # a view's options: a batch's task carries each one given
+
+
 def _batch_task(args: Submit) -> BatchTask:
     """A task of a batch on the channel: its payload as base64 text, a view's options kept."""
-    task: BatchTask = {"payload": base64.b64encode(args["payload"]).decode("ascii"), "ref": args["ref"], "n": args["n"]}
-    if "priority" in args:
-        task["priority"] = args["priority"]
-    if "tenant" in args:
-        task["tenant"] = args["tenant"]
-    if "timeout" in args:
-        task["timeout"] = args["timeout"]
-    if "retries" in args:
-        task["retries"] = args["retries"]
-    if "key" in args:
-        task["key"] = args["key"]
-    if "deadline" in args:
-        task["deadline"] = args["deadline"]
-    if "backoff" in args:
-        task["backoff"] = args["backoff"]
-    return task
+    options = {name: value for name, value in args.items() if name in _PLACE_KEYS}
+    return cast(BatchTask, {**options, "payload": base64.b64encode(args["payload"]).decode("ascii"),
+                            "ref": args["ref"], "n": args["n"]})
