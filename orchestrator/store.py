@@ -187,6 +187,9 @@ class Store:
         self._replicas: dict[str, tuple[Any, ...]] = {}
         self._bump: dict[str, int] = {}          # pool -> next_n implied by replicas saved
         self._events: list[tuple[float, str, str | None, str | None]] = []
+        # Events committed by this writer: a reader of the journal in the same process (the
+        # HTTP event streams) asks the database only once this has moved.
+        self.events_written = 0
         self._tasks: dict[str, tuple[Any, ...]] = {}
         # While commits fail (a full disk), the buffer is what the journal will catch up
         # with. Rows are one per id (bounded by what exists); events are not, so the oldest
@@ -505,6 +508,7 @@ class Store:
             self._failing = True
             raise self._sql_error(e, "writing") from e
         self._failing = False
+        self.events_written += len(self._events) + bool(self._dropped_events)
         self._dropped_events = 0
         written = len(self._pools) + len(self._replicas) + len(self._events) + len(self._tasks)
         self._retired_since_prune += sum(1 for row in self._replicas.values() if row[10] is not None)

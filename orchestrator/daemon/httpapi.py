@@ -516,6 +516,8 @@ class HttpApi:
         self.servers: list[HttpServer] = []
         self.closed = False
         self._events: list[_EventFollower] = []
+        self._written = (0, -1)  # (the store, its events_written) the event streams were pumped at
+        self._behind = False  # a follower has more than one page to send: pumped next turn too
         self._logs: list[_LogFollower] = []
         self._keepalive: Timer | None = None
         self._document = json.dumps(openapi(), separators=(",", ":")).encode()
@@ -721,10 +723,14 @@ class HttpApi:
             return
         if self._events:
             store = self._store()
-            if store is not None:
+            # Only once this turn committed events (or a follower has pages left): no query
+            # of the journal in a turn that wrote none.
+            if store is not None and (self._behind or (id(store), store.events_written) != self._written):
+                self._written = (id(store), store.events_written)
                 try:
                     self._pump_events(store.last_seq())
                 except Exception:  # a store that fails to read: the streams wait for the next turn
+                    self._behind = True
                     log.exception("http: reading events")
         if self._logs:
             now = self.reactor.monotonic()
@@ -751,6 +757,7 @@ class HttpApi:
             if chunk:
                 f.exchange.send(bytes(chunk))
             more = more or f.cursor < top
+        self._behind = more
         if more:  # the rest in the next turn, which this makes happen
             self.reactor.call_soon(lambda: None)
 

@@ -32,8 +32,9 @@ answer, then switch). The worker starts its held task as soon as it has sent the
 before the loop reads it, so the next task's first lines would land in the one before's
 log; only a byte of the worker's in the pipes (a marker per task) or a round trip per task
 fixes that, each costing every task. Two pairs cost two dup2 per task in the worker and a
-poll per answer in the loop (a drain only if the pair holds something). What is not attributed: output of a thread a task left
-running (it writes into whatever pair is on fds 1 and 2 when it writes).
+poll per answer in the loop (a drain only if the pair holds something). What is not
+attributed: output of a thread a task left running (it writes into whatever pair is on fds
+1 and 2 when it writes).
 """
 
 from __future__ import annotations
