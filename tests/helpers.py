@@ -443,3 +443,14 @@ def start_with_shadow(daemon: DaemonUnderTest, shadow: Path) -> int:
     assert got.returncode == 0, got.stderr
     daemon.pid = int(got.stdout)
     return daemon.pid
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until the peer closes it (a reset ends it too)."""
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import TAG_VAR
-from helpers import TESTS, DaemonUnderTest, cli, cli_env, free_port_range, wait_for
+from helpers import TESTS, DaemonUnderTest, cli, cli_env, free_port_range, read_to_close, wait_for
 from orchestrator import Client, Executor
 from orchestrator.daemon import httpapi
 from orchestrator.daemon.httpserver import HttpServer, Request, Exchange, unix_listener
@@ -476,13 +476,7 @@ def _raw(path: str, data: bytes, *, pieces: int = 1, pause: float = 0.0) -> byte
                     time.sleep(pause)
         except (BrokenPipeError, ConnectionResetError):
             pass  # answered and closed before the rest
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-        return out
+        return read_to_close(s)
 
 
 def test_hostile_clients_are_answered_or_dropped_and_never_delay_another(daemon: DaemonUnderTest, api: Api) -> None:

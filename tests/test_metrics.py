@@ -27,6 +27,8 @@ from orchestrator.client.display import format_health
 from orchestrator.daemon.metrics import EXIT_KINDS, LagMonitor, Metrics, health
 from orchestrator.daemon.reactor import Reactor
 
+from helpers import read_to_close
+
 
 # -- helpers ----------------------------------------------------------------------------
 
@@ -562,13 +564,7 @@ def test_request_too_large_and_garbage(served):
                 c.sendall(data)
             except OSError:
                 pass
-            out = b""
-            try:
-                while chunk := c.recv(65536):
-                    out += chunk
-            except ConnectionResetError:
-                pass
-            return out
+            return read_to_close(c)
 
     reply = s.run(lambda: send(b"GET /metrics HTTP/1.0\r\nX: " + b"a" * 9000))
     assert reply == b"" or reply.startswith(b"HTTP/1.1 431")
