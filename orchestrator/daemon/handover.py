@@ -1,10 +1,10 @@
 """`orchestrator upgrade`: the daemon re-executes itself in place, as `systemctl daemon-reexec`.
 
     upgrade (a command) ──► the new code tried in a separate process: ``python -P -m
-        │                   orchestrator.daemon.main --check 3`` imports the daemon's
+        │                   orchestrator.daemon.main --check 4`` imports the daemon's
         │                   modules and every program it starts (manager server,
         │                   watchdog, spawner, task worker) and says whether it reads
-        │                   hand-over version 3 (no: the command's one-line error,
+        │                   hand-over version 4 (no: the command's one-line error,
         │                   nothing touched)
         ├─► quiesce: new spawns held, wait (bounded) until no ended replica's tree is
         │   still draining (no: refused, the spawns go on)
@@ -18,12 +18,15 @@
             (a process's, on a carried fd) is kept; the new image rebuilds (``Daemon``
             with ``handover``), unblocks the signals, and answers the upgrade command.
 
-What carries over, by fd (``HANDOVER`` version 3): the pid file's lock, the watchdog's feed
+What carries over, by fd (``HANDOVER`` version 4): the pid file's lock, the watchdog's feed
 pipe (and its ledger, to replay to a restarted watchdog), the manager's two pipes (and the
 bytes of a frame half read or half written), each replica's log pipes (read ends), its
 ready pipe while its exec is not confirmed, its notify socket (a ``READY=1`` sent during the
 exec waits in it), the pools' listening sockets and systemd's, the metrics listener, the
-task listener and each executor worker's connection and cancel words (tasks.py). By value:
+task listener and each executor worker's connection and cancel words (tasks.py), the HTTP
+control plane's listeners and the connections of its commands whose answer is to come (the
+upgrade's own, open waits: httpapi.py; its event and log streams end cleanly just before the
+exec, and a client resumes with Last-Event-ID). By value:
 what the store does not hold (each pool's restart bookkeeping and scheduled replacements, a
 STOPPING replica's SIGKILL deadline, a STARTING replica's wait for readiness as it stands
 (readiness.py: its start_secs, probe or notify deadline, and when its probe's next attempt
@@ -38,7 +41,9 @@ by the new image, within the same deadline. Monotonic deadlines survive exec (on
 the whole machine). Version 2 adds the STARTING replicas, ready pipes, notify sockets and
 escaped descendants to version 1 (whose images waited until nothing was STARTING); version 3
 adds tasks that wait for a time (WAITING, with their deadline, backoff and wait: an image
-before it cannot take one, so its ``--check`` refuses the hand-over); this code reads all three.
+before it cannot take one, so its ``--check`` refuses the hand-over); version 4 adds the HTTP
+listeners (an image before it would bind their addresses again while the carried fds hold
+them); this code reads all four.
 
 Not carried, so refused with one line: a rollout or a reload's ordered delete in flight
 (each is a sequence of steps the new image would have to resume half way). A replica reaped
@@ -77,8 +82,9 @@ from ..version import __version__
 
 log = logging.getLogger("orchestrator")
 
-HANDOVER = 3  # the format this code writes
-SUPPORTED = frozenset({1, 2, 3})  # the formats this code reads (1: no STARTING replica in it; 2: no WAITING task)
+HANDOVER = 4  # the format this code writes
+# the formats this code reads (1: no STARTING replica in it; 2: no WAITING task; 3: no HTTP listener)
+SUPPORTED = frozenset({1, 2, 3, 4})
 CHECK_TIMEOUT = 30.0  # the --check process: imports only, normally well under a second
 QUIESCE_TIMEOUT = 10.0  # draining trees, before an upgrade is refused
 BLOCKED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)  # kept pending across the exec
@@ -273,7 +279,9 @@ class Upgrade:
         if manager is None or manager.pid is None:
             return "the manager server is not running"
         reply_to = manager.reply_to()
-        if any(w.reply != reply_to or w.deadline is None for w in engine.waiters()):
+        http = self.daemon.http_api
+        carried = [reply_to] + ([] if http is None else [w.reply for w in engine.waiters() if http.key_of(w.reply)])
+        if any(w.reply not in carried or w.deadline is None for w in engine.waiters()):
             return "a reload is still waiting for removed pools to end; try again once it has"
         return None
 
@@ -378,6 +386,8 @@ class Upgrade:
         spawners and probes started again)."""
         engine = self.engine
         log.error("upgrade: %s; this image goes on", why)
+        if self.daemon.http_api is not None:
+            self.daemon.http_api.keep()
         if reopen:
             engine.journal.store = self.daemon._new_store()
             for proc in engine.procs():
@@ -414,6 +424,8 @@ class Upgrade:
             listener = daemon.metrics_server.listener()
             listener.set_inheritable(True)
             metrics = listener.fileno()
+        http = daemon.http_api
+        http_doc = http.hand_over([self.reply, *(w.reply for w in engine.waiters())]) if http is not None else None
         containment_doc = {"path": daemon.containment.path, "reason": daemon.containment.reason,
                            "moved_self": getattr(daemon.containment, "moved_self", True),
                            "escapes": daemon.containment.carried()}
@@ -423,18 +435,20 @@ class Upgrade:
                        "lock_fd": daemon._lock_fd, "notify": daemon._systemd_notify,
                        "containment": containment_doc, "upgraded_at": daemon.upgraded_at,
                        "nofile": daemon.nofile_before},  # the fd limits replicas get (limits.py)
-            "upgrade": {"cmd_id": self.cmd_id},
+            "upgrade": {"cmd_id": self.cmd_id, "http": http.key_of(self.reply) if http is not None else None},
             "watchdog": daemon.watchdog.carried(),
             "manager": daemon.manager.carried(),
             "listeners": engine.listeners.carried(),
             "tasks": engine.tasks.carried(),
             "metrics_fd": metrics,
+            "http": http_doc,
             "pools": {p.name: p.carried() for p in engine.pools()},
             "supervisor": engine.supervisor.carried(),
             "replicas": replicas,
             "pending": pending,
             "waiters": [{"ids": list(w.ids), "until": w.until, "cmd_id": w.cmd_id, "deadline": w.deadline,
-                         "durable": w.durable} for w in engine.waiters()],
+                         "durable": w.durable, "http": http.key_of(w.reply) if http is not None else None}
+                        for w in engine.waiters()],
         }
 
 
@@ -511,9 +525,29 @@ def take_over(daemon: Any, doc: dict[str, Any]) -> None:
 def answer(daemon: Any, doc: dict[str, Any]) -> None:
     """The upgrade command's reply, from the new image, and the waits it carried."""
     engine = daemon.engine
-    reply = daemon.manager.reply_to()
+    channel: protocol.ReplyTo = daemon.manager.reply_to()
+
+    def reply_of(carried: dict[str, Any]) -> protocol.ReplyTo:
+        """The channel's, or an HTTP client's that the earlier image carried (httpapi.py;
+        none: its listener is not served any more, and nobody is left to answer)."""
+        key = carried.get("http")
+        if key is None:
+            return channel
+        http: protocol.ReplyTo | None = daemon.http_api.reply_for(key) if daemon.http_api is not None else None
+        return http if http is not None else _nobody
+
     for w in doc.get("waiters", []):
-        engine.adopt_waiter(w["ids"], w["until"], reply, w["cmd_id"], float(w["deadline"]), bool(w["durable"]))
-    cmd_id = doc.get("upgrade", {}).get("cmd_id")
+        engine.adopt_waiter(w["ids"], w["until"], reply_of(w), w["cmd_id"], float(w["deadline"]), bool(w["durable"]))
+    upgrade = doc.get("upgrade", {})
     result = {"from": doc.get("from"), "to": __version__, "pid": os.getpid(), "replicas": len(doc["replicas"])}
-    engine.reply(reply, protocol.ok(cmd_id, result), True)
+    engine.reply(reply_of(upgrade), protocol.ok(upgrade.get("cmd_id"), result), True)
+
+
+def _nobody(msg: protocol.Reply) -> None:
+    pass
+
+
+def http_carried(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """What the earlier image's HTTP control plane carried (httpapi.HttpApi.hand_over)."""
+    carried = doc.get("http")
+    return carried if isinstance(carried, dict) else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -38,6 +39,7 @@ import math
 import os
 import re
 import signal
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,6 +306,8 @@ ROUTES: tuple[Route, ...] = (
                  Param("timeout", "number", "bound of wait", limits={"minimum": 0})),
           result={"type": "object", "properties": {"id": STR, "state": STR}, "required": ["id", "state"]},
           shape=_outcome),
+    Route("POST", "/v1/upgrade", "`upgrade --json`: the daemon re-executes the code installed now, in place",
+          op="upgrade", write=True, body=body(), result=reply(**{"from": STR, "to": STR, "pid": INT, "replicas": INT})),
     Route("GET", "/openapi.json", "this document", local="openapi", result=OBJ),
 )
 
@@ -498,15 +502,30 @@ class _LogFollower:
         self.dirfd = dirfd
 
 
+class _Answer:
+    """Where a command's reply goes (a ``protocol.ReplyTo``): its client, as its route
+    shapes it. ``key`` names it across an upgrade (``HttpApi.hand_over``)."""
+
+    __slots__ = ("api", "route", "args", "exchange", "key")
+
+    def __init__(self, api: HttpApi, route: Route, args: dict[str, Any], exchange: Exchange, key: int) -> None:
+        self.api, self.route, self.args, self.exchange, self.key = api, route, args, exchange, key
+
+    def __call__(self, msg: protocol.Reply) -> None:
+        self.api.respond(self, msg)
+
+
 class HttpApi:
     """The routes of ``ROUTES`` on the listeners of ``addresses`` (see the module
     docstring); ``engine`` answers the commands, ``logs_dir`` holds the captured logs.
     ``token``/``read_token``: what a TCP client must send; a TCP address without ``token``
-    is refused (OSError, one line), and so is an address that cannot be bound."""
+    is refused (OSError, one line), and so is an address that cannot be bound. ``carried``:
+    what an earlier image's ``hand_over`` gave (its listeners are served again, the
+    commands it carried answered from here: ``reply_for``)."""
 
     def __init__(self, engine: Any, reactor: Reactor, addresses: Sequence[Address], *, state_dir: str,
                  logs_dir: str | os.PathLike[str], token: str | None = None, read_token: str | None = None,
-                 **server_options: Any) -> None:
+                 carried: Mapping[str, Any] | None = None, **server_options: Any) -> None:
         self.engine = engine
         self.reactor = reactor
         self.state_dir = state_dir
@@ -521,17 +540,31 @@ class HttpApi:
         self._logs: list[_LogFollower] = []
         self._keepalive: Timer | None = None
         self._document = json.dumps(openapi(), separators=(",", ":")).encode()
+        self._answers: dict[int, _Answer] = {}  # the commands whose answer is to come, by key
+        self._next_key = 0
+        self._handed: list[Exchange] = []  # what hand_over made inheritable (given back by keep)
+        self._addresses: list[str] = []  # each server's address, as given
+        inherited = {str(item["address"]): int(item["fd"]) for item in (carried or {}).get("listeners", [])}
         uids = {os.geteuid(), 0}
         try:
             for addr in addresses:
                 if addr.kind == "tcp" and token is None:
                     raise OSError(0, f"http {addr}: TCP needs --http-token-file (clients send Authorization: Bearer)")
-                sock = (unix_listener(addr.path) if addr.kind == "unix"
-                        else tcp_listener(addr.host, addr.port))
+                fd = inherited.pop(str(addr), None)
+                if fd is not None:  # an upgrade's: a client that connected during the exec waits in its backlog
+                    sock = socket.socket(fileno=fd)
+                else:
+                    sock = (unix_listener(addr.path) if addr.kind == "unix"
+                            else tcp_listener(addr.host, addr.port))
                 options = {"max_connections": MAX_CONNECTIONS, **server_options}
                 unix = addr.kind == "unix"
                 self.servers.append(HttpServer(reactor, sock, self._serve, uids=uids if unix else None,
                                                path=addr.path if unix else None, **options))
+                self._addresses.append(str(addr))
+            for fd in inherited.values():  # an address the new settings do not name
+                os.close(fd)
+            if carried is not None:
+                self._adopt(carried)
         except BaseException:
             self.close()
             raise
@@ -626,26 +659,104 @@ class HttpApi:
         exchange.respond(status, JSON, _dumps({"error": err}), headers)
 
     def _command(self, route: Route, args: dict[str, Any], exchange: Exchange) -> None:
-        def answer(msg: protocol.Reply) -> None:
-            if exchange.closed:
-                return  # the client left while its command waited
-            if not msg["ok"]:
-                self._error(exchange, status_of(msg["code"]), msg["code"], msg["error"], msg.get("data"))
-                return
-            try:
-                result = msg["result"]
-                if route.shape is not None:
-                    result = route.shape(result, args, self)
-                if route.ctype == JSON:
-                    status = 503 if route.op == "health" and not result.get("healthy") else 200
-                    exchange.respond(status, JSON, _dumps(result))
-                else:
-                    exchange.respond(200, route.ctype, str(result).encode())
-            except Exception as err:  # a shape's bug is this request's 500, never the loop's
-                log.exception("http: %s %s", route.method, route.path)
-                self._error(exchange, 500, "internal", f"{type(err).__name__}: {err}")
+        self.engine.handle(protocol.command(route.op or "", args, "http"), self._answer(route, args, exchange))
 
-        self.engine.handle(protocol.command(route.op or "", args, "http"), answer)
+    def _answer(self, route: Route, args: dict[str, Any], exchange: Exchange) -> _Answer:
+        self._next_key += 1
+        answer = _Answer(self, route, args, exchange, self._next_key)
+        self._answers[answer.key] = answer
+        exchange.on_close = functools.partial(self._forget, answer.key)
+        return answer
+
+    def _forget(self, key: int) -> None:
+        self._answers.pop(key, None)
+
+    def respond(self, answer: _Answer, msg: protocol.Reply) -> None:
+        """A command's reply, to its client as the route shapes it (``_Answer`` calls it)."""
+        self._answers.pop(answer.key, None)
+        route, args, exchange = answer.route, answer.args, answer.exchange
+        if exchange.closed:
+            return  # the client left while its command waited
+        if not msg["ok"]:
+            self._error(exchange, status_of(msg["code"]), msg["code"], msg["error"], msg.get("data"))
+            return
+        try:
+            result = msg["result"]
+            if route.shape is not None:
+                result = route.shape(result, args, self)
+            if route.ctype == JSON:
+                status = 503 if route.op == "health" and not result.get("healthy") else 200
+                exchange.respond(status, JSON, _dumps(result))
+            else:
+                exchange.respond(200, route.ctype, str(result).encode())
+        except Exception as err:  # a shape's bug is this request's 500, never the loop's
+            log.exception("http: %s %s", route.method, route.path)
+            self._error(exchange, 500, "internal", f"{type(err).__name__}: {err}")
+
+    # -- an upgrade (handover.py) ------------------------------------------------------
+
+    def key_of(self, reply: Any) -> int | None:
+        """The key by which an upgrade carries ``reply`` (a command of ours whose answer is
+        still to come), else None."""
+        if isinstance(reply, _Answer) and self._answers.get(reply.key) is reply and not reply.exchange.closed:
+            return reply.key
+        return None
+
+    def hand_over(self, replies: Sequence[Any]) -> dict[str, Any]:
+        """Before an upgrade's exec: every listener, and the connections of ``replies`` (the
+        upgrade's own, the open waits': ``key_of``), carried (their fds made inheritable);
+        the streams ended cleanly once what is journaled is sent (a client resumes with
+        Last-Event-ID, on the same listener, and misses nothing); anything else closes with
+        the exec. What the next image's ``HttpApi(carried=...)`` takes."""
+        self._turn_end()  # what the last commit journaled reaches every follower first
+        for follower in self._events:
+            follower.exchange.end()
+        for entry in self._logs:
+            entry.exchange.end()
+        listeners = []
+        for address, server in zip(self._addresses, self.servers):
+            server.listener().set_inheritable(True)
+            listeners.append({"address": address, "fd": server.listener().fileno()})
+        pending = []
+        for reply in replies:
+            key = self.key_of(reply)
+            if key is None:
+                continue
+            answer = self._answers[key]
+            conn = answer.exchange.hand_over()
+            if conn is not None:
+                self._handed.append(answer.exchange)
+                pending.append({**conn, "key": key, "server": self.servers.index(answer.exchange.server),
+                                "route": [answer.route.method, answer.route.path], "args": answer.args})
+        return {"listeners": listeners, "pending": pending}
+
+    def keep(self) -> None:
+        """The exec did not happen: what ``hand_over`` made inheritable is this image's again."""
+        for server in self.servers:
+            server.listener().set_inheritable(False)
+        for exchange in self._handed:
+            exchange.keep()
+        self._handed.clear()
+
+    def reply_for(self, key: Any) -> protocol.ReplyTo | None:
+        """Where the answer of a command an earlier image carried (``hand_over``) goes."""
+        return self._answers.get(key) if isinstance(key, int) else None
+
+    def _adopt(self, carried: Mapping[str, Any]) -> None:
+        for item in carried.get("pending", []):
+            sock = socket.socket(fileno=int(item["fd"]))
+            method, path = item["route"]
+            route = next((r for r in ROUTES if r.method == method and r.path == path), None)
+            address = carried["listeners"][int(item["server"])]["address"]
+            if route is None or address not in self._addresses:
+                sock.close()  # its listener is not served any more: nobody to answer it
+                continue
+            exchange = self.servers[self._addresses.index(address)].adopt(sock, str(item["version"]), str(item["method"]),
+                                                 str(item["target"]))
+            answer = _Answer(self, route, dict(item["args"]), exchange, int(item["key"]))
+            self._answers[answer.key] = answer
+            self._next_key = max(self._next_key, answer.key)
+            exchange.on_close = functools.partial(self._forget, answer.key)
 
     # -- served here -----------------------------------------------------------------
 

@@ -110,6 +110,21 @@ class Exchange:
     def closed(self) -> bool:
         return self._server.is_closed(self._conn)
 
+    @property
+    def server(self) -> HttpServer:
+        return self._server
+
+    def hand_over(self) -> dict[str, Any] | None:
+        """For an upgrade's exec, while its answer is still to come: its socket made
+        inheritable and what ``HttpServer.adopt`` needs to answer it in the next image
+        (None if it is closed, or answered or streaming already)."""
+        return None if self.closed or self.started else self._server.hand_over(self._conn)
+
+    def keep(self) -> None:
+        """The exec did not happen: the socket is this image's again."""
+        if not self.closed:
+            self._conn.sock.set_inheritable(False)
+
     def respond(self, status: int, ctype: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> None:
         if self.closed or self.started:
             return
@@ -560,6 +575,34 @@ class HttpServer:
     def listener(self) -> socket.socket:
         """The listening socket (an upgrade carries it)."""
         return self._sock
+
+    def hand_over(self, conn: _Conn) -> dict[str, Any]:
+        """A connection whose request is read and whose answer is to come, for an upgrade:
+        its fd made inheritable, and its request's line (see ``adopt``)."""
+        assert conn.head is not None
+        conn.sock.set_inheritable(True)
+        return {"fd": conn.fd, "version": conn.head.http_version.decode("ascii"),
+                "method": conn.head.method.decode("latin-1"), "target": conn.head.target.decode("latin-1")}
+
+    def adopt(self, sock: socket.socket, version: str, method: str, target: str) -> Exchange:
+        """A connection an earlier image read the request of (``hand_over``), answered from
+        here as if this server had read it: its HTTP version decides the framing. h11 is told
+        of the request again (its line only: the body was read by the earlier image)."""
+        sock.set_inheritable(False)
+        sock.setblocking(False)
+        conn = _Conn(sock, None)
+        conn.h11.receive_data(f"{method} {target} HTTP/{version}\r\nHost: carried\r\n\r\n".encode("latin-1"))
+        for _ in range(3):  # the request, its end (no body), then PAUSED
+            event = conn.h11.next_event()
+            if isinstance(event, h11.Request):
+                conn.head = event
+            else:
+                break
+        conn.state = "handling"
+        self._ep.register(conn.fd, select.EPOLLRDHUP)
+        self._conns[conn.fd] = conn
+        exchange = conn.exchange = Exchange(self, conn)
+        return exchange
 
     def close(self) -> None:
         """Close the listener and every connection; the reactor forgets our fd. Idempotent."""

@@ -307,7 +307,7 @@ class Daemon:
         taking_over = True
         try:
             self._take_over(doc)
-            self._serve_metrics(listener=handover.metrics_listener(doc))
+            self._serve_metrics(listener=handover.metrics_listener(doc), http=handover.http_carried(doc))
             self.manager.take_over(doc.get("manager"))
             handover.answer(self, doc)  # the upgrade command, and the waits it carried
             taking_over = False
@@ -379,9 +379,10 @@ class Daemon:
                                      journal=engine.journal, reserve=self.fd_reserve)
         return engine
 
-    def _serve_metrics(self, listener: Any) -> None:
+    def _serve_metrics(self, listener: Any, http: dict[str, Any] | None = None) -> None:
         """This start's changes committed; the loop-lag monitor and, with a metrics port, its
-        HTTP server (on the ``listener`` an upgrade carried, else a new one)."""
+        HTTP server (on the ``listener`` an upgrade carried, else a new one); the HTTP
+        control plane (with what an upgrade's ``http`` carried)."""
         engine = self._engine
         engine.settle()
         self.lag = LagMonitor(engine.reactor, interval=1.0)
@@ -393,12 +394,14 @@ class Daemon:
                     on_outcome=engine.metrics.http_request, sock=listener)
             except OSError as err:
                 raise OrchestratorError(str(err)) from None
-        self._serve_http()
+        self._serve_http(http)
 
-    def _serve_http(self) -> None:
-        """The HTTP control plane on its addresses (``off``: none). An upgrade's new image binds
-        them again: the old image's listeners closed with its exec (close-on-exec), and a
-        client that reconnects (an event stream with Last-Event-ID) goes on where it was."""
+    def _serve_http(self, carried: dict[str, Any] | None = None) -> None:
+        """The HTTP control plane on its addresses (``off``: none). An upgrade's new image
+        serves the listeners the earlier one ``carried`` (a client that connects during the
+        exec waits in the backlog) and answers the commands it carried (the upgrade's own,
+        open waits); event and log streams ended cleanly before the exec, and a client that
+        reconnects (an event stream with Last-Event-ID) goes on where it was."""
         engine = self._engine
         if not self.http or self.http == ["off"]:
             return
@@ -408,7 +411,7 @@ class Daemon:
             read_only = (read_token(self.http_read_token_file, "http read token file")
                          if self.http_read_token_file else None)
             self.http_api = HttpApi(engine, engine.reactor, addresses, state_dir=str(self.paths.state_dir),
-                                    logs_dir=self.paths.logs, token=token, read_token=read_only)
+                                    logs_dir=self.paths.logs, token=token, read_token=read_only, carried=carried)
         except OSError as err:
             raise OrchestratorError(str(err.strerror or err)) from None
         log.info("http: serving on %s", ", ".join(self.http_api.addresses()))
