@@ -21,8 +21,9 @@ TOKEN`` with the token of ``--http-token-file`` (anything), or of ``--http-read-
 (routes that only read; a write is 403). No token: 401.
 
 Streams follow the journal and the log files at the end of every turn (after the turn's
-commit, so an event is sent once it is durable, in ``seq`` order): a follower costs one
-indexed query (or one stat) in a turn where something was written, nothing otherwise.
+commit, so an event is sent once it is durable, in ``seq`` order): the event followers
+together cost one indexed query in a turn that committed events (each event encoded once
+for all of them), a log follower one stat in a turn, nothing otherwise.
 ``Last-Event-ID`` (or ``after``) resumes an event stream after that ``seq``: the journal's
 seqs are never reused, so a client that reconnects gets every event once, with no gap.
 """
@@ -854,19 +855,27 @@ class HttpApi:
                     entry.exchange.send(b"".join(line + b"\n" for line in lines))
 
     def _pump_events(self, top: int) -> None:
+        """What the journal has up to ``top`` to every follower behind it: one query for them
+        all (from the furthest behind, a page at most), each event encoded once, then each
+        follower's filter in Python (a query per follower made the last of 20 clients wait
+        for 20 queries: the tail of an event's way to a client)."""
         store = self._store()
+        behind = [f for f in self._events if f.cursor < top]
+        if store is None or not behind:
+            self._behind = False
+            return
+        rows = store.events(after_seq=min(f.cursor for f in behind), limit=PAGE)
+        end = rows[-1]["seq"] if len(rows) == PAGE else top  # read up to here: a page more next turn
+        frames = [(row, f"id: {row['seq']}\nevent: {row['kind']}\n"
+                        f"data: {json.dumps(row, separators=(',', ':'))}\n\n".encode()) for row in rows]
         more = False
-        for f in list(self._events):
-            if store is None or f.cursor >= top:
-                continue
-            rows = store.events(replica=f.replica, since=f.since, after_seq=f.cursor, limit=PAGE)
-            chunk = bytearray()
-            for row in rows:
-                chunk += (f"id: {row['seq']}\nevent: {row['kind']}\n"
-                          f"data: {json.dumps(row, separators=(',', ':'))}\n\n").encode()
-            f.cursor = rows[-1]["seq"] if len(rows) == PAGE else top  # filtered out up to top: seen
+        for f in behind:
+            chunk = b"".join(frame for row, frame in frames if row["seq"] > f.cursor
+                             and (f.replica is None or row["replica"] == f.replica)
+                             and (f.since is None or row["ts"] >= f.since))
+            f.cursor = max(f.cursor, end)  # filtered out up to end: seen
             if chunk:
-                f.exchange.send(bytes(chunk))
+                f.exchange.send(chunk)
             more = more or f.cursor < top
         self._behind = more
         if more:  # the rest in the next turn, which this makes happen
