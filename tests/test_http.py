@@ -338,6 +338,36 @@ def test_a_waiting_command_does_not_hold_the_loop(daemon: DaemonUnderTest, api: 
         assert status == 200, value
 
 
+def _samples(text: str, name: str) -> dict[str, float]:
+    """The samples of one metric in Prometheus text: labels -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name):].rpartition(" ")
+            out[labels] = float(value)
+    return out
+
+
+def test_every_answer_is_counted_and_timed_by_route(api: Api) -> None:
+    for _ in range(3):
+        api.ok("GET", "/v1/ping")
+    api.refused("GET", "/v1/logs/nobody-1", status=404)
+    api.refused("GET", "/v1/nowhere", status=404, code="no_route")
+    api.refused("POST", "/v1/scale", {"pool": "x"}, status=400)
+    text = api.ok("GET", "/v1/metrics")
+    counts = _samples(text, "orchestrator_api_requests_total")
+    assert counts['{method="GET",route="/v1/ping",status="200"}'] == 3, counts
+    assert counts['{method="GET",route="/v1/logs/{id}",status="404"}'] == 1  # the route, not the id
+    assert counts['{method="other",route="other",status="404"}'] == 1
+    assert counts['{method="POST",route="/v1/scale",status="400"}'] == 1
+    # the metrics request itself is counted once its answer starts, after its render
+    assert '{method="GET",route="/v1/metrics",status="200"}' not in counts
+    timed = _samples(text, "orchestrator_api_request_duration_seconds_count")
+    assert timed['{method="GET",route="/v1/ping"}'] == 3, timed
+    buckets = _samples(text, "orchestrator_api_request_duration_seconds_bucket")
+    assert buckets['{le="+Inf",method="GET",route="/v1/ping"}'] == 3, buckets
+
+
 def test_the_document_lists_every_route(api: Api) -> None:
     doc = api.ok("GET", "/openapi.json")
     assert doc["openapi"].startswith("3.1")

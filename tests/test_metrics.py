@@ -207,6 +207,21 @@ def test_command_op_labels_are_bounded():
     assert len(ops) <= 65
 
 
+def test_api_route_labels_are_bounded():
+    m = Metrics(clock=FakeClock())
+    for i in range(200):  # more routes than a table has: the rest is "other"
+        m.api_request("GET", f"/v1/r{i}", 200, 0.001)
+    m.api_request("GET", "/v1/r0", 404, -1.0)  # a clock step back is no negative time
+    fams = families(m.render({}, {}))
+    routes = {s.labels["route"] for s in fams["orchestrator_api_requests"].samples}
+    assert "other" in routes and len(routes) <= 65
+    counts = {(s.labels["route"], s.labels["status"]): s.value for s in fams["orchestrator_api_requests"].samples}
+    assert counts[("/v1/r0", "200")] == 1 and counts[("/v1/r0", "404")] == 1
+    sums = {s.labels["route"]: s.value for s in fams["orchestrator_api_request_duration_seconds"].samples
+            if s.name.endswith("_sum")}
+    assert sums["/v1/r0"] == pytest.approx(0.001)
+
+
 def test_label_values_are_escaped_and_free_text_is_never_a_label():
     weird = 'we"ird\\pool\nname'  # not a valid pool name, but the format must survive it
     m = Metrics(clock=FakeClock())

@@ -522,11 +522,14 @@ class HttpApi:
     ``token``/``read_token``: what a TCP client must send; a TCP address without ``token``
     is refused (OSError, one line), and so is an address that cannot be bound. ``carried``:
     what an earlier image's ``hand_over`` gave (its listeners are served again, the
-    commands it carried answered from here: ``reply_for``)."""
+    commands it carried answered from here: ``reply_for``). ``on_response(method, route,
+    status, seconds)`` hears every answer (``Metrics.api_request``), labelled by the route of
+    the table it matched ("other": none)."""
 
     def __init__(self, engine: Any, reactor: Reactor, addresses: Sequence[Address], *, state_dir: str,
                  logs_dir: str | os.PathLike[str], token: str | None = None, read_token: str | None = None,
-                 carried: Mapping[str, Any] | None = None, **server_options: Any) -> None:
+                 carried: Mapping[str, Any] | None = None,
+                 on_response: Callable[[str, str, int, float], None] | None = None, **server_options: Any) -> None:
         self.engine = engine
         self.reactor = reactor
         self.state_dir = state_dir
@@ -557,7 +560,7 @@ class HttpApi:
                 else:
                     sock = (unix_listener(addr.path) if addr.kind == "unix"
                             else tcp_listener(addr.host, addr.port))
-                options = {"max_connections": MAX_CONNECTIONS, **server_options}
+                options = {"max_connections": MAX_CONNECTIONS, "on_response": on_response, **server_options}
                 unix = addr.kind == "unix"
                 self.servers.append(HttpServer(reactor, sock, self._serve, uids=uids if unix else None,
                                                path=addr.path if unix else None, **options))
@@ -583,6 +586,7 @@ class HttpApi:
     def _serve(self, request: Request, exchange: Exchange) -> None:
         try:
             route, params = self._route(request)
+            exchange.method, exchange.route = route.method, route.path  # a HEAD is its GET's
             if request.peer_uid is None:
                 self._authorize(request, route)
             args = self._args(route, request, params)
@@ -754,6 +758,7 @@ class HttpApi:
                 continue
             exchange = self.servers[self._addresses.index(address)].adopt(sock, str(item["version"]), str(item["method"]),
                                                  str(item["target"]))
+            exchange.method, exchange.route = route.method, route.path
             answer = _Answer(self, route, dict(item["args"]), exchange, int(item["key"]))
             self._answers[answer.key] = answer
             self._next_key = max(self._next_key, answer.key)

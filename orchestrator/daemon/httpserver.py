@@ -30,6 +30,7 @@ import os
 import select
 import socket
 import struct
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
@@ -98,13 +99,18 @@ class _Conn:
 class Exchange:
     """The answer to one request: ``respond`` once, or ``start`` a stream, ``send`` to it and
     ``end`` it. Any of them after the client left is a no-op (``closed`` says so), so a
-    command's late reply needs no check; ``on_close`` hears the connection's end."""
+    command's late reply needs no check; ``on_close`` hears the connection's end. ``route``
+    and ``method`` label it for the server's ``on_response`` (the handler may name its route
+    there: a path with an id in it is one route), timed from ``arrived``."""
 
     def __init__(self, server: HttpServer, conn: _Conn) -> None:
         self._server = server
         self._conn = conn
         self.on_close: Callable[[], None] | None = None
         self.started = False
+        self.arrived = time.monotonic()
+        self.method = "other"
+        self.route = "other"
 
     @property
     def closed(self) -> bool:
@@ -129,12 +135,14 @@ class Exchange:
         if self.closed or self.started:
             return
         self.started = True
+        self._server.responded(self, status)
         self._server.respond(self._conn, status, ctype, body, headers)
 
     def start(self, status: int, ctype: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         if self.closed or self.started:
             return
         self.started = True
+        self._server.responded(self, status)
         self._server.start_stream(self._conn, status, ctype, headers)
 
     def send(self, data: bytes) -> None:
@@ -210,12 +218,15 @@ class HttpServer:
     more than ``max_buffered`` bytes of it pile up is dropped. Beyond ``max_connections``
     a client gets a 503 and is closed; on a unix listener, a peer whose uid is not in
     ``uids`` gets a 403 (None: any). ``counts`` holds what happened to clients (outcome -> n),
-    and ``on_outcome`` hears each outcome."""
+    and ``on_outcome`` hears each outcome; ``on_response(method, route, status, seconds)``
+    hears each answer as it starts (its ``Exchange``'s labels, and the time since the
+    request was read whole)."""
 
     def __init__(self, reactor: Reactor, sock: socket.socket, handle: Handler, *,
                  max_connections: int = 16, request_timeout: float = 2.0, write_timeout: float = 10.0,
                  max_body: int = MAX_BODY, max_buffered: int = MAX_BUFFERED,
                  uids: Collection[int] | None = None, on_outcome: Callable[[str], None] | None = None,
+                 on_response: Callable[[str, str, int, float], None] | None = None,
                  path: str | None = None) -> None:
         """``path``: a unix listener's file name, where its bound name is not it (a long one
         bound through /proc/self/fd); the file is removed by ``close`` while it is still ours."""
@@ -228,6 +239,7 @@ class HttpServer:
         self.max_buffered = max_buffered
         self.uids = None if uids is None else frozenset(uids)
         self.on_outcome = on_outcome
+        self.on_response = on_response
         self.counts: collections.Counter[str] = collections.Counter()
         self.closed = False
         self._conns: dict[int, _Conn] = {}
@@ -266,6 +278,14 @@ class HttpServer:
                 self.on_outcome(outcome)
             except Exception:  # a metrics callback must not take the server down with it
                 log.exception("http server: on_outcome")
+
+    def responded(self, exchange: Exchange, status: int) -> None:
+        """``exchange`` answers now with ``status`` (Exchange calls it): ``on_response`` hears it."""
+        if self.on_response is not None:
+            try:
+                self.on_response(exchange.method, exchange.route, status, time.monotonic() - exchange.arrived)
+            except Exception:  # as for on_outcome
+                log.exception("http server: on_response")
 
     @property
     def connections(self) -> int:

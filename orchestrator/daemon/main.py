@@ -411,7 +411,8 @@ class Daemon:
             read_only = (read_token(self.http_read_token_file, "http read token file")
                          if self.http_read_token_file else None)
             self.http_api = HttpApi(engine, engine.reactor, addresses, state_dir=str(self.paths.state_dir),
-                                    logs_dir=self.paths.logs, token=token, read_token=read_only, carried=carried)
+                                    logs_dir=self.paths.logs, token=token, read_token=read_only, carried=carried,
+                                    on_response=engine.metrics.api_request)
         except OSError as err:
             raise OrchestratorError(str(err.strerror or err)) from None
         log.info("http: serving on %s", ", ".join(self.http_api.addresses()))

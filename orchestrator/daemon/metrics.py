@@ -166,6 +166,8 @@ class Metrics:
         self._crashloops: dict[str, int] = collections.Counter()
         self._store_failures = 0
         self._http: dict[str, int] = collections.Counter()
+        self._api: dict[tuple[str, str, str], int] = collections.Counter()  # (method, route, status)
+        self._api_latency: dict[tuple[str, str], _Histogram] = {}
         self._log_bytes = 0
         self._log_dropped = 0
         self._tasks_ended: dict[tuple[str, str], int] = collections.Counter()
@@ -250,6 +252,18 @@ class Metrics:
     def http_request(self, outcome: str) -> None:
         """What MetricsServer did with one client (its ``on_outcome``)."""
         self._http[str(outcome)] += 1
+
+    def api_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        """One answer of the HTTP control plane (httpapi.py's ``on_response``): ``route`` is
+        a path of its table (bounded: a request that matched none is "other")."""
+        key = (str(method), str(route))
+        if key not in self._api_latency and len(self._api_latency) >= MAX_OPS:
+            key = (OTHER, OTHER)
+        self._api[(*key, str(int(status)))] += 1
+        h = self._api_latency.get(key)
+        if h is None:
+            h = self._api_latency[key] = _Histogram(COMMAND_BUCKETS)
+        h.observe(max(0.0, float(seconds)))
 
     def set_log_totals(self, bytes: int, dropped: int) -> None:  # noqa: A002 (the agreed name)
         self._log_bytes = bytes
@@ -354,6 +368,15 @@ class Metrics:
         yield from self._task_families(pools)
         yield _family(CounterMetricFamily, "http_requests", "Metrics endpoint clients, by outcome.", ("outcome",),
                       sorted(self._http.items()))
+        yield _family(CounterMetricFamily, "api_requests", "HTTP control plane answers, by method, route and status.",
+                      ("method", "route", "status"), sorted(self._api.items()))
+        api_latency = HistogramMetricFamily(PREFIX + "api_request_duration_seconds",
+                                            "Time from an HTTP request read whole to its answer's start, by route.",
+                                            labels=("method", "route"))
+        for key in sorted(self._api_latency):
+            h = self._api_latency[key]
+            api_latency.add_metric(key, buckets=h.buckets(), sum_value=h.sum)
+        yield api_latency
         started = daemon.get("started_at")
         if isinstance(started, (int, float)) and not isinstance(started, bool):
             yield GaugeMetricFamily(PREFIX + "daemon_start_time_seconds", "Wall-clock start of the daemon.",
