@@ -871,11 +871,18 @@ class HttpApi:
             return
         rows = store.events(after_seq=min(f.cursor for f in behind), limit=PAGE)
         end = rows[-1]["seq"] if len(rows) == PAGE else top  # read up to here: a page more next turn
-        frames = [(row, f"id: {row['seq']}\nevent: {row['kind']}\n"
-                        f"data: {json.dumps(row, separators=(',', ':'))}\n\n".encode()) for row in rows]
+        frames: dict[int, bytes] = {}  # seq -> its frame, made when a follower first wants it
+
+        def frame(row: Any) -> bytes:
+            seq = row["seq"]
+            if seq not in frames:
+                frames[seq] = (f"id: {seq}\nevent: {row['kind']}\n"
+                               f"data: {json.dumps(row, separators=(',', ':'))}\n\n").encode()
+            return frames[seq]
+
         more = False
         for f in behind:
-            chunk = b"".join(frame for row, frame in frames if row["seq"] > f.cursor
+            chunk = b"".join(frame(row) for row in rows if row["seq"] > f.cursor
                              and (f.replica is None or row["replica"] == f.replica)
                              and (f.since is None or row["ts"] >= f.since))
             f.cursor = max(f.cursor, end)  # filtered out up to end: seen
