@@ -77,6 +77,22 @@ def open_fds() -> int | None:
         return None
 
 
+def fd_table_size() -> int | None:
+    """The size of this process's fd table (``FDSize`` of /proc/self/status): at least one
+    more than its highest open fd, so never fewer than the fds it has open. Read in tens of
+    microseconds whatever is open, where counting them (``open_fds``: a listing of
+    /proc/self/fd) takes about 10 ms at 2,000 replicas, which a ``scale`` paid in the loop.
+    None if it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"FDSize:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class FdReserve:
     """``size`` spare fds, held: see the module docstring."""
 
@@ -148,14 +164,18 @@ class Limits:
         if more <= 0:
             return None
         limit = fd_limit()
-        opened = open_fds()
         short = self.reserve.size - self.reserve.held  # the reserve takes these back first
-        if opened is None:  # not one fd left to look with
-            room, shown = 0, "all"
-        else:
+
+        def room_at(opened: int) -> int:
             own = max(opened - FDS_PER_REPLICA * replicas, self.base if self.base is not None else 0)
-            room = (limit - own - short) // FDS_PER_REPLICA - replicas - waiting
-            shown = str(opened)
+            return (limit - own - short) // FDS_PER_REPLICA - replicas - waiting
+
+        bound = fd_table_size()  # never fewer than the fds open: the room at it is the least there is
+        if bound is not None and more <= room_at(bound):
+            room, shown = more, ""  # they fit: no need to count the fds
+        else:
+            opened = open_fds()
+            room, shown = (0, "all") if opened is None else (room_at(opened), str(opened))  # None: no fd to look with
         if more > room:
             return (f"refused: {more} more replica(s) need {more * FDS_PER_REPLICA} file descriptors, and the "
                     f"daemon has room for {max(0, room)} more ({shown} of its limit {limit} open, "
