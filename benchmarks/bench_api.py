@@ -11,7 +11,8 @@ One real daemon (``control.start_detached`` in a temporary state dir, stopped in
    ``status`` of every replica over both (excepted from the 2 ms target, measured).
 2. An event's way to a Server-Sent Events client: a scale up by one, and the time from the
    transition's journal stamp (``ts``, the daemon's wall clock) to its arrival at a client
-   attached to ``/v1/events?follow=1``, with ``--sse`` such clients attached.
+   attached to ``/v1/events?follow=1``, with ``--sse`` such clients attached; and the scale
+   commands' own round trip over the channel.
 3. The loop's lag (``/v1/health``'s ``lag``) with none and with ``--sse`` clients attached.
 
 Targets (the contract): a command over the unix socket p99 <= 2 ms; an event at an SSE
@@ -155,9 +156,11 @@ def main() -> int:
             clients = Sse(sock, max(1, args.sse))
             clients.start()
             time.sleep(0.5)
-            marks = []
+            marks, scales = [], []
             for i in range(20):  # one transition at a time: its events' way to every client
+                t0 = time.perf_counter()
                 client.scale("probe", i + 1, command=["sleep", "100000"])
+                scales.append(time.perf_counter() - t0)
                 time.sleep(0.1)
             time.sleep(1.0)
             for seen in clients.seen:
@@ -166,6 +169,8 @@ def main() -> int:
             clients.close()
             rows.append((f"event -> SSE client, {len(clients.socks)} clients, n={len(marks)}",
                          f"p50 {pct(marks, 50) * 1e3:.2f} ms, p99 {pct(marks, 99) * 1e3:.2f} ms"))
+            rows.append((f"channel scale by one ({args.replicas} replicas), n={len(scales)}",
+                         f"p50 {pct(scales, 50) * 1e3:.2f} ms, p99 {pct(scales, 99) * 1e3:.2f} ms"))
             rows.append((f"loop lag (health), 0 / {len(clients.socks)} SSE clients",
                          f"{max(lag0) * 1e3:.2f} ms / {max(lag1) * 1e3:.2f} ms"))
     finally:
