@@ -555,10 +555,10 @@ def test_a_stream_whose_client_stops_reading_is_dropped(reactor: Any, tmp_path: 
     assert reactor.run_until(lambda: bool(streams), 10)
     closed: list[bool] = []
     streams[0].on_close = lambda: closed.append(True)
-    for _ in range(64):  # 4 MiB the client never reads: the loop never blocks on it
-        t0 = time.monotonic()
+    t0 = time.monotonic()
+    for _ in range(64):  # 4 MiB the client never reads: a send that blocked would never return
         streams[0].send(b"x" * 65536)
-        assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 5  # copies, not waits (a loaded host stretches them)
     assert closed and streams[0].closed and server.counts["slow_reader"] == 1
     c.close()
     server.close()
