@@ -495,7 +495,9 @@ class Supervisor:
 
     def _cmd_start_pools(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """``start POOL...``: stopped pools back to their size (one not stopped is left as it
-        is). ``wait``: the reply comes once the replicas it launched run (or have ended)."""
+        is). Replicas of theirs still stopping are waited for first (bounded by their grace),
+        so that the new ones take their slots, and ports, not the next ones. ``wait``: the
+        reply comes once the replicas it launched run (or have ended)."""
         pools = self._named_pools(args)
         timeout = protocol.wait_timeout(args) if args.get("wait") else None
         to_start = [p for p in pools if p.stopped]
@@ -504,20 +506,40 @@ class Supervisor:
                 raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
                                   "launch --replace, or delete it")
         self.table.room_for(sum(max(0, p.desired - len(self._live(p))) for p in to_start))
-        launched: list[str] = []
+        ending = [r.id for p in to_start for r in p.live.values() if r.state is S.STOPPING]
+        result: dict[str, Any] = {"started": [p.name for p in to_start], "launched": []}
         for pool in to_start:
             pool.start()
-            before = set(pool.live)
-            self._converge(pool, pool.desired)
-            launched += [rid for rid in pool.live if rid not in before]
+            self.table.save_pool(pool)
             self.table.journal.event("pool_started", {"pool": pool.name, "desired": pool.desired})
-        result = {"started": [p.name for p in to_start], "launched": launched}
-        if timeout is not None and launched:
-            self.table.wait_for(launched, "running", lambda msg: self._answer(
+
+        def launch() -> bool:
+            """Launch what the pools lack; whether the reply waits for those to run."""
+            for pool in to_start:
+                if pool.stopped or pool.deleted or self.table.closing:  # stopped again meanwhile
+                    continue
+                before = set(pool.live)
+                self._converge(pool, pool.desired)
+                result["launched"] += [rid for rid in pool.live if rid not in before]
+            if timeout is None or not result["launched"]:
+                return False
+            self.table.wait_for(result["launched"], "running", lambda msg: self._answer(
                 reply, cmd_id, result, None if msg.get("ok") else f"not all running within {timeout:g} s"),
                 cmd_id, timeout, durable=False)
-            return protocol.DEFERRED
-        return result
+            return True
+
+        if not ending:
+            return protocol.DEFERRED if launch() else result
+
+        def resume(_ended: bool) -> None:
+            if not launch():
+                self._answer(reply, cmd_id, result, None)
+
+        self.when_ended(ending, resume, 10.0 + max(self._grace_of(p) for p in to_start))
+        return protocol.DEFERRED
+
+    def _grace_of(self, pool: Pool) -> float:
+        return pool.policy.grace if pool.policy.grace is not None else float(self.table.config.grace)
 
     def _cmd_reset_failed(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
         """``reset-failed POOL...``: a crash loop, the failed slots and the backoff are
@@ -719,7 +741,7 @@ class Supervisor:
             return
         first = [self._pool_of_name(n) for n in layers[0]]
         ids = [rid for pool in first for rid in pool.live]
-        bound = 10.0 + max(p.policy.grace if p.policy.grace is not None else self.table.config.grace for p in first)
+        bound = 10.0 + max(self._grace_of(p) for p in first)
 
         def next_layer(_ended: bool) -> None:
             for pool in map(self._pool_of_name, layers[1]):
