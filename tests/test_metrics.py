@@ -104,7 +104,8 @@ def test_render_gauges_from_status():
         (("pool", "web"),): 1, (("pool", "jobs"),): 1, (("pool", "batch"),): 0}
 
     assert samples(fams["orchestrator_pools"]) == {
-        (("state", "ok"),): 1, (("state", "crashloop"),): 1, (("state", "backoff"),): 1}
+        (("state", "ok"),): 1, (("state", "crashloop"),): 1, (("state", "backoff"),): 1,
+        (("state", "stopped"),): 0}  # every state is there, at 0
     assert samples(fams["orchestrator_pool_desired_replicas"]) == {
         (("pool", "web"),): 3, (("pool", "jobs"),): 2, (("pool", "batch"),): 0}
 

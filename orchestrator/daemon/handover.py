@@ -40,11 +40,11 @@ escaped descendants to version 1 (whose images waited until nothing was STARTING
 adds tasks that wait for a time (WAITING, with their deadline, backoff and wait: an image
 before it cannot take one, so its ``--check`` refuses the hand-over); this code reads all three.
 
-Not carried, so refused with one line: a rollout or a reload's ordered delete in flight
-(each is a sequence of steps the new image would have to resume half way). A replica reaped
-whose cgroup has not emptied yet is waited for: its end is recorded once the cgroup is
-empty, which containment.py bounds (DRAIN_TIMEOUT, well inside QUIESCE_TIMEOUT). No spawn
-is ever in flight between two turns (a batch is asked and answered within one callback,
+Not carried, so refused with one line: a rollout, a reload's ordered delete or a waiting
+``stop``/``start`` of pools in flight (each is a sequence of steps the new image would
+have to resume half way). A replica reaped whose cgroup has not emptied yet is waited for:
+its end is recorded once the cgroup is empty, which containment.py bounds (DRAIN_TIMEOUT,
+well inside QUIESCE_TIMEOUT). No spawn is ever in flight between two turns (a batch is asked and answered within one callback,
 and spawns are held from the check on: the PENDING replicas carry as such). A client's
 poll for task events and a `result --wait` are answered just before the exec (with nothing
 new); both ask again, and the next image answers.
@@ -274,7 +274,8 @@ class Upgrade:
             return "the manager server is not running"
         reply_to = manager.reply_to()
         if any(w.reply != reply_to or w.deadline is None for w in engine.waiters()):
-            return "a reload is still waiting for removed pools to end; try again once it has"
+            # (a reload's ordered delete, or a stop or start of pools with --wait)
+            return "a reload or a pool's stop or start is still waiting for replicas; try again once it has ended"
         return None
 
     def _refused(self, why: str, *, answered: bool = True) -> None:
