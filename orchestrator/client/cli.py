@@ -40,6 +40,8 @@ from .taskcli import COMMANDS as _TASK_COMMANDS
 from .taskcli import add_parsers as _add_task_parsers
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+# Commands that read no state dir: an unsafe or missing one is not their business.
+_NO_STATE_DIR = ("demo", "import")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,6 +163,16 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
     p.add_argument("--seconds", type=_seconds, default=4.0)
+
+    p = sub.add_parser("import", help="print a Procfile (foreman's, honcho's) as the config file that "
+                       "start --config runs", description="One pool per process type, each run by /bin/sh "
+                       "-c; $PORT as {port} with port_base 5000, 5100, ... (foreman's convention); the env "
+                       "file as each pool's env_file; the Procfile's directory as their cwd.")
+    p.add_argument("procfile", metavar="PROCFILE", help="the Procfile to read")
+    p.add_argument("--env", metavar="FILE", help="the env file (KEY=VALUE lines) of every pool "
+                   "(default: .env beside the Procfile, if there is one)")
+    p.add_argument("--port-base", type=_port, metavar="N",
+                   help="the first process type's port (default: PORT of the env file, else 5000)")
     return ap
 
 
@@ -302,7 +314,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
-        if args.command != "demo":  # the demo makes a state dir of its own
+        if args.command not in _NO_STATE_DIR:  # the demo makes a state dir of its own
             # Another user's dir, or one others can write, is refused before anything in it
             # is read; a missing one is fine here (status of a never-used dir: not running).
             check_state_dir(paths, create=False)
@@ -626,6 +638,13 @@ def cmd_demo(args: argparse.Namespace, paths: Any) -> int:
     return run_demo(replicas=args.replicas, seconds=args.seconds)
 
 
+def cmd_import(args: argparse.Namespace, paths: Any) -> int:
+    from .procfile import convert
+
+    sys.stdout.write(convert(args.procfile, env=args.env, port_base=args.port_base))
+    return EXIT_OK
+
+
 _COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
@@ -644,5 +663,6 @@ _COMMANDS = {
     "health": cmd_health,
     "metrics": cmd_metrics,
     "logs": cmd_logs,
+    "import": cmd_import,
     **_TASK_COMMANDS,
 }
