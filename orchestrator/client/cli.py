@@ -40,8 +40,12 @@ from .taskcli import COMMANDS as _TASK_COMMANDS
 from .taskcli import add_parsers as _add_task_parsers
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+_SHELLS = ("bash", "zsh")  # completion.SHELLS, which is not imported for every command
+# The hidden first word the completion scripts run for names (client/completion.py); not a
+# verb of the parser, so neither the scripts nor the man page offer it.
+COMPLETE_NAMES = "__complete"
 # Commands that read no state dir: an unsafe or missing one is not their business.
-_NO_STATE_DIR = ("demo", "import")
+_NO_STATE_DIR = ("demo", "import", "completion")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,7 +177,18 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: .env beside the Procfile, if there is one)")
     p.add_argument("--port-base", type=_port, metavar="N",
                    help="the first process type's port (default: PORT of the env file, else 5000)")
+
+    p = sub.add_parser("completion", help="print a bash or zsh completion script",
+                       description="Every verb and flag, and the pools and replicas of the running daemon "
+                       "(the completion extra). bash: source <(orchestrator completion bash); zsh, after "
+                       "compinit: eval \"$(orchestrator completion zsh)\", or save it as _orchestrator in $fpath.")
+    p.add_argument("shell", choices=_SHELLS)
     return ap
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: what the completion scripts and the man page are made from."""
+    return _parser()
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
@@ -293,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     output (a closed stdout, a reader that exited, a full disk), ends as an exit code and at
     most one line on stderr, never a traceback."""
     _standard_fds()
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == [COMPLETE_NAMES]:
+        from .completion import main_names
+
+        return main_names(words[1:])
     try:
         return _main(argv)
     except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
@@ -645,6 +665,13 @@ def cmd_import(args: argparse.Namespace, paths: Any) -> int:
     return EXIT_OK
 
 
+def cmd_completion(args: argparse.Namespace, paths: Any) -> int:
+    from .completion import script
+
+    sys.stdout.write(script(args.shell, _parser()))
+    return EXIT_OK
+
+
 _COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
@@ -664,5 +691,6 @@ _COMMANDS = {
     "metrics": cmd_metrics,
     "logs": cmd_logs,
     "import": cmd_import,
+    "completion": cmd_completion,
     **_TASK_COMMANDS,
 }
