@@ -6,11 +6,14 @@ COMP_CWORD); names come from the running daemon, and from none: nothing, silentl
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +204,21 @@ def test_without_the_extra_it_says_what_to_install_in_one_line():
             "from orchestrator.client.cli import main\nsys.exit(main(['completion', 'bash']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env())
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"orchestrator: {completion.INSTALL}\n")
+
+
+def test_a_daemon_that_does_not_answer_holds_a_tab_no_longer_than_the_bound(daemon):
+    """The manager server stopped (SIGSTOP): the connection is accepted by the kernel and
+    never answered. The TAB's names come back empty within the bound, still silently."""
+    daemon.start()
+    manager = daemon.status()["daemon"]["manager_pid"]
+    os.kill(manager, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        proc = subprocess.run([ORCHESTRATOR, "__complete", "pools", "--state-dir", str(daemon.state_dir)],
+                              capture_output=True, text=True, timeout=60, env=cli_env())
+        took = time.monotonic() - start
+    finally:
+        os.kill(manager, signal.SIGCONT)
+    assert (proc.stdout, proc.stderr) == ("", "")
+    assert proc.returncode in (0, -signal.SIGALRM), proc.returncode
+    assert took < completion.NAMES_TIMEOUT + 0.5 + 2.0, took  # the timer's bound, and an interpreter's start
