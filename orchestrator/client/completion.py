@@ -18,9 +18,10 @@ What a word completes to is read off the parser, not from a list of verbs:
 A new verb's arguments complete as these conventions say, without an edit here.
 
 ``__complete`` prints one name a line, and nothing at all when no daemon runs, the state dir
-cannot be read or the daemon does not answer within ``NAMES_TIMEOUT`` seconds: a TAB never
-prints an error into the user's command line, and never hangs it. The bound is a real-time
-timer whose default action ends the process, so it holds whatever the channel waits on.
+cannot be read or the daemon does not answer: a TAB never prints an error into the user's
+command line, and never hangs it. Its call to the daemon is bounded by ``NAMES_TIMEOUT``;
+half a second later a real-time timer, whose default action ends the process, ends it
+whatever it still waits on (a connect or a handshake the channel bounds more loosely).
 """
 
 from __future__ import annotations
