@@ -43,6 +43,12 @@ from .taskcli import add_parsers as _add_task_parsers
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 EXIT_NO_SUCH_POOL = 4  # is-active's, as systemctl's for a unit it does not know
 POOL_WAIT = 120.0  # stop/start POOL wait this long for the replicas by default (a ready probe's 60 s, and more)
+_SHELLS = ("bash", "zsh")  # completion.SHELLS, which is not imported for every command
+# The hidden first word the completion scripts run for names (client/completion.py); not a
+# verb of the parser, so neither the scripts nor the man page offer it.
+COMPLETE_NAMES = "__complete"
+# Commands that read no state dir: an unsafe or missing one is not their business.
+_NO_STATE_DIR = ("demo", "import", "completion")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,7 +217,28 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
     p.add_argument("--seconds", type=_seconds, default=4.0)
+
+    p = sub.add_parser("import", help="print a Procfile (foreman's, honcho's) as the config file that "
+                       "start --config runs", description="One pool per process type, each run by /bin/sh "
+                       "-c; $PORT as {port} with port_base 5000, 5100, ... (foreman's convention); the env "
+                       "file as each pool's env_file; the Procfile's directory as their cwd.")
+    p.add_argument("procfile", metavar="PROCFILE", help="the Procfile to read")
+    p.add_argument("--env", metavar="FILE", help="the env file (KEY=VALUE lines) of every pool "
+                   "(default: .env beside the Procfile, if there is one)")
+    p.add_argument("--port-base", type=_port, metavar="N",
+                   help="the first process type's port (default: PORT of the env file, else 5000)")
+
+    p = sub.add_parser("completion", help="print a bash or zsh completion script",
+                       description="Every verb and flag, and the pools and replicas of the running daemon "
+                       "(the completion extra). bash: source <(orchestrator completion bash); zsh, after "
+                       "compinit: eval \"$(orchestrator completion zsh)\", or save it as _orchestrator in $fpath.")
+    p.add_argument("shell", choices=_SHELLS)
     return ap
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: what the completion scripts and the man page are made from."""
+    return _parser()
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
@@ -331,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     output (a closed stdout, a reader that exited, a full disk), ends as an exit code and at
     most one line on stderr, never a traceback."""
     _standard_fds()
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == [COMPLETE_NAMES]:
+        from .completion import main_names
+
+        return main_names(words[1:])
     try:
         return _main(argv)
     except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
@@ -352,7 +384,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
-        if args.command != "demo":  # the demo makes a state dir of its own
+        if args.command not in _NO_STATE_DIR:  # the demo makes a state dir of its own
             # Another user's dir, or one others can write, is refused before anything in it
             # is read; a missing one is fine here (status of a never-used dir: not running).
             check_state_dir(paths, create=False)
@@ -756,6 +788,20 @@ def cmd_demo(args: argparse.Namespace, paths: Any) -> int:
     return run_demo(replicas=args.replicas, seconds=args.seconds)
 
 
+def cmd_import(args: argparse.Namespace, paths: Any) -> int:
+    from .procfile import convert
+
+    sys.stdout.write(convert(args.procfile, env=args.env, port_base=args.port_base))
+    return EXIT_OK
+
+
+def cmd_completion(args: argparse.Namespace, paths: Any) -> int:
+    from .completion import script
+
+    sys.stdout.write(script(args.shell, _parser()))
+    return EXIT_OK
+
+
 _COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
@@ -777,5 +823,7 @@ _COMMANDS = {
     "is-active": cmd_is_active,
     "reset-failed": cmd_reset_failed,
     "logs": cmd_logs,
+    "import": cmd_import,
+    "completion": cmd_completion,
     **_TASK_COMMANDS,
 }
