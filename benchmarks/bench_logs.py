@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -349,26 +350,38 @@ def capture_cpu(writer: list[str], seconds: float, tmp: str, index: bool) -> tup
     # one file (no rotation) so that its index holds every record made
     cap = LogCapture(logs_dir, reactor, rate=None, total_rate=None, create_after=0, index=index,
                      max_bytes=4 << 30, backups=0)
-    rlog = cap.open("writer-1")
-    child = subprocess.Popen(writer, stdout=rlog.stdout, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    rlog.spawned()
-    try:
+    ru: list[resource.struct_rusage] = []
+    got = [0]
+
+    def run() -> None:
         reactor.run_until(lambda: False, 0.2)  # the writer at its pace first
         b0 = cap.totals()["bytes"]
-        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        ru.append(resource.getrusage(resource.RUSAGE_SELF))
         reactor.run_until(lambda: False, seconds)
-        ru1 = resource.getrusage(resource.RUSAGE_SELF)
-        got = cap.totals()["bytes"] - b0
+        ru.append(resource.getrusage(resource.RUSAGE_SELF))
+        got[0] = cap.totals()["bytes"] - b0
+
+    _with_writer(cap, reactor, "writer-1", writer, run)
+    ru0, ru1 = ru
+    idx = os.path.join(logs_dir, "writer-1.out.idx")
+    records = os.path.getsize(idx) // 16 - 1 if os.path.exists(idx) else 0
+    shutil.rmtree(logs_dir, ignore_errors=True)
+    return ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime, got[0], records
+
+
+def _with_writer(cap: LogCapture, reactor: Reactor, rid: str, argv: list[str], run: Callable[[], None]) -> None:
+    """``run()`` while ``argv`` writes into replica ``rid``'s capture; then all closed."""
+    rlog = cap.open(rid)
+    child = subprocess.Popen(argv, stdout=rlog.stdout, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    rlog.spawned()
+    try:
+        run()
     finally:
         child.kill()
         child.wait(timeout=30)
         rlog.finish()
         cap.close()
         reactor.close()
-    idx = os.path.join(logs_dir, "writer-1.out.idx")
-    records = os.path.getsize(idx) // 16 - 1 if os.path.exists(idx) else 0
-    shutil.rmtree(logs_dir, ignore_errors=True)
-    return ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime, got, records
 
 
 def measure_index_cost(rounds: int, seconds: float, tmp: str) -> dict[str, dict[bool, list[tuple[float, int, int]]]]:
@@ -398,19 +411,9 @@ def measure_since(tmp: str, mib: int) -> dict[str, float]:
     reactor = Reactor()
     cap = LogCapture(logs_dir, reactor, rate=None, total_rate=None, create_after=0, max_bytes=total + (1 << 20),
                      backups=0, clock=lambda: t0 + cap.totals()["bytes"] * span / total)
-    rlog = cap.open("big-1")
-    child = subprocess.Popen(writer_argv("yes") or [], stdout=rlog.stdout, stderr=subprocess.DEVNULL,
-                             stdin=subprocess.DEVNULL)
-    rlog.spawned()
     began = time.monotonic()
-    try:
-        reactor.run_until(lambda: cap.totals()["bytes"] >= total, 600)
-    finally:
-        child.kill()
-        child.wait(timeout=30)
-        rlog.finish()
-        cap.close()
-        reactor.close()
+    _with_writer(cap, reactor, "big-1", writer_argv("yes") or [],
+                 lambda: reactor.run_until(lambda: cap.totals()["bytes"] >= total, 600))
     built = time.monotonic() - began
     path = os.path.join(logs_dir, "big-1.out")
     size = os.path.getsize(path)
