@@ -362,3 +362,25 @@ def test_a_log_copied_without_its_index_is_dated_by_its_mtime(tmp_path: Path) ->
     shutil.copy(src, state / "logs" / "web-5.out")
     done = cli(state, "logs", "web-5", "--since", "1h", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["line"] == "copied", done
+
+
+def test_a_tasks_log_and_several_replicas_take_the_filters(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``logs jobs/7`` reads a task's files; several ids' lines are merged in time order."""
+    from orchestrator.client import logcli
+    from orchestrator.paths import Paths
+    from test_logs import _parse
+
+    paths = Paths(tmp_path / "state")
+    paths.logs.mkdir(parents=True)
+    for name, body, t in (("jobs#7.out", "task ok\ntask noise\n", T0 + 1), ("web-1.out", "early ok\n", T0),
+                          ("web-2.out", "late ok\n", T0 + 2)):
+        (paths.logs / name).write_text(body)
+        os.utime(paths.logs / name, (t, t))  # no index: dated by the mtime
+    assert logcli.cmd_logs(_parse(["logs", "jobs/7", "--grep", "ok", "--json"]), paths) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rows == [{"time": stamp(T0 + 1), "ts": T0 + 1, "task": "jobs/7", "stream": "out", "line": "task ok"}]
+    assert logcli.cmd_logs(_parse(["logs", "web-2", "jobs/7", "web-1", "--grep", "ok", "-t"]), paths) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{stamp(T0)} web-1 | early ok", f"{stamp(T0 + 1)} jobs/7 | task ok", f"{stamp(T0 + 2)} web-2 | late ok"]
+    assert logcli.cmd_logs(_parse(["logs", "--pool", "web", "--since", stamp(T0 + 1)]), paths) == 0
+    assert capsys.readouterr().out == "web-2 | late ok\n"
