@@ -129,7 +129,7 @@ def remove(logs_dir: str | os.PathLike[str], replica_ids: Iterable[str]) -> int:
             names = [e.name for e in it]
         for name in names:
             base = name.removesuffix(INDEX_SUFFIX)  # a log's index goes with it
-            head, dot, tail_ = name.rpartition(".")
+            head, dot, tail_ = base.rpartition(".")
             if dot and tail_.isascii() and tail_.isdigit():
                 base = head
             rid, dot, stream = base.rpartition(".")

@@ -1,5 +1,6 @@
 """Reading the captured logs back: the last lines of a replica's stream across its rotated
-files, and following them as they are written. Runs in the reader's process (the ``logs``
+files, and following them as they are written; journalctl's filters (``LineFilter``: a time
+range by the read times kept beside each file, logindex.py, and a pattern) on both. Runs in the reader's process (the ``logs``
 command, any tool, and the daemon's HTTP API for ``GET /v1/logs``): it only reads the
 files, so it works with the daemon down and after the replicas ended.
 """

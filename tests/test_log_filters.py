@@ -384,3 +384,15 @@ def test_a_tasks_log_and_several_replicas_take_the_filters(tmp_path: Path, capsy
         f"{stamp(T0)} web-1 | early ok", f"{stamp(T0 + 1)} jobs/7 | task ok", f"{stamp(T0 + 2)} web-2 | late ok"]
     assert logcli.cmd_logs(_parse(["logs", "--pool", "web", "--since", stamp(T0 + 1)]), paths) == 0
     assert capsys.readouterr().out == "web-2 | late ok\n"
+
+
+def test_remove_takes_the_indexes_with_their_logs(logs_dir: Path) -> None:
+    """logfiles.remove (a later daemon's start-up scan): a forgotten replica's indexes go too."""
+    from orchestrator.logfiles import remove
+
+    names = ["web-1.out", "web-1.out.idx", "web-1.out.1", "web-1.out.1.idx", "web-1.err.idx", "jobs#3.out.idx",
+             "web-2.out", "web-2.out.idx"]
+    for name in names:
+        (logs_dir / name).write_text("x\n")
+    assert remove(logs_dir, ["web-1", "jobs/3"]) == 6
+    assert sorted(os.listdir(logs_dir)) == ["web-2.out", "web-2.out.idx"]

@@ -1,8 +1,9 @@
 """``orchestrator logs``: its arguments and its output. Client side: it reads the files
 (logread.py) and never talks to the daemon, so it works with the daemon down. A task's log
-(``logs POOL/N``) is read the same way; its ``--follow`` ends when the journal (state.db,
-read-only) says the task has ended, which the daemon records only once its output is in
-the files."""
+(``logs POOL/N``) is read the same way, and so are journalctl's filters (``--since``,
+``--until``, ``--grep``, ``--timestamps``, ``--json``: logread.LineFilter); a task's
+``--follow`` ends when the journal (state.db, read-only) says the task has ended, which the
+daemon records only once its output is in the files."""
 
 from __future__ import annotations
 

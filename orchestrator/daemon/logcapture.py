@@ -5,6 +5,7 @@ or down).
     <logs dir>/<id>.out, <id>.out.1 .. <id>.out.K     stdout, newest first (.K the oldest)
     <logs dir>/<id>.err, <id>.err.1 .. <id>.err.K     stderr
     <logs dir>/<pool>#<n>.out, .err (and their .k)    a task's (tasklogs.py says whose bytes are whose)
+    <logs dir>/<any of those>.idx                     the read times of its lines (logindex.py)
 
 Decision: pipes pumped by the control loop (design a), not the log file's fd handed to
 the child (design b). Measured side by side in one run of
@@ -55,6 +56,10 @@ How the pump keeps its promises:
     than ``SLOW_WRITE`` pauses reading that pipe for ``SLOW_PAUSE``, so the throttling is
     passed on to the replica (it blocks on its full pipe) instead of being paid again and
     again by the loop;
+  * each stdout/stderr file keeps its bytes only; the time each chunk was read lives beside
+    it, in ``<file>.idx`` (logindex.py: a 16-byte record before the chunk's write, at most
+    one per millisecond per file, made by the file's first write), renamed right after its
+    file at rotation and removed with it; what it costs the loop: bench_logs.py's (4);
   * ``finish()`` (the replica was reaped) drains what is left in the pipes, bounded by
     ``DRAIN_LIMIT`` per stream (a descendant that still holds the write end and keeps
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
