@@ -201,7 +201,7 @@ def _starts(files: list[tuple[int, int, str, Index]], lines: int | None, filt: L
         for fd, size, _, index in files:
             if index.count == 0:  # no index: every line dated by the file's mtime
                 out.append(size if index.mtime < since_us else 0)
-            elif index.record(index.count - 1)[0] < since_us and index.record(index.count - 1)[1] < size:
+            elif index.record(index.count - 1)[0] < since_us:
                 # lines after the last record have its time: all of this file is older
                 out.append(size)
             else:
@@ -320,7 +320,8 @@ class _Follower:
         self.pos = 0
         self.partial = b""
         self.partial_since = 0.0
-        self.times: Times | None = None  # the open file's index, when timed
+        self.times: Times | None = None  # the open file's index, when timed...
+        self.attached: tuple[int, str, Path] | None = None  # ...and where it was looked for
 
     def start(self, dirfd: int, where: Path, lines: int) -> list[bytes]:
         """Open the chain as it is now: the last ``lines`` lines, and the offset to go on from."""
@@ -374,6 +375,7 @@ class _Follower:
             self.times.index.close()
             self.times = None
         if self.timed and self.fd >= 0:
+            self.attached = (dirfd, name, where)
             self.times = Times(open_index(dirfd, name, self.fd, where), self.pos)
 
     def poll(self, dirfd: int, where: Path, now: float) -> list[bytes]:
@@ -452,6 +454,9 @@ class _Follower:
             self.pos = 0
             if self.times is not None:
                 self.times = Times(self.times.index, 0)
+        if self.times is not None and self.times.index.fd < 0 and self.attached is not None:
+            # A file found empty has no index yet (its first write makes it): look again
+            self._attach(*self.attached)
         got = 0
         while True:
             data = os.pread(self.fd, CHUNK, self.pos)

@@ -396,3 +396,26 @@ def test_remove_takes_the_indexes_with_their_logs(logs_dir: Path) -> None:
         (logs_dir / name).write_text("x\n")
     assert remove(logs_dir, ["web-1", "jobs/3"]) == 6
     assert sorted(os.listdir(logs_dir)) == ["web-2.out", "web-2.out.idx"]
+
+
+@pytest.mark.parametrize("opened", [{"max_bytes": 40, "backups": 1}], indirect=True)
+def test_followed_lines_keep_their_times_across_rotations(opened, reactor: Reactor, clock: Clock,
+                                                         logs_dir: Path) -> None:
+    cap, rlog = opened
+    first = [b"line 0000\n"]
+
+    def stop() -> bool:  # asked before each poll: the first line is written once the follow has begun
+        if first:
+            put(reactor, cap, rlog, first.pop())
+        return False
+
+    # The file is there, empty (create_after=0), and has no index yet: its first write makes it
+    lines = follow_lines(logs_dir, ["web-1"], stop=stop, lines=None, interval=0.01, timed=True)
+    got = next(lines)
+    assert (got.text, got.time) == ("line 0000", T0)
+    for i in range(1, 10):  # 4 lines to a file: rotated twice on the way, each new file found empty
+        clock.now = T0 + i
+        put(reactor, cap, rlog, b"line %04d\n" % i)
+        got = next(lines)
+        assert (got.text, got.time) == (f"line {i:04d}", T0 + i)
+    lines.close()
