@@ -147,7 +147,8 @@ class Index:
 
 class Times:
     """The time of each line of a log read forward from some offset: ``at(offset)`` for
-    offsets that never go back, reading the records ahead a page at a time."""
+    offsets that never go back, reading the records ahead a page at a time. A followed
+    log's index grows: ``refresh`` takes the records added since."""
 
     def __init__(self, index: Index, start: int) -> None:
         self.index = index
@@ -155,6 +156,7 @@ class Times:
         self.offsets: list[int] = []
         self.next = 0  # the number of the first record not in ``page``
         self.current = index.mtime
+        self.limit = -1  # offsets below this have ``current`` (the next record's offset)
         if index.fd >= 0:
             i = index.find_offset(start)
             if i >= 0:
@@ -163,12 +165,8 @@ class Times:
 
     def _load(self) -> bool:
         index = self.index
-        if index.fd < 0:
+        if index.fd < 0 or self.next >= index.count:
             return False
-        if self.next >= index.count:
-            index.refresh()
-            if self.next >= index.count:
-                return False
         n = min(READ_RECORDS, index.count - self.next)
         data = os.pread(index.fd, n * RECORD.size, (self.next + 1) * RECORD.size)
         n = len(data) // RECORD.size
@@ -179,13 +177,26 @@ class Times:
         self.next += n
         return True
 
+    def refresh(self) -> None:
+        if self.index.fd >= 0:
+            count = self.index.count
+            self.index.refresh()
+            if self.index.count > count:
+                self.limit = -1
+
     def at(self, offset: int) -> int:
         """The time (µs) of a line starting at ``offset``."""
+        if offset < self.limit:
+            return self.current  # most lines: in the same chunk as the one before
         while True:
             k = bisect.bisect_right(self.offsets, offset)
             if k:
                 self.current = self.page[k - 1][0]
-            if k < len(self.page) or not self._load():
+            if k < len(self.page):
+                self.limit = self.offsets[k]
+                return self.current
+            if not self._load():
+                self.limit = 1 << 63  # past the last record: its time, until ``refresh`` finds more
                 return self.current
 
 

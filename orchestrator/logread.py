@@ -457,6 +457,8 @@ class _Follower:
         if self.times is not None and self.times.index.fd < 0 and self.attached is not None:
             # A file found empty has no index yet (its first write makes it): look again
             self._attach(*self.attached)
+        elif self.times is not None:
+            self.times.refresh()
         got = 0
         while True:
             data = os.pread(self.fd, CHUNK, self.pos)
