@@ -419,3 +419,13 @@ def test_followed_lines_keep_their_times_across_rotations(opened, reactor: React
         got = next(lines)
         assert (got.text, got.time) == (f"line {i:04d}", T0 + i)
     lines.close()
+
+
+def test_follow_until_a_time_to_come_ends_then(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    (state / "logs" / "web-1.out").write_text("there\n")
+    began = time.monotonic()
+    done = cli(state, "logs", "web-1", "-f", "--until", stamp(time.time() + 1.5), timeout=30)
+    assert done.returncode == 0 and done.stdout == "there\n", done
+    assert time.monotonic() - began >= 1.0  # it followed until then (not the past's "just print")

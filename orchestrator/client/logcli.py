@@ -94,10 +94,8 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     """``orchestrator logs ID... [--follow] [--lines N] [--stderr] [--since T] [--until T]
     [--grep RE] [--timestamps] [--json]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
-    from ..logread import follow, pool_replicas, tail
+    from ..logread import LineFilter, compile_grep, follow, follow_lines, parse_when, pool_replicas, read_lines, tail
     from ..protocol import parse_replica_id, parse_task_id, pool_name
-
-    from ..logread import LineFilter, compile_grep, follow_lines, parse_when, read_lines
 
     stream = "err" if args.stderr else "out"
     now = time.time()
@@ -142,10 +140,8 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     show = _shower(prefix, args.timestamps, args.json)
     try:
         if args.follow and (filt.until is None or filt.until > now):  # an end in the past: just print
-            until = filt.until
-            if until is not None:
-                ended = stop
-                stop = lambda: ended() or time.time() > until  # noqa: E731
+            if filt.until is not None:
+                stop = _by_then(stop, filt.until)
             try:
                 if not timed:
                     for text in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stop,
@@ -175,6 +171,11 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     except BrokenPipeError:
         _quiet_stdout()
     return 0
+
+
+def _by_then(stop: Callable[[], bool], until: float) -> Callable[[], bool]:
+    """``stop``, or it is past ``until`` (--follow --until T: nothing later is shown anyway)."""
+    return lambda: stop() or time.time() > until
 
 
 def _shower(prefix: bool, timestamps: bool, as_json: bool) -> Callable[[Line], str]:
