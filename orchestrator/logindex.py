@@ -69,10 +69,15 @@ class IndexWriter:
         ok = len(head) == HEADER.size and HEADER.unpack(head) == (MAGIC, log_stat.st_ino)
         n = (st.st_size // RECORD.size) - 1 if ok else 0
         if ok and n > 0:
-            self.last = RECORD.unpack(os.pread(fd, RECORD.size, n * RECORD.size))[0]
-            if st.st_size % RECORD.size:  # a torn last record (a crash mid-write): cut it off
-                os.ftruncate(fd, (n + 1) * RECORD.size)
-            return
+            self.last, last_offset = RECORD.unpack(os.pread(fd, RECORD.size, n * RECORD.size))
+            # Past the log's end: the index of a file removed alone whose inode the new one
+            # got (its records would not be this file's); started again
+            ok = last_offset <= log_stat.st_size
+            if ok:
+                if st.st_size % RECORD.size:  # a torn last record (a crash mid-write): cut it off
+                    os.ftruncate(fd, (n + 1) * RECORD.size)
+                return
+            self.last = -1
         if not ok:
             os.ftruncate(fd, 0)
             os.write(fd, HEADER.pack(MAGIC, log_stat.st_ino))
@@ -87,7 +92,11 @@ class IndexWriter:
     def _write(self, now_us: int, offset: int) -> None:
         self.last = max(now_us, self.last)
         try:
-            os.write(self.fd, RECORD.pack(self.last, offset))
+            if os.write(self.fd, RECORD.pack(self.last, offset)) != RECORD.size:
+                # a record cut short (the disk filled up mid-write): cut off, so the next one
+                # lands where readers look for it
+                os.ftruncate(self.fd, os.fstat(self.fd).st_size // RECORD.size * RECORD.size)
+                self.failed = True
         except OSError:  # a full disk: the lines get the times of the records before them
             self.failed = True
 

@@ -429,3 +429,20 @@ def test_follow_until_a_time_to_come_ends_then(tmp_path: Path) -> None:
     done = cli(state, "logs", "web-1", "-f", "--until", stamp(time.time() + 1.5), timeout=30)
     assert done.returncode == 0 and done.stdout == "there\n", done
     assert time.monotonic() - began >= 1.0  # it followed until then (not the past's "just print")
+
+
+def test_an_index_whose_records_go_past_its_log_is_started_again(tmp_path: Path) -> None:
+    """A log removed alone, its inode reused by the new one: the old records are not its own."""
+    log = tmp_path / "x.out"
+    log.write_bytes(b"a\n")
+    st = os.stat(log)
+    idx = tmp_path / "x.out.idx"
+    idx.write_bytes(logindex.HEADER.pack(logindex.MAGIC, st.st_ino) + RECORD.pack(5_000_000, 0)
+                    + RECORD.pack(6_000_000, 5_000))
+    fd = os.open(idx, os.O_RDWR | os.O_APPEND)
+    writer = logindex.IndexWriter(fd, st)
+    mtime = int(st.st_mtime * 1e6)
+    writer.chunk(mtime + 2_000_000, 2)
+    writer.close()
+    assert idx.read_bytes() == (logindex.HEADER.pack(logindex.MAGIC, st.st_ino) + RECORD.pack(mtime, 0)
+                                + RECORD.pack(mtime + 2_000_000, 2))
