@@ -86,6 +86,11 @@ def pid(_: Any = None) -> int:
     return os.getpid()
 
 
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def flaky(mark: str) -> int:
     """The first attempt fails with AppError (it leaves ``mark``); a later one returns how
     many attempts there were."""

@@ -9,14 +9,18 @@ missing from the signature that would take it, a method missing, a ``TypeError``
 closest thing it has is measured instead; the cell then says "no API" and what that closest
 thing did. A peer that is not installed is a column of "not installed".
 
-Each executor's column runs in a child process of its own (``python -c`` of ``column_main``),
-so that no peer's threads are inherited by another's forks and the processes a column made
-are the descendants of one pid; with ``--quick`` the columns run at the same time (the
-tasks mostly sleep; the windows below are wide enough for a loaded host), in full mode one
-after another. After each question every process the column made since it began is waited
-for (bounded) and what is left is killed by pidfd, and said so in the JSON.
+Each executor's column runs in child processes of its own (``python -c`` of ``column_main``),
+so that no peer's threads are inherited by another's forks and the processes a question made
+are new descendants of one pid. With ``--quick`` every column runs at the same time, each
+dealt out to two children (the tasks mostly sleep, and the windows below are wide enough for
+a loaded host: a task counts as stopped only after 0.75 s without a beat); in full mode the
+columns run one after another in one child each. After each question the tasks still beating
+are killed, its pools closed (bounded), every process it made since it began waited for
+(bounded) and what is left killed by pidfd, and said so in the JSON.
 
-The questions (2 workers each, a fresh pool per question):
+The questions (pools of 2 workers; a fresh one per question, but questions 7, 8, 10 where there
+is no process-per-task API, 11 and 12, which leave a pool as they found it, share one per
+column: SHARED):
 
 1. ``cancel`` of a running task: does the task stop, how soon after ``cancel()``.
 2. the same from asyncio: ``loop.run_in_executor`` (``asyncio.wrap_future`` where the pool
@@ -70,6 +74,8 @@ MIB = 1 << 20
 MEMORY_LIMIT_MIB = 256
 HOG_MIB = 512
 
+QUICK_PARTS = 2  # children per column in quick mode
+
 YES, NO, NO_API, NOT_INSTALLED, ERROR = "yes", "no", "no API", "not installed", "error"
 
 
@@ -90,8 +96,8 @@ class Limits:
     answer: float  # questions 11 and 12: a future's answer (Dask never gives one to 11)
 
 
-QUICK = Limits(start=60, observe=1.5, quiet=0.5, long=30, idle_long=2.5, timeout=0.5, settle=30, wake=3,
-               host_gone=5, reap=5, answer=10)
+QUICK = Limits(start=60, observe=2, quiet=0.75, long=30, idle_long=2.5, timeout=0.5, settle=30, wake=3,
+               host_gone=5, reap=5, answer=5)
 FULL = Limits(start=90, observe=4, quiet=1, long=60, idle_long=5, timeout=0.5, settle=60, wake=10,
               host_gone=10, reap=10, answer=30)
 
@@ -346,14 +352,17 @@ class Beats:
         self._fifo = Fifo(path)
         self.path = self._fifo.path
         self._lines: list[Line] = []
-        self.pids: set[int] = set()  # every task's process seen
+        self.running: dict[int, int] = {}  # tag -> pid of each task that started and has not ended
 
     def pump(self, timeout: float, fds: tuple[int, ...] = ()) -> list[int]:
         """Read what is there, waiting up to ``timeout``; the ``fds`` that are readable."""
         ready = self._fifo.pump(timeout, fds)
         for parts in self._fifo.lines:
             line = Line(parts[0], int(parts[1]), int(parts[2]), float(parts[3]), parts[4:])
-            self.pids.add(line.pid)
+            if line.kind == "S":
+                self.running[line.tag] = line.pid
+            elif line.kind in ("X", "E"):
+                self.running.pop(line.tag, None)
             self._lines.append(line)
         self._fifo.lines.clear()
         return ready
@@ -512,13 +521,18 @@ class Ctx:
     limits: Limits
     tmp: Path
     tags: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    shared: Any = None  # the column's plain pool, for the questions of SHARED
     handles: list[Any] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
     def open(self, **kw: Any) -> Any:
+        """A fresh pool of this question's (closed after it)."""
         h = self.peer.open(**kw)
         self.handles.append(h)
         return h
+
+    def pool(self) -> Any:
+        """The column's plain pool where it has one (a question of SHARED), else a fresh one."""
+        return self.shared if self.shared is not None else self.open()
 
     def tag(self) -> int:
         return next(self.tags)
@@ -750,17 +764,18 @@ def q_host_killed(ctx: Ctx) -> Cell:
 
 
 def q_idle_worker(ctx: Ctx) -> Cell:
-    h = ctx.open()
+    h = ctx.pool()
     lim = ctx.limits
     for f in [ctx.peer.submit(h, conffns.pid) for _ in range(WORKERS * 4)]:
         f.result(timeout=lim.start)  # every worker up (loky starts them lazily)
     long_tag, short_tag = ctx.tag(), ctx.tag()
-    ctx.peer.submit(h, conffns.beat, ctx.beats.path, long_tag, lim.idle_long)
+    busy = ctx.peer.submit(h, conffns.beat, ctx.beats.path, long_tag, lim.idle_long)
     ctx.started(long_tag)
     t0 = time.monotonic()
     short = ctx.peer.submit(h, conffns.started, ctx.beats.path, short_tag)
     s = ctx.beats.first("S", short_tag, lim.idle_long + lim.start)
     short.result(timeout=lim.settle)
+    busy.result(timeout=lim.settle)  # the pool may be the column's: left idle, as it was found
     wait = s.t - t0
     figs = {"busy_task_s": lim.idle_long, "submit_to_start_s": wait}
     if wait < lim.idle_long / 2:
@@ -769,7 +784,7 @@ def q_idle_worker(ctx: Ctx) -> Cell:
 
 
 def q_retries(ctx: Ctx) -> Cell:
-    h = ctx.open()
+    h = ctx.pool()
     mark = str(ctx.tmp / f"flaky-{ctx.tag()}")
     try:
         fut = ctx.peer.retry_submit(h, conffns.flaky, (mark,), 1)
@@ -814,17 +829,21 @@ def q_process_per_task(ctx: Ctx) -> Cell:
         h = ctx.open(per_task=True)
         api: NoAPI | None = None
     except NoAPI as why:
-        h, api = ctx.open(), why
+        h, api = ctx.pool(), why
     pids = [f.result(timeout=ctx.limits.settle) for f in [ctx.peer.submit(h, conffns.pid) for _ in range(n)]]
     distinct = len(set(pids))
     figs = {"api": api is None, "tasks": n, "distinct_pids": distinct}
     if api is not None:
-        return Cell(NO_API, f"{api}; {n} tasks ran in {distinct} processes", figs)
-    return Cell(YES if distinct == n else NO, f"{n} tasks, {distinct} processes", figs)
+        return Cell(NO_API, f"{api}; {n} tasks ran in {_processes(distinct)}", figs)
+    return Cell(YES if distinct == n else NO, f"{n} tasks, {_processes(distinct)}", figs)
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'' if n == 1 else 'es'}"
 
 
 def q_unpicklable(ctx: Ctx) -> Cell:
-    h = ctx.open()
+    h = ctx.pool()
     fut = ctx.peer.submit(h, conffns.unpicklable)
     done, _ = cf.wait([fut], timeout=ctx.limits.answer)
     err = _outcome(fut) if done else None
@@ -839,7 +858,7 @@ def q_unpicklable(ctx: Ctx) -> Cell:
 
 
 def q_exception_type(ctx: Ctx) -> Cell:
-    h = ctx.open()
+    h = ctx.pool()
     fut = ctx.peer.submit(h, conffns.raises, 7)
     err = fut.exception(timeout=ctx.limits.answer)
     kept = type(err) is conffns.AppError and err.args == (7,)
@@ -864,6 +883,11 @@ QUESTIONS: dict[str, tuple[str, Callable[[Ctx], Cell]]] = {
 }
 
 
+# Questions that leave a plain pool as they found it (every task ended, every worker alive)
+# share one per column, in this order: a pool of Dask's takes seconds to start.
+SHARED = ("retries", "process_per_task", "exception_type", "unpicklable", "idle_worker")
+
+
 def _close_bounded(peer: Peer, h: Any, bound: float) -> str | None:
     """Close a pool in a thread of its own, waiting at most ``bound`` s (a close that hangs
     is reported; the processes are ended by pid after it either way)."""
@@ -882,10 +906,11 @@ def _close_bounded(peer: Peer, h: Any, bound: float) -> str | None:
     return _exc(box[0]) if box else None
 
 
-def ask(peer: Peer, name: str, beats: Beats, limits: Limits, tmp: Path, tags: Iterator[int]) -> dict[str, Any]:
+def ask(peer: Peer, name: str, beats: Beats, limits: Limits, tmp: Path, tags: Iterator[int],
+        shared: Any = None) -> dict[str, Any]:
     """One question of one peer: its cell, with what cleaning up after it took."""
     before = set(descendants(os.getpid()))
-    ctx = Ctx(peer, beats, limits, tmp, tags)
+    ctx = Ctx(peer, beats, limits, tmp, tags, shared)
     t0 = time.monotonic()
     try:
         cell = QUESTIONS[name][1](ctx)
@@ -894,17 +919,20 @@ def ask(peer: Peer, name: str, beats: Beats, limits: Limits, tmp: Path, tags: It
     except Exception as err:  # noqa: BLE001 - one question failing does not lose the others
         cell = Cell(ERROR, _exc(err), {})
     seconds = time.monotonic() - t0
+    t1 = time.monotonic()
     # Tasks still beating are ended first, so that closing a pool never waits for one.
-    for pid in sorted(beats.pids & set(descendants(os.getpid()))):
+    beats.pump(0)
+    for pid in sorted(set(beats.running.values()) & set(descendants(os.getpid()))):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    beats.pids.clear()
+    beats.running.clear()
     problems = [p for h in ctx.handles if (p := _close_bounded(peer, h, limits.reap + 20))]
     left = {pid: cmd for pid, cmd in descendants(os.getpid()).items()
             if pid not in before and not _shared_helper(cmd)}
     killed, _ = end_processes(left, limits.reap)
     out = cell.as_dict()
     out["seconds"] = seconds
+    out["cleanup_s"] = time.monotonic() - t1
     if problems:
         out["close_problems"] = problems
     if killed:
@@ -925,15 +953,35 @@ def column(key: str, names: list[str], quick: bool, say: Callable[[str], None] =
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-conformance-{key}-"))
     beats = Beats(tmp / "beats.fifo")
     tags = itertools.count(1)
+    before = set(descendants(os.getpid()))
+    shared = None
     try:
         cells = {}
-        for n in names:
+        for n in [n for n in names if n not in SHARED] + [n for n in SHARED if n in names]:
+            if n in SHARED and shared is None:
+                say(f"{peer.title}: a pool for {', '.join(q for q in SHARED if q in names)}")
+                try:
+                    shared = peer.open()
+                    # Every worker up now, before any question notes the processes there are
+                    # (loky and ProcessPoolExecutor start theirs at the first submits).
+                    naps = [peer.submit(shared, conffns.nap, 0.2) for _ in range(WORKERS * 2)]
+                    for f in naps:
+                        f.result(timeout=limits.start)
+                except Exception as err:  # noqa: BLE001 - each question then opens its own, and says why
+                    shared = None
+                    say(f"{peer.title}: no shared pool: {_exc(err, 80)}")
             say(f"{peer.title}: {n}")
-            cells[n] = ask(peer, n, beats, limits, tmp, tags)
-        return cells
+            cells[n] = ask(peer, n, beats, limits, tmp, tags, shared)
+        return {n: cells[n] for n in names}
     finally:
-        beats.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if shared is not None:
+                _close_bounded(peer, shared, limits.reap + 20)
+            end_processes({pid: cmd for pid, cmd in descendants(os.getpid()).items()
+                           if pid not in before and not _shared_helper(cmd)}, limits.reap)
+        finally:
+            beats.close()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def column_main() -> None:
@@ -949,30 +997,33 @@ def column_main() -> None:
 COLUMN = "import sys; from benchmarks.sec_conformance import column_main; column_main()"
 
 
-def _columns_in_children(keys: list[str], names: list[str], quick: bool, at_once: int,
+def _columns_in_children(keys: list[str], names: list[str], quick: bool, at_once: int, parts: int,
                          progress: Callable[[str], None], tmp: Path) -> dict[str, dict[str, Any]]:
-    """Each peer's column in a child process, ``at_once`` of them at a time; each child's
-    progress lines relayed. A child that fails is a column of errors with its stderr's tail."""
-    out: dict[str, dict[str, Any]] = {}
-    todo = list(keys)
-    running: dict[int, tuple[str, subprocess.Popen[str]]] = {}
-    bound = (len(names) * 120) + 120
+    """Each peer's column in child processes (``parts`` 2: the questions of SHARED in one, the
+    others in another), ``at_once`` children at a time; their progress lines relayed. A
+    child that fails gives cells of errors with its stderr's last line."""
+    out: dict[str, dict[str, Any]] = {k: {} for k in keys}
+    deals = [names] if parts == 1 else [[n for n in names if n not in SHARED], [n for n in names if n in SHARED]]
+    todo = [(k, i, deal) for i, deal in enumerate(deals) for k in keys if deal]
+    running: dict[int, tuple[str, list[str], Path, subprocess.Popen[str]]] = {}
+    bound = len(names) * 120 + 120
     t0 = time.monotonic()
     try:
         while todo or running:
             while todo and len(running) < at_once:
-                key = todo.pop(0)
-                child = subprocess.Popen(
-                    [sys.executable, "-c", COLUMN, key, "1" if quick else "0", ",".join(names),
-                     str(tmp / f"{key}.json")], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                    stderr=open(tmp / f"{key}.err", "w"), stdin=subprocess.DEVNULL, text=True)
+                key, part, mine = todo.pop(0)
+                result = tmp / f"{key}-{part}.json"
+                with open(result.with_suffix(".err"), "w") as err:
+                    child = subprocess.Popen([sys.executable, "-c", COLUMN, key, "1" if quick else "0", ",".join(mine),
+                                              str(result)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err,
+                                             stdin=subprocess.DEVNULL, text=True)
                 assert child.stdout is not None
-                running[child.stdout.fileno()] = (key, child)
+                running[child.stdout.fileno()] = (key, mine, result, child)
             ready, _, _ = select.select(list(running), [], [], 5.0)
             if time.monotonic() - t0 > bound:
                 raise TimeoutError(f"the columns took over {bound} s")
             for fd in ready:
-                key, child = running[fd]
+                key, mine, result, child = running[fd]
                 assert child.stdout is not None
                 line = child.stdout.readline()
                 if line:
@@ -981,15 +1032,14 @@ def _columns_in_children(keys: list[str], names: list[str], quick: bool, at_once
                 child.wait(timeout=60)
                 del running[fd]
                 child.stdout.close()
-                result = tmp / f"{key}.json"
                 if child.returncode == 0 and result.exists():
-                    out[key] = json.loads(result.read_text())
+                    out[key].update(json.loads(result.read_text()))
                 else:
-                    tail = (tmp / f"{key}.err").read_text().strip().splitlines()[-1:] or ["no stderr"]
-                    out[key] = {n: Cell(ERROR, f"column exited {child.returncode}: {tail[0][:100]}").as_dict()
-                                for n in names}
+                    tail = result.with_suffix(".err").read_text().strip().splitlines()[-1:] or ["no stderr"]
+                    out[key].update({n: Cell(ERROR, f"its child exited {child.returncode}: {tail[0][:100]}").as_dict()
+                                     for n in mine})
     finally:
-        for _, child in running.values():
+        for *_, child in running.values():
             child.kill()
             child.wait(timeout=30)
     return out
@@ -1010,7 +1060,10 @@ def run(quick: bool, progress: Callable[[str], None], *, out: Path | None = None
     tmp = Path(tempfile.mkdtemp(prefix="bench-conformance-"))
     t0 = time.monotonic()
     try:
-        cells = _columns_in_children(keys, names, quick, len(keys) if quick else 1, progress, tmp)
+        # Quick: every column at once, each dealt out to QUICK_PARTS children (Dask's pools
+        # take seconds to start: its column alone would set the pace); full: one at a time.
+        cells = _columns_in_children(keys, names, quick, len(keys) * QUICK_PARTS if quick else 1,
+                                     QUICK_PARTS if quick else 1, progress, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {
@@ -1041,8 +1094,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
 
 def render(res: dict[str, Any]) -> list[str]:
     """The stdout block: one line per question and executor (the cells are long for a grid)."""
-    out = [f"conformance: {res['workers']} workers per pool, a fresh pool per question "
-           f"({', '.join(res['columns'].values())})"]
+    out = [f"conformance: {res['workers']} workers per pool, a fresh pool per question but {', '.join(SHARED)} "
+           f"(one pool for those) ({', '.join(res['columns'].values())})"]
     for n, q in res["questions"].items():
         out.append(q)
         for k, title in res["columns"].items():
