@@ -181,20 +181,16 @@ class Peer:
         raise NotImplementedError
 
     @staticmethod
-    def _refuse(ctor: Callable[..., Any], per_task: bool, memory_max: int | None,
-                per_task_names: tuple[str, ...], memory_names: tuple[str, ...]) -> dict[str, Any]:
-        """The keywords for a process per task and a memory limit, where ``ctor`` has them."""
+    def _keywords(ctor: Callable[..., Any], per_task: bool, memory_max: int | None) -> dict[str, Any]:
+        """The keywords that ask ``ctor`` for a process per task and a memory limit, as it
+        spells them; NoAPI when it takes none of the spellings."""
         kw: dict[str, Any] = {}
-        if per_task:
-            name = next((n for n in per_task_names if named(ctor, n)), None)
-            if name is None:
-                raise NoAPI(f"{_where(ctor)}() takes none of {', '.join(per_task_names)}")
-            kw[name] = 1
-        if memory_max is not None:
-            name = next((n for n in memory_names if named(ctor, n)), None)
-            if name is None:
-                raise NoAPI(f"{_where(ctor)}() takes none of {', '.join(memory_names)}")
-            kw[name] = memory_max
+        for wanted, names, value in ((per_task, PER_TASK_NAMES, 1), (memory_max is not None, MEMORY_NAMES, memory_max)):
+            if wanted:
+                name = next((n for n in names if named(ctor, n)), None)
+                if name is None:
+                    raise NoAPI(f"{_where(ctor)}() takes none of {', '.join(names)}")
+                kw[name] = value
         return kw
 
 
@@ -206,7 +202,7 @@ class PPEPeer(Peer):
     key, title = "ppe", "ProcessPoolExecutor"
 
     def open(self, workers: int = WORKERS, *, per_task: bool = False, memory_max: int | None = None) -> Any:
-        kw = self._refuse(cf.ProcessPoolExecutor, per_task, memory_max, PER_TASK_NAMES, MEMORY_NAMES)
+        kw = self._keywords(cf.ProcessPoolExecutor, per_task, memory_max)
         try:
             return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), **kw)
         except ValueError:  # 3.11 refuses fork with max_tasks_per_child: its default context then
@@ -223,7 +219,7 @@ class LokyPeer(Peer):
         import loky
 
         # loky's own ``timeout`` keyword is how long an idle worker lives, not a task's bound.
-        kw = self._refuse(loky.ProcessPoolExecutor, per_task, memory_max, PER_TASK_NAMES, MEMORY_NAMES)
+        kw = self._keywords(loky.ProcessPoolExecutor, per_task, memory_max)
         return loky.ProcessPoolExecutor(max_workers=workers, **kw)
 
     def closest_shutdown(self, h: Any) -> str:
@@ -240,7 +236,7 @@ class PebblePeer(Peer):
     def open(self, workers: int = WORKERS, *, per_task: bool = False, memory_max: int | None = None) -> Any:
         import pebble
 
-        kw = self._refuse(pebble.ProcessPool, per_task, memory_max, PER_TASK_NAMES, MEMORY_NAMES)
+        kw = self._keywords(pebble.ProcessPool, per_task, memory_max)
         return pebble.ProcessPool(max_workers=workers, **kw)
 
     def submit(self, h: Any, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
@@ -280,7 +276,7 @@ class DaskPeer(Peer):
         import logging
 
         distributed: Any = importlib.import_module("distributed")  # untyped: Any, not its partial hints
-        kw = self._refuse(distributed.Worker, per_task, memory_max, PER_TASK_NAMES, MEMORY_NAMES)
+        kw = self._keywords(distributed.Worker, per_task, memory_max)
         cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                            dashboard_address=None, silence_logs=logging.CRITICAL, **kw)
         try:
@@ -313,7 +309,7 @@ class OursPeer(Peer):
     def open(self, workers: int = WORKERS, *, per_task: bool = False, memory_max: int | None = None) -> Any:
         from orchestrator import Executor
 
-        kw = self._refuse(Executor, per_task, memory_max, PER_TASK_NAMES, MEMORY_NAMES)
+        kw = self._keywords(Executor, per_task, memory_max)
         return Executor(max_workers=workers, **kw)
 
     def timeout_submit(self, h: Any, fn: Callable[..., Any], args: tuple[Any, ...], seconds: float) -> cf.Future[Any]:
@@ -738,9 +734,10 @@ def host_child(key: str, fifo: str, first_tag: str, seconds: str) -> None:
 def q_host_killed(ctx: Ctx) -> Cell:
     lim = ctx.limits
     tags = [ctx.tag() for _ in range(WORKERS)]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, ctx.peer.key, ctx.beats.path, str(tags[0]),
-                              str(lim.long)], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                             stderr=open(ctx.tmp / "host-child.err", "wb"))
+    with open(ctx.tmp / "host-child.err", "wb") as err:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, ctx.peer.key, ctx.beats.path, str(tags[0]),
+                                  str(lim.long)], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                 stderr=err)
     try:
         workers = {ctx.started(tag).pid for tag in tags}
         under = descendants(child.pid)
