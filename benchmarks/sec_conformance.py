@@ -552,9 +552,13 @@ def _ms(seconds: float | None) -> str:
 
 
 def _exc(err: BaseException | None, width: int = 200) -> str:
-    """``Name('its words')``, the words cut at ``width`` (the JSON keeps 200, a cell less)."""
+    """``Name('its words')``, the words cut at ``width`` (the JSON keeps 200, a cell less);
+    in a cell, an exception that carries a ``reason`` (ours do) shows that instead."""
     if err is None:
         return "no exception"
+    reason = getattr(err, "reason", None)
+    if width < 200 and isinstance(reason, str) and reason:
+        return f"{type(err).__name__}(reason={reason[:width]!r})"
     words = " ".join(str(err).split())
     if len(words) > width:
         words = words[:width - 3] + "..."
