@@ -17,6 +17,10 @@ def pid(_: object = None) -> int:
     return os.getpid()
 
 
+def environ(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def announce_then_sleep(path: str, seconds: float, token: object = None) -> str:
     """Says ``pid`` on the socket at ``path``, then sleeps; a Cancelled that reaches it
     says ``cancelled <time.monotonic()>`` there (one clock for every process of the host)

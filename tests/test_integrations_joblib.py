@@ -46,9 +46,13 @@ def test_parallel_runs_in_the_pools_workers_and_the_pool_goes_with_the_call(tagg
         with Parallel() as parallel:  # one pool for the calls of the block
             squares = parallel(delayed(taskfns.square)(i) for i in range(50))
             pids = parallel(delayed(integrationfns.pid)(i) for i in range(10))
+            threads = parallel(delayed(integrationfns.environ)(var) for var in ("OMP_NUM_THREADS", TAG_VAR))
             workers, pool = pool_processes(backend)
     assert squares == [i * i for i in range(50)]
     assert set(pids) <= set(workers) and os.getpid() not in pids, (pids, workers)
+    # loky's thread limit (the CPUs over n_jobs, or what this process sets), beside `env`'s own
+    assert threads == [os.environ.get("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // 2, 1))),
+                       tagged["env"][TAG_VAR]]
     assert backend.executor is None
     assert not wait_gone(pool, 10), "the pool outlived its Parallel block"
 

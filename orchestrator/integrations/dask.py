@@ -126,8 +126,9 @@ class ExecutorPlugin(WorkerPlugin):
         # in the pool's spawner, a fresh worker (a replacement, max_tasks_per_child) has it
         # already, instead of seconds of imports before its first task.
         keywords["preload"] = ("distributed.worker", *keywords.get("preload", ()))
-        # Its workers start and report ready before Executor() returns: off the event loop,
-        # which keeps the worker's heartbeats and comms going meanwhile.
+        # Executor() starts the pool's control loop, watchdog and spawner and waits for
+        # them (about a second): off the event loop, which keeps the worker's heartbeats
+        # and comms going meanwhile.
         executor = await asyncio.to_thread(functools.partial(Executor, **keywords))
         self.side = DaskSide(executor)
         worker.executors[self.executor_name] = self.side
