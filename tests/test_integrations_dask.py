@@ -10,6 +10,8 @@ race in a worker."""
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import importlib.util
 import os
 import signal
 import socket
@@ -20,52 +22,70 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
 
-pytest.importorskip("distributed")
+import integrationfns
+from conftest import TAG_VAR, ProcessTracker
+from helpers import Ident, wait_gone
+from orchestrator import WorkerLost
+from orchestrator.taskfutures import TaskFuture, fail, resolve
 
-import dask  # noqa: E402
-from distributed import Client, LocalCluster, Reschedule  # noqa: E402
+if importlib.util.find_spec("distributed") is None:
+    pytest.skip("distributed is not installed (the test extra has it)", allow_module_level=True)
 
-import integrationfns  # noqa: E402
-from conftest import TAG_VAR, ProcessTracker  # noqa: E402
-from helpers import Ident, wait_gone  # noqa: E402
-from orchestrator import WorkerLost  # noqa: E402
-from orchestrator.integrations.dask import DEFAULT_NAME, DaskSide, ExecutorPlugin  # noqa: E402
-from orchestrator.taskfutures import TaskFuture, fail, resolve  # noqa: E402
-
-PLUGIN = f"orchestrator-executor-{DEFAULT_NAME}"
+NAME = "orchestrator"  # the plugin's default executor name
+PLUGIN = f"orchestrator-executor-{NAME}"
 WAIT = 30.0  # every wait on the cluster or a task: bounded, and generous on a loaded host
 
 
-@pytest.fixture(scope="module", autouse=True)
-def resource_tracker() -> Iterator[None]:
-    """The standard library's resource tracker, which a LocalCluster's Nanny starts (for
-    its queues), runs from before any test's ``procs`` looks, so that no test's sweep takes
-    it for its own and kills it (the next Nanny would warn: an error here); stopped after
-    the module's clusters are gone, so that the session's sweep does not find it either
-    (``_stop`` is how CPython's own tests end it: it closes the pipe and reaps the tracker,
-    which has exited once no process holds the pipe: every cluster's have)."""
+@pytest.fixture(scope="module")
+def dk() -> Iterator[SimpleNamespace]:
+    """distributed and the integration, imported for this module's tests alone, and what
+    that import changes in this process undone after them:
+
+    * ``import distributed`` installs tblib's pickling of every exception class in the
+      process (``copyreg``); a process forked from it later pickles a ``SystemExit`` that
+      arrives without its ``code`` (a ProcessPoolExecutor test of this xdist worker saw
+      it). So nothing here is imported at collection, and the dispatch table is put back.
+    * The standard library's resource tracker, which a LocalCluster's Nanny starts (for its
+      queues), runs from before any test's ``procs`` looks, so that no test's sweep takes it
+      for its own and kills it (the next Nanny would warn: an error here); it is stopped
+      after the module's clusters are gone, so that the session's sweep does not find it
+      either (``_stop`` is how CPython's own tests end it: it closes the pipe and reaps the
+      tracker, which has exited once no process holds the pipe: every cluster's have)."""
     from multiprocessing import resource_tracker
 
+    dispatch = dict(copyreg.dispatch_table)
     resource_tracker.ensure_running()
-    yield
-    resource_tracker._resource_tracker._stop()
+    try:
+        import dask
+        from distributed import Client, LocalCluster, Reschedule
+
+        from orchestrator.integrations.dask import DEFAULT_NAME, DaskSide, ExecutorPlugin
+
+        assert DEFAULT_NAME == NAME
+        yield SimpleNamespace(dask=dask, Client=Client, LocalCluster=LocalCluster, Reschedule=Reschedule,
+                              DaskSide=DaskSide, ExecutorPlugin=ExecutorPlugin)
+    finally:
+        resource_tracker._resource_tracker._stop()
+        copyreg.dispatch_table.clear()
+        copyreg.dispatch_table.update(dispatch)
 
 
 @contextlib.contextmanager
-def dask_cluster(procs: ProcessTracker, tag: str) -> Iterator[tuple[Client, set[Ident]]]:
+def dask_cluster(dk: SimpleNamespace, procs: ProcessTracker, tag: str) -> Iterator[tuple[Any, set[Ident]]]:
     """A one-worker, one-thread LocalCluster on loopback with the plugin registered, and a
     set for the processes the test saw (``seen``); at exit the client and the cluster
     close, and every process in ``seen`` must be gone."""
     seen: set[Ident] = set()
-    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+    cluster = dk.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                            dashboard_address="127.0.0.1:0")
-    client = Client(cluster)
+    client = dk.Client(cluster)
     try:
-        client.register_plugin(ExecutorPlugin(env={TAG_VAR: tag}))
+        client.register_plugin(dk.ExecutorPlugin(env={TAG_VAR: tag}))
         yield client, seen
         if client.scheduler_info()["workers"]:  # none after a test killed its worker
             seen |= worker_trees(client)  # the latest replacements too
@@ -78,7 +98,7 @@ def dask_cluster(procs: ProcessTracker, tag: str) -> Iterator[tuple[Client, set[
     assert not left, f"left after the client and the cluster closed: {left}"
 
 
-def worker_trees(client: Client) -> set[Ident]:
+def worker_trees(client: Any) -> set[Ident]:
     return {ident for pids in client.run(integrationfns.tree).values() for pid in pids
             if (ident := Ident.of(pid)) is not None}
 
@@ -116,20 +136,20 @@ def test_importing_orchestrator_imports_no_integration() -> None:
     assert not [m for m in loaded if m.startswith("orchestrator.integrations")]
 
 
-def test_the_plugin_refuses_what_the_executor_does_not_take() -> None:
+def test_the_plugin_refuses_what_the_executor_does_not_take(dk: SimpleNamespace) -> None:
     with pytest.raises(TypeError, match="orchestrator.Executor takes no keyword max_worker$"):
-        ExecutorPlugin(max_worker=2)
+        dk.ExecutorPlugin(max_worker=2)
     with pytest.raises(ValueError, match="'default' is one of the Dask worker's own executors"):
-        ExecutorPlugin(name="default")
-    plugin = ExecutorPlugin(name="isolated", timeout=5)
+        dk.ExecutorPlugin(name="default")
+    plugin = dk.ExecutorPlugin(name="isolated", timeout=5)
     assert (plugin.name, plugin.keywords, plugin.executor) == ("orchestrator-executor-isolated", {"timeout": 5}, None)
 
 
 def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
-        procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
-    with dask_cluster(procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
+        dk: SimpleNamespace, procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
+    with dask_cluster(dk, procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
         ((address, dask_pid),) = client.run(os.getpid).items()
-        with dask.annotate(executor=DEFAULT_NAME):
+        with dk.dask.annotate(executor=NAME):
             ran = client.gather(client.map(integrationfns.pid, range(3)))
         replicas = client.run(integrationfns.replica_pids, plugin=PLUGIN)[address]
         assert set(ran) <= set(replicas) and dask_pid not in ran, (ran, replicas, dask_pid)
@@ -137,7 +157,7 @@ def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
 
         latencies = []
         for i in range(3):
-            with dask.annotate(executor=DEFAULT_NAME):
+            with dk.dask.annotate(executor=NAME):
                 fut = client.submit(integrationfns.announce_then_sleep, str(srv.getsockname()), 60, i, pure=False)
             conn, _ = srv.accept()
             with conn:
@@ -151,17 +171,17 @@ def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
               f"{', '.join(f'{s * 1000:.1f}' for s in latencies)} ms (median {statistics.median(latencies) * 1000:.1f})")
         assert max(latencies) < 0.100, latencies
         # The worker's thread is free again: the next task runs.
-        with dask.annotate(executor=DEFAULT_NAME):
+        with dk.dask.annotate(executor=NAME):
             assert client.submit(integrationfns.pid, "after").result(timeout=WAIT) in client.run(
                 integrationfns.replica_pids, plugin=PLUGIN)[address]
 
 
 def test_a_killed_task_process_fails_only_its_future_and_a_killed_dask_worker_leaves_no_pool(
-        procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
-    with dask_cluster(procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
+        dk: SimpleNamespace, procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
+    with dask_cluster(dk, procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
         ((address, dask_pid),) = client.run(os.getpid).items()
         seen |= worker_trees(client)
-        with dask.annotate(executor=DEFAULT_NAME):
+        with dk.dask.annotate(executor=NAME):
             doomed = client.submit(integrationfns.announce_then_sleep, str(srv.getsockname()), 60)
             queued = client.submit(integrationfns.pid, "queued")  # behind it, on the one thread
         conn, _ = srv.accept()
@@ -172,7 +192,7 @@ def test_a_killed_task_process_fails_only_its_future_and_a_killed_dask_worker_le
         assert isinstance(err, WorkerLost), repr(err)
         assert err.reason == "killed by SIGKILL", err.reason
         assert queued.result(timeout=WAIT) != victim  # the pool's replacement ran it
-        with dask.annotate(executor=DEFAULT_NAME):
+        with dk.dask.annotate(executor=NAME):
             assert client.submit(integrationfns.pid, "next").result(timeout=WAIT) != victim
         assert client.run(os.getpid) == {address: dask_pid}, "the Dask worker was replaced"
         # The Dask worker itself SIGKILLed: its pool's watchdog kills the pool's processes.
@@ -229,16 +249,16 @@ def run_task(spec: Spec, data: dict[str, Any], delay: float) -> dict[str, Any]:
 
 
 @pytest.fixture
-def side() -> Iterator[tuple[DaskSide, FakeExecutor]]:
+def side(dk: SimpleNamespace) -> Iterator[tuple[Any, FakeExecutor]]:
     fake = FakeExecutor()
-    side = DaskSide(fake)  # type: ignore[arg-type]
+    side = dk.DaskSide(fake)
     try:
         yield side, fake
     finally:
         side.shutdown(wait=True)
 
 
-def test_a_task_result_and_failure_reach_the_future_dask_awaits(side: tuple[DaskSide, FakeExecutor]) -> None:
+def test_a_task_result_and_failure_reach_the_future_dask_awaits(side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     ok, lost = ds.submit(run_task, Spec("a"), {}, 0.0), ds.submit(run_task, Spec("b"), {}, 0.0)
     resolve(fake.submitted[0][2], {"op": "task-finished", "result": 1})
@@ -250,21 +270,21 @@ def test_a_task_result_and_failure_reach_the_future_dask_awaits(side: tuple[Dask
 
 
 def test_a_cancel_of_a_running_key_cancels_its_task_and_dask_gets_a_reschedule(
-        side: tuple[DaskSide, FakeExecutor]) -> None:
+        dk: SimpleNamespace, side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     outer = ds.submit(run_task, Spec("k"), {}, 0.0)
     ds.cancel("k")
     assert fake.cancel_seen.wait(5) and fake.cancelled == [0]
     got = outer.result(timeout=5)
-    assert got["op"] == "task-erred" and isinstance(got["actual_exception"], Reschedule)
+    assert got["op"] == "task-erred" and isinstance(got["actual_exception"], dk.Reschedule)
 
 
 def test_a_key_released_before_its_submit_never_runs_unless_it_is_wanted_again(
-        side: tuple[DaskSide, FakeExecutor]) -> None:
+        dk: SimpleNamespace, side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     ds.cancel("early")  # the state machine's move came a turn before the coroutine's submit
     outer = ds.submit(run_task, Spec("early"), {}, 0.0)
-    assert fake.submitted == [] and isinstance(outer.result(timeout=0)["actual_exception"], Reschedule)
+    assert fake.submitted == [] and isinstance(outer.result(timeout=0)["actual_exception"], dk.Reschedule)
     ds.cancel("again")
     ds.forget("again")  # cancelled -> waiting: the same run is wanted again
     ds.submit(run_task, Spec("again"), {}, 0.0)
@@ -273,7 +293,7 @@ def test_a_key_released_before_its_submit_never_runs_unless_it_is_wanted_again(
     assert len(fake.submitted) == 2
 
 
-def test_a_cancel_of_the_future_dask_awaits_cancels_the_task(side: tuple[DaskSide, FakeExecutor]) -> None:
+def test_a_cancel_of_the_future_dask_awaits_cancels_the_task(side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     outer = ds.submit(run_task, Spec("closing"), {}, 0.0)
     assert outer.cancel()  # asyncio's, as the worker closes and cancels the coroutine awaiting it
@@ -281,7 +301,7 @@ def test_a_cancel_of_the_future_dask_awaits_cancels_the_task(side: tuple[DaskSid
     assert outer.cancelled()  # the task's end after it changes nothing there
 
 
-def test_a_cancel_for_a_key_that_already_ended_does_nothing(side: tuple[DaskSide, FakeExecutor]) -> None:
+def test_a_cancel_for_a_key_that_already_ended_does_nothing(side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     outer = ds.submit(run_task, Spec("done"), {}, 0.0)
     resolve(fake.submitted[0][2], {"op": "task-finished", "result": None})
@@ -292,7 +312,7 @@ def test_a_cancel_for_a_key_that_already_ended_does_nothing(side: tuple[DaskSide
     assert isinstance(ds.submit(run_task, Spec("done"), {}, 0.0), Future) and len(fake.submitted) == 2
 
 
-def test_shutdown_shuts_the_executor_down(side: tuple[DaskSide, FakeExecutor]) -> None:
+def test_shutdown_shuts_the_executor_down(side: tuple[Any, FakeExecutor]) -> None:
     ds, fake = side
     ds.shutdown(wait=True, cancel_futures=True)
     assert fake.shut == [(True, True)]
