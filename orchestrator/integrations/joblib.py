@@ -18,7 +18,8 @@ the call still has, and those that run get ``orchestrator.Cancelled`` raised in 
 Batches: joblib groups quick calls into one task (its auto-batching, as with loky), except
 where a keyword is counted per task: with ``timeout`` or ``max_tasks_per_child`` each call is
 a task of its own, so that the limit means what it says of one call (``Parallel(batch_size=N)``
-still groups N).
+still groups N). A call of ``n_jobs=1`` joblib runs in the calling process itself, whatever
+the backend: no pool, none of the executor's keywords.
 """
 
 from __future__ import annotations
