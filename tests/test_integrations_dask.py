@@ -149,6 +149,8 @@ def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
         dk: SimpleNamespace, procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
     with dask_cluster(dk, procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
         ((address, dask_pid),) = client.run(os.getpid).items()
+        with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):  # the executor's own word
+            client.register_plugin(dk.ExecutorPlugin(name="refused", max_workers=0))
         with dk.dask.annotate(executor=NAME):
             ran = client.gather(client.map(integrationfns.pid, range(3)))
         replicas = client.run(integrationfns.replica_pids, plugin=PLUGIN)[address]

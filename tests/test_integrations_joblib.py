@@ -67,10 +67,12 @@ def test_an_error_in_one_task_cancels_the_rest(tagged: dict[str, Any], tmp_path:
     log = tmp_path / "cancelled.log"
     calls = [delayed(integrationfns.fail_after)(0.2, "boom")]
     calls += [delayed(taskfns.record_cancel)(token, str(log), 60) for token in (1, 2, 3)]
-    started = time.monotonic()
-    with parallel_backend(NAME, n_jobs=4, **tagged), pytest.raises(ValueError, match="^boom$"):
-        Parallel()(calls)
-    took = time.monotonic() - started
+    with parallel_backend(NAME, n_jobs=4, **tagged), Parallel() as parallel:
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="^boom$"):
+            parallel(calls)
+        took = time.monotonic() - started
+        assert parallel(delayed(taskfns.square)(i) for i in range(4)) == [0, 1, 4, 9]  # the pool goes on
     assert sorted(log.read_text().split()) == ["1", "2", "3"], "a running task was not cancelled"
     assert took < 30, f"the call waited for the tasks it should have cancelled ({took:.1f} s)"
 
