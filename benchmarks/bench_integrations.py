@@ -77,6 +77,7 @@ def dask_figures(samples: int, tasks: int, dask_sleep: float) -> None:
     from orchestrator.integrations.dask import DEFAULT_NAME, ExecutorPlugin
 
     with tempfile.TemporaryDirectory(prefix="bench-integrations-") as tmp, \
+            dask.config.set({"temporary-directory": tmp}), \
             LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         started = time.monotonic()

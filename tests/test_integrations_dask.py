@@ -76,13 +76,16 @@ def dk() -> Iterator[SimpleNamespace]:
 
 
 @contextlib.contextmanager
-def dask_cluster(dk: SimpleNamespace, procs: ProcessTracker, tag: str) -> Iterator[tuple[Any, set[Ident]]]:
-    """A one-worker, one-thread LocalCluster on loopback with the plugin registered, and a
-    set for the processes the test saw (``seen``); at exit the client and the cluster
-    close, and every process in ``seen`` must be gone."""
+def dask_cluster(dk: SimpleNamespace, procs: ProcessTracker, tag: str,
+                 tmp_path: Path) -> Iterator[tuple[Any, set[Ident]]]:
+    """A one-worker, one-thread LocalCluster on loopback with the plugin registered (the
+    scheduler's and the workers' scratch space in ``tmp_path``, not the shared
+    /tmp/dask-scratch-space), and a set for the processes the test saw (``seen``); at exit
+    the client and the cluster close, and every process in ``seen`` must be gone."""
     seen: set[Ident] = set()
-    cluster = dk.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address="127.0.0.1:0")
+    with dk.dask.config.set({"temporary-directory": str(tmp_path / "dask")}):
+        cluster = dk.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address="127.0.0.1:0")
     client = dk.Client(cluster)
     try:
         client.register_plugin(dk.ExecutorPlugin(env={TAG_VAR: tag}))
@@ -147,7 +150,7 @@ def test_the_plugin_refuses_what_the_executor_does_not_take(dk: SimpleNamespace)
 
 def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
         dk: SimpleNamespace, procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
-    with dask_cluster(dk, procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
+    with dask_cluster(dk, procs, orch_test_tag, tmp_path) as (client, seen), listener(tmp_path) as srv:
         ((address, dask_pid),) = client.run(os.getpid).items()
         with pytest.raises(ValueError, match="^max_workers must be greater than 0$"):  # the executor's own word
             client.register_plugin(dk.ExecutorPlugin(name="refused", max_workers=0))
@@ -180,7 +183,7 @@ def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
 
 def test_a_killed_task_process_fails_only_its_future_and_a_killed_dask_worker_leaves_no_pool(
         dk: SimpleNamespace, procs: ProcessTracker, orch_test_tag: str, tmp_path: Path) -> None:
-    with dask_cluster(dk, procs, orch_test_tag) as (client, seen), listener(tmp_path) as srv:
+    with dask_cluster(dk, procs, orch_test_tag, tmp_path) as (client, seen), listener(tmp_path) as srv:
         ((address, dask_pid),) = client.run(os.getpid).items()
         seen |= worker_trees(client)
         with dk.dask.annotate(executor=NAME):
