@@ -80,8 +80,10 @@ def dask_cluster(dk: SimpleNamespace, procs: ProcessTracker, tag: str,
                  tmp_path: Path) -> Iterator[tuple[Any, set[Ident]]]:
     """A one-worker, one-thread LocalCluster on loopback with the plugin registered (the
     scheduler's and the workers' scratch space in ``tmp_path``, not the shared
-    /tmp/dask-scratch-space), and a set for the processes the test saw (``seen``); at exit
-    the client and the cluster close, and every process in ``seen`` must be gone."""
+    /tmp/dask-scratch-space), and a set for the processes the test saw (``seen``: the test
+    adds them, its last look once it is done with the worker; at the exit the scheduler may
+    not know yet of a worker the test killed); at exit the client and the cluster close, and
+    every process in ``seen`` must be gone."""
     seen: set[Ident] = set()
     with dk.dask.config.set({"temporary-directory": str(tmp_path / "dask")}):
         cluster = dk.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
@@ -90,8 +92,6 @@ def dask_cluster(dk: SimpleNamespace, procs: ProcessTracker, tag: str,
     try:
         client.register_plugin(dk.ExecutorPlugin(env={TAG_VAR: tag}))
         yield client, seen
-        if client.scheduler_info()["workers"]:  # none after a test killed its worker
-            seen |= worker_trees(client)  # the latest replacements too
     finally:
         client.close()
         cluster.close()
@@ -179,6 +179,7 @@ def test_dask_tasks_run_in_the_pool_and_a_cancel_raises_cancelled_within_100ms(
         with dk.dask.annotate(executor=NAME):
             assert client.submit(integrationfns.pid, "after").result(timeout=WAIT) in client.run(
                 integrationfns.replica_pids, plugin=PLUGIN)[address]
+        seen |= worker_trees(client)  # the replacements too
 
 
 def test_a_killed_task_process_fails_only_its_future_and_a_killed_dask_worker_leaves_no_pool(
@@ -205,6 +206,7 @@ def test_a_killed_task_process_fails_only_its_future_and_a_killed_dask_worker_le
         # which would only slow the close down.
         pool = worker_trees(client) - {Ident.of(dask_pid)}
         assert len(pool) >= 3, pool  # a watchdog, a spawner and a worker at least
+        seen |= pool
         client.run(integrationfns.no_restart, nanny=True)
         os.kill(dask_pid, signal.SIGKILL)
         left = wait_gone(pool, 10)
