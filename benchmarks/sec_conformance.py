@@ -1074,6 +1074,7 @@ def run(quick: bool, progress: Callable[[str], None], *, out: Path | None = None
     }
     where = out or REPO_ROOT / "benchmarks" / "results"
     where.mkdir(parents=True, exist_ok=True)
+    result["table"] = str(where / "conformance.md")
     (where / "conformance.json").write_text(json.dumps(result, indent=1, default=repr) + "\n")
     (where / "conformance.md").write_text("\n".join(markdown(result)) + "\n")
     return result
@@ -1101,5 +1102,5 @@ def render(res: dict[str, Any]) -> list[str]:
         out.append(q)
         for k, title in res["columns"].items():
             out.append(f"  {title:<20} {_cell_text(res['cells'][n][k])}")
-    out.append("  the table: benchmarks/results/conformance.md")
+    out.append(f"  the table: {res.get('table', 'benchmarks/results/conformance.md')}")
     return out
