@@ -25,8 +25,20 @@ the log file directly (b), side by side in one process run. Compare ratios, not 
     + ftruncate), the stall the loop (or someone) pays per rotation, and during which what
     the child writes is lost or duplicated.
 
+(4) What the per-line times cost the capture (logindex.py): the loop's CPU for the same
+    writer with the index (LogCapture's default) against without (``index=False``), rounds
+    interleaved, rate caps off, per writer:
+      lines    a Python child writing 100-byte lines one write each, ~1 ms apart: a chunk
+               per line and a record per chunk, the index's worst case
+      20 MB/s  the paced writer of (2), 64 KiB blocks
+      yes      `yes` unthrottled: as many chunks as the loop can read
+    and ``logs --since`` over a large log (``--big-mib``, 1024 by default: 1 GiB) written
+    through the capture on a simulated clock (the whole log spread over 10 days), against
+    reading the whole file once (what a --since without an index would have to do).
+
 Run: .venv/bin/python benchmarks/bench_logs.py [--rounds N] [--seconds S] [--orchestrator]
-(from the repo root; the default run takes about half a minute).
+[--index-only] [--big-mib M] (from the repo root; the default run takes about a minute and
+writes --big-mib MiB to the temporary dir).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,6 +79,14 @@ while True:
     if ahead > 0:
         time.sleep(ahead)
     sent += os.write(1, block)
+"""
+
+LINE_WRITER = r"""
+import os, time
+line = b"2025-01-01T00:00:00Z INFO worker: request handled in 1.234 ms path=/api/v1/items?page=1&size=20\n"
+while True:
+    os.write(1, line)
+    time.sleep(0.001)
 """
 
 ECHO_CLIENT = r"""
@@ -318,6 +339,108 @@ def run_scenario(name: str, design: str, writer: str, seconds: float, tmp: str, 
     return sc
 
 
+# -- (4) the index ---------------------------------------------------------------------------------
+
+
+def capture_cpu(writer: list[str], seconds: float, tmp: str, index: bool) -> tuple[float, int, int]:
+    """(loop CPU seconds, bytes captured, records in the index) for ``seconds`` of ``writer``
+    (the records: of the whole run, the 0.2 s warm-up included)."""
+    logs_dir = tempfile.mkdtemp(dir=tmp)
+    reactor = Reactor()
+    # one file (no rotation) so that its index holds every record made
+    cap = LogCapture(logs_dir, reactor, rate=None, total_rate=None, create_after=0, index=index,
+                     max_bytes=4 << 30, backups=0)
+    ru: list[resource.struct_rusage] = []
+    got = [0]
+
+    def run() -> None:
+        reactor.run_until(lambda: False, 0.2)  # the writer at its pace first
+        b0 = cap.totals()["bytes"]
+        ru.append(resource.getrusage(resource.RUSAGE_SELF))
+        reactor.run_until(lambda: False, seconds)
+        ru.append(resource.getrusage(resource.RUSAGE_SELF))
+        got[0] = cap.totals()["bytes"] - b0
+
+    _with_writer(cap, reactor, "writer-1", writer, run)
+    ru0, ru1 = ru
+    idx = os.path.join(logs_dir, "writer-1.out.idx")
+    records = os.path.getsize(idx) // 16 - 1 if os.path.exists(idx) else 0
+    shutil.rmtree(logs_dir, ignore_errors=True)
+    return ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime, got[0], records
+
+
+def _with_writer(cap: LogCapture, reactor: Reactor, rid: str, argv: list[str], run: Callable[[], None]) -> None:
+    """``run()`` while ``argv`` writes into replica ``rid``'s capture; then all closed."""
+    rlog = cap.open(rid)
+    child = subprocess.Popen(argv, stdout=rlog.stdout, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    rlog.spawned()
+    try:
+        run()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        rlog.finish()
+        cap.close()
+        reactor.close()
+
+
+def measure_index_cost(rounds: int, seconds: float, tmp: str) -> dict[str, dict[bool, list[tuple[float, int, int]]]]:
+    """Per writer, per variant (index or not): a (CPU, bytes, records) per round."""
+    writers = {"lines ~1 ms apart": [sys.executable, "-c", LINE_WRITER],
+               "20 MB/s blocks": [sys.executable, "-c", PACED_WRITER, str(RATE)],
+               "yes unthrottled": writer_argv("yes") or []}
+    out: dict[str, dict[bool, list[tuple[float, int, int]]]] = {w: {True: [], False: []} for w in writers}
+    for r in range(rounds):
+        for name, argv in writers.items():
+            for index in ((True, False) if r % 2 else (False, True)):
+                out[name][index].append(capture_cpu(argv, seconds, tmp, index))
+    return out
+
+
+def measure_since(tmp: str, mib: int) -> dict[str, float]:
+    """A ``mib`` MiB log written through the capture on a clock that spreads it over 10 days;
+    then --since the last 10 minutes (in process and by the CLI) against one full read."""
+    from orchestrator.logread import LineFilter, read_lines
+
+    state = os.path.join(tmp, "since-state")
+    logs_dir = os.path.join(state, "logs")
+    os.makedirs(logs_dir)
+    total = mib << 20
+    span = 10 * 86400.0
+    t0 = time.time() - span
+    reactor = Reactor()
+    cap = LogCapture(logs_dir, reactor, rate=None, total_rate=None, create_after=0, max_bytes=total + (1 << 20),
+                     backups=0, clock=lambda: t0 + cap.totals()["bytes"] * span / total)
+    began = time.monotonic()
+    _with_writer(cap, reactor, "big-1", writer_argv("yes") or [],
+                 lambda: reactor.run_until(lambda: cap.totals()["bytes"] >= total, 600))
+    built = time.monotonic() - began
+    path = os.path.join(logs_dir, "big-1.out")
+    size = os.path.getsize(path)
+    since = time.time() - 600
+    res: dict[str, float] = {"size": size, "build": built, "index": os.path.getsize(path + ".idx")}
+    t = time.perf_counter()
+    lines = read_lines(logs_dir, "big-1", lines=None, filt=LineFilter(since=since))
+    res["since"] = time.perf_counter() - t
+    res["lines"] = len(lines)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", state, "logs", "big-1", "--since", "10m",
+                    "-n", "3"], check=True, stdout=subprocess.DEVNULL)
+    res["cli"] = time.perf_counter() - t
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "orchestrator", "--state-dir", state, "logs", "big-1", "-n", "3"],
+                   check=True, stdout=subprocess.DEVNULL)
+    res["cli_tail"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
+    res["scan"] = time.perf_counter() - t
+    os.unlink(path)
+    os.unlink(path + ".idx")
+    return res
+
+
 def _file_bytes(d: str) -> int:
     return sum(e.stat().st_size for e in os.scandir(d))
 
@@ -368,7 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40, help="counted setup rounds, one batch of 20 per variant (default 40)")
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each responsiveness scenario (default 3)")
     ap.add_argument("--orchestrator", action="store_true", help="also measure the embedded Orchestrator's churn")
+    ap.add_argument("--index-only", action="store_true", help="only (4): the per-line times' cost, and --since")
+    ap.add_argument("--index-rounds", type=int, default=4, help="(4): interleaved rounds per writer (default 4)")
+    ap.add_argument("--big-mib", type=int, default=1024, help="(4): size of the --since log in MiB (default 1024)")
     args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench-logs-") as tmp:
+        index_cost = measure_index_cost(args.index_rounds, min(args.seconds, 2.0), tmp)
+        since = measure_since(tmp, args.big_mib)
+    report_index(index_cost, since, min(args.seconds, 2.0))
+    if args.index_only:
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="bench-logs-") as tmp:
         started = time.monotonic()
@@ -423,6 +556,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(3) copy-truncate of a full 10 MiB log (design (b)'s rotation): p50 {ms(statistics.median(ct))} ms, "
           f"max {ms(max(ct))} ms per rotation, in whichever process does it")
     return 0
+
+
+def report_index(cost: dict[str, dict[bool, list[tuple[float, int, int]]]], since: dict[str, float],
+                 seconds: float) -> None:
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print(f"(4) the per-line times (index beside each log) against none, rounds interleaved; load {' '.join(load)}")
+    print()
+    print("| writer | loop CPU per MiB, no index (ms) | with index (ms) | ratio (median of rounds) | "
+          "MiB/s captured | index records/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, by in cost.items():
+        def per_mib(runs: list[tuple[float, int, int]]) -> list[float]:
+            return [cpu / (got / (1 << 20)) * 1e3 for cpu, got, _ in runs if got]
+        a, b = per_mib(by[False]), per_mib(by[True])
+        ratios = [y / x for x, y in zip(a, b)]
+        rate = statistics.median(got for _, got, _ in by[True]) / (1 << 20) / seconds
+        recs = statistics.median(r for _, _, r in by[True]) / (seconds + 0.2)
+        print(f"| {name} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | "
+              f"{statistics.median(ratios):.3f} | {rate:.1f} | {recs:.0f} |")
+    print()
+    print(f"--since over a {since['size'] / (1 << 30):.2f} GiB log (index {since['index'] / 1024:.0f} KiB, written "
+          f"through the capture in {since['build']:.1f} s, spread over 10 days by its clock): the last 10 min, "
+          f"{since['lines']:.0f} lines, read in process in {since['since'] * 1e3:.1f} ms; "
+          f"`logs --since 10m -n 3` {since['cli'] * 1e3:.0f} ms (plain `logs -n 3`: {since['cli_tail'] * 1e3:.0f} ms, "
+          f"the CLI's start included); one read of the whole file: {since['scan'] * 1e3:.0f} ms")
+    print()
 
 
 if __name__ == "__main__":

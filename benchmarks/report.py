@@ -180,7 +180,13 @@ def _tasks(res: dict) -> list[str]:
     return render(res)
 
 
-RENDERERS = {"tasks": _tasks, "churn": _churn, "crash": _crash, "cleanup": _cleanup, "scale": _scale, "soak": _soak}
+def _conformance(res: dict) -> list[str]:
+    from benchmarks.sec_conformance import render
+
+    return render(res)
+
+
+RENDERERS = {"conformance": _conformance, "tasks": _tasks, "churn": _churn, "crash": _crash, "cleanup": _cleanup, "scale": _scale, "soak": _soak}
 
 
 def targets(sections: dict[str, dict]) -> list[dict[str, Any]]:

@@ -104,15 +104,19 @@ class Fifo:
         self._buf = b""
         self.lines: list[list[str]] = []
 
-    def _read(self, timeout: float) -> None:
-        ready, _, _ = select.select([self._r], [], [], max(0.0, timeout))
-        if ready:
+    def pump(self, timeout: float, fds: tuple[int, ...] = ()) -> list[int]:
+        """Read what the tasks wrote into ``lines``, waiting up to ``timeout`` for it or for
+        one of ``fds``; the ``fds`` that are readable."""
+        ready, _, _ = select.select([self._r, *fds], [], [], max(0.0, timeout))
+        if self._r in ready:
             try:
                 self._buf += os.read(self._r, 1 << 16)
             except BlockingIOError:
-                return
-            *done, self._buf = self._buf.split(b"\n")
-            self.lines += [line.decode().split() for line in done]
+                pass
+            else:
+                *done, self._buf = self._buf.split(b"\n")
+                self.lines += [line.decode().split() for line in done]
+        return [fd for fd in ready if fd != self._r]
 
     def wait(self, kind: str, n: int | None = None, timeout: float = 30.0) -> list[str]:
         """The first line of ``kind`` (for task ``n``) not taken yet; RuntimeError after ``timeout``."""
@@ -124,10 +128,10 @@ class Fifo:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"no {kind!r} line for task {n} within {timeout:g} s")
-            self._read(left)
+            self.pump(left)
 
     def drain(self) -> None:
-        self._read(0)
+        self.pump(0)
         self.lines.clear()
 
     def close(self) -> None:

@@ -41,6 +41,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "daemon-tasks": ("benchmarks.sec_daemon_tasks", "tasks in the daemon: tiny tasks/s through 1 and 4 clients, "
                      "queue-to-start latency, a cancel by id from another process, the embedded "
                      "executor beside them"),
+    "conformance": ("benchmarks.sec_conformance", "conformance: the same 12 questions of ProcessPoolExecutor, loky, "
+                    "pebble, Dask and orchestrator.Executor, each cell measured"),
 }
 
 
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     progress = Progress()
-    opts = {"batches": args.batches, "install": not args.no_install}
+    opts = {"batches": args.batches, "install": not args.no_install, "out": args.out}
     doc: dict[str, Any] = {"argv": shown_argv, "mode": "quick" if args.quick else "full", "machine": machine(),
                            "sections": {}}
     t0 = time.monotonic()

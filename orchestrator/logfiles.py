@@ -8,6 +8,8 @@ process: the names, the rotated chain, and how a file is opened without followin
     <logs dir>/<pool>#<n>.out, .err (and their .k)     task <pool>/<n>'s stdout and stderr (a task
                                                        id's ``/`` cannot be in a name; ``#`` is in
                                                        no pool's name, so no replica's file is one)
+    <logs dir>/<any of the .out/.err files>.idx        its lines' times (logindex.py), renamed
+                                                       and removed with it
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ STREAMS = ("out", "err")
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 WRITE_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                | os.O_NOCTTY | os.O_CLOEXEC)  # NONBLOCK: a FIFO planted there never blocks the open
+INDEX_FLAGS = (WRITE_FLAGS & ~os.O_WRONLY) | os.O_RDWR  # the daemon reads its index's last record back
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+INDEX_SUFFIX = ".idx"  # <log file>.idx: its lines' times (logindex.py)
 BACKUP_LIMIT = 10_000  # rotated files probed at most (K is a pool's setting, never this large)
 
 
@@ -71,7 +75,7 @@ def open_log_file(dirfd: int, name: str, flags: int, where: Path) -> tuple[int, 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
             raise OSError(errno.EPERM, "not a regular file of ours with a single link", str(where / name))
-        if flags & os.O_WRONLY and stat.S_IMODE(st.st_mode) & 0o077:
+        if flags & (os.O_WRONLY | os.O_RDWR) and stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o600)
     except BaseException:
         os.close(fd)
@@ -124,8 +128,8 @@ def remove(logs_dir: str | os.PathLike[str], replica_ids: Iterable[str]) -> int:
         with os.scandir(dirfd) as it:
             names = [e.name for e in it]
         for name in names:
-            base = name
-            head, dot, tail_ = name.rpartition(".")
+            base = name.removesuffix(INDEX_SUFFIX)  # a log's index goes with it
+            head, dot, tail_ = base.rpartition(".")
             if dot and tail_.isascii() and tail_.isdigit():
                 base = head
             rid, dot, stream = base.rpartition(".")

@@ -175,6 +175,10 @@ class Policy:
         """Only what differs from the defaults: short in the journal, stable to compare."""
         return dict(self._derived()[0])
 
+    def every_value(self) -> dict[str, Any]:
+        """Every key with its value, the defaults too, as plain JSON (``show``)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
     def _derived(self) -> tuple[dict[str, Any], dict[str, int]]:
         # Computed once: a policy is immutable, and these are asked on every save and spawn.
         cached = self.__dict__.get("_cache")

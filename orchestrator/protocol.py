@@ -35,7 +35,7 @@ from .errors import FrameTooLarge, InvalidSpec, OrchestratorError, from_wire, to
 MAX_COUNT = 10_000  # replicas one launch may add, and the largest size a scale may set
 DEFAULT_WAIT = 3600.0  # a wait without a time-out is still bounded
 DEFERRED = object()  # a command handler's result when its reply comes later (a wait)
-READ_ONLY = frozenset({"status", "wait", "ping", "health", "metrics"})  # never journaled, never need the disk
+READ_ONLY = frozenset({"status", "wait", "ping", "health", "metrics", "show", "is_active"})  # never journaled, never need the disk
 # Never journaled as ``command`` events either: reads and polls. An idle daemon-mode
 # executor polls task_events about once a second; journaled, it pushed the real history out.
 UNJOURNALED = READ_ONLY | {"task_events", "tasks", "task_result"}

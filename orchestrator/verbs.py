@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable, Sequence, cast
 
-from .protocol import client_bound
+from .protocol import DEFAULT_WAIT, client_bound
 
 
 def _ids(ids: Iterable[str | Sequence[str]]) -> list[str]:
@@ -24,13 +24,19 @@ def _ids(ids: Iterable[str | Sequence[str]]) -> list[str]:
     return out
 
 
+def _bound(wait: bool, timeout: float | None) -> float | None:
+    """How long to wait for the reply of a verb that may wait (the loop's bound, or DEFAULT_WAIT)."""
+    return client_bound(DEFAULT_WAIT if timeout is None else timeout) if wait else None
+
+
 def _object(result: Any) -> dict[str, Any]:
     """A command's result that is a JSON object, as the loop answers it (not checked)."""
     return cast("dict[str, Any]", result)
 
 
 class Verbs:
-    """launch / terminate / scale / status / wait / ping over an abstract ``call``."""
+    """launch / terminate / scale / status / wait / ping, and the pool verbs (stop_pools,
+    start_pools, reset_failed, show, is_active), over an abstract ``call``."""
 
     def call(self, op: str, args: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """Send one command, wait (bounded) for its reply, return its result or raise its
@@ -124,6 +130,36 @@ class Verbs:
         else:
             args["ids"] = _ids(ids)
         return _object(self.call("signal", args))
+
+    # -- systemctl's verbs on pools ------------------------------------------------------
+
+    def stop_pools(self, *pools: str, wait: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Stop these pools' replicas (each pool's stop signal, SIGKILL after its grace) and
+        keep the pools stopped, across daemon restarts too, with their size and spec, until
+        ``start_pools``: ``{"stopped": [pool...], "terminating": [id...]}``. ``wait``: until
+        every replica has ended. An unknown pool is UnknownPool, and nothing is stopped."""
+        args: dict[str, Any] = {"pools": list(pools), "wait": wait, "timeout": timeout}
+        return _object(self.call("stop_pools", args, _bound(wait, timeout)))
+
+    def start_pools(self, *pools: str, wait: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Bring stopped pools back to their size (a pool not stopped is left as it is):
+        ``{"started": [pool...], "launched": [id...]}``. ``wait``: until those run (or ended)."""
+        args: dict[str, Any] = {"pools": list(pools), "wait": wait, "timeout": timeout}
+        return _object(self.call("start_pools", args, _bound(wait, timeout)))
+
+    def reset_failed(self, *pools: str) -> dict[str, Any]:
+        """Forget these pools' crash loops, failed slots, backoff and restart counters, and
+        bring each (unless stopped) back to its size: ``{"reset": [...], "launched": [...]}``."""
+        return _object(self.call("reset_failed", {"pools": list(pools)}))
+
+    def show(self, pool: str) -> dict[str, Any]:
+        """Every property of ``pool``: its status row, spec and policy, the policy with each
+        default resolved (``effective``), ``active_state``, order, sockets and counts."""
+        return _object(self.call("show", {"pool": pool}))
+
+    def is_active(self, pool: str) -> bool:
+        """Whether ``pool`` is ok: not stopped, not failed, every replica of its size RUNNING."""
+        return bool(_object(self.call("is_active", {"pool": pool}))["active"])
 
     def ping(self) -> str:
         return cast(str, self.call("ping"))

@@ -20,7 +20,13 @@ SIGTERM in a Python target's worker
     fork context included) die of SIGTERM as usual, even one SIGTERMed in the instant of its
     fork: SIGTERM is blocked across ``os.fork()`` and unblocked in the child only once its
     handler is the default again (CPython clears, after a fork, the flag of a signal whose
-    Python handler was tripped in between, so such a SIGTERM would be lost). What it cannot do: interrupt a C call
+    Python handler was tripped in between, so such a SIGTERM would be lost). Python cannot
+    raise into the target everywhere its handler may run: in a fork hook (logging's, or the
+    mask's own above), a ``__del__``, a weakref callback, it only reports the exception
+    ("Exception ignored in ...") and goes on. A Terminated raised there is not lost: the
+    worker ends as SIGTERM's default would (no ``finally:`` of the target runs), through
+    ``sys.unraisablehook`` (the one before ours is called for everything else). What it
+    cannot do: interrupt a C call
     that never returns to the interpreter (a long computation in an extension that does not
     check for signals): the Terminated comes when the call returns, or the SIGKILL after the
     grace comes first.
@@ -40,7 +46,7 @@ from __future__ import annotations
 import _signal  # type: ignore[import-not-found]  # no stub; the module signal wraps, lighter to import
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import socket  # imported where a worker has sockets to take
@@ -135,14 +141,35 @@ def install_sigterm_handler() -> None:
     if not _hooked:
         _hooked = True
         os.register_at_fork(before=_block_term, after_in_parent=_unblock_term, after_in_child=_term_default)
+        sys.unraisablehook = _UnraisableTerminated(sys.unraisablehook)
+
+
+class _UnraisableTerminated:
+    """``sys.unraisablehook``: a Terminated that Python swallowed (see the module's doc)
+    ends this worker as SIGTERM would; anything else goes to the hook before it."""
+
+    def __init__(self, before: Callable[[Any], object]) -> None:
+        self.before = before
+
+    def __call__(self, unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, Terminated) and os.getpid() == _owner:
+            exit_as_killed(exc.signum)
+        self.before(unraisable)
 
 
 def _block_term() -> None:
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, _TERM)
+    try:
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, _TERM)
+    except Terminated as term:  # its handler ran here, in a hook: it cannot raise past it
+        exit_as_killed(term.signum)
 
 
 def _unblock_term() -> None:
-    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _TERM)
+    try:
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _TERM)
+    except Terminated as term:  # one that came during the fork, pending until now
+        exit_as_killed(term.signum)
 
 
 def _term_default() -> None:

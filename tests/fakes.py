@@ -1,7 +1,8 @@
 """The engine's fakes, for the state-machine tests (test_engine, test_supervision,
 test_containment, test_stress, test_reload, test_bad_values): ``FakeOS`` has OSApi's methods
 over pipes the test controls and a clock the test moves; ``Journal`` is a store that records
-every transition; ``Harness`` drives an ``Engine`` over them one turn at a time.
+every transition; ``Harness`` drives an ``Engine`` over them one turn at a time; ``launch``,
+``run``, ``pool``, ``live`` and ``later`` drive a supervised pool on one.
 
 Each fake process is two real pipes whose write ends the test holds: closing the exit pipe
 is the process exiting, closing the ready pipe is the worker running, a message then close
@@ -283,3 +284,34 @@ class Harness:
             if S(r["state"]).terminal:
                 assert r["ended_at"] is not None
         assert self.fake.violations == []
+
+
+# -- a supervised pool on the harness (test_supervision, test_pool_verbs) --------------------
+
+
+def launch(h: Harness, count: int = 1, policy: dict | None = None, spec: dict = SPEC, pool: str = "web") -> list[str]:
+    return h.ok("launch", pool=pool, count=count, spec=spec, policy=policy or {})
+
+
+def run(h: Harness, rid: str) -> int:
+    pid = h.rep(rid)["pid"]
+    h.fake.ready(pid)
+    h.turn()
+    assert h.state(rid) == "RUNNING", h.rep(rid)
+    return pid
+
+
+def pool(h: Harness, name: str = "web") -> dict:
+    (row,) = [p for p in h.status()["pools"] if p["name"] == name]
+    return row
+
+
+def live(h: Harness, name: str = "web") -> list[dict]:
+    return [r for r in h.status(all=False)["replicas"] if r["pool"] == name]
+
+
+def later(h: Harness, seconds: float) -> None:
+    """Move the clock; the turns fire what is due, then fork what that launched."""
+    h.fake.now += seconds
+    h.turn()
+    h.turn()

@@ -820,7 +820,7 @@ WRITTEN = 3000 * 100 + len("done\n")
 def _stream_files(logs_dir: Path, rid: str) -> dict[str, int]:
     """name -> size of a replica's stdout files."""
     return {p.name: p.stat().st_size for p in logs_dir.iterdir()
-            if p.name == f"{rid}.out" or p.name.startswith(f"{rid}.out.")}
+            if (p.name == f"{rid}.out" or p.name.startswith(f"{rid}.out.")) and not p.name.endswith(".idx")}
 
 
 def _written_all(daemon, rid: str) -> None:
@@ -832,6 +832,7 @@ def _assert_rotated(logs_dir: Path, rid: str, max_bytes: int, backups: int) -> N
     files = _stream_files(logs_dir, rid)
     assert set(files) == {f"{rid}.out", *(f"{rid}.out.{i}" for i in range(1, backups + 1))}, files
     assert all(size <= max_bytes for size in files.values()), files
+    assert all((logs_dir / f"{name}.idx").exists() for name in files), os.listdir(logs_dir)  # rotated with it
 
 
 def test_launch_log_rotation_flags_are_that_pools_rotation(daemon) -> None:
@@ -929,10 +930,11 @@ def test_logs_of_replicas_the_journal_forgets_go_while_the_daemon_runs(daemon) -
                "--backoff", "0.001:0.001", "--max-restarts", "1000000/60", "--", *flap)
     assert made.returncode == 0, made.stderr
     logs_dir = daemon.state_dir / "logs"
-    # Each replica writes both streams: 2 files. The journal holds `keep` ended replicas,
-    # plus up to PRUNE_RETIRED_MIN retired since its last prune, plus the live ones; the
-    # removal of a prune's files is a few turns behind it. Twice that is the bound.
-    bound = 2 * 2 * (keep + PRUNE_RETIRED_MIN + size)
+    # Each replica writes both streams: 2 files, each with its index. The journal holds
+    # `keep` ended replicas, plus up to PRUNE_RETIRED_MIN retired since its last prune, plus
+    # the live ones; the removal of a prune's files is a few turns behind it. Twice that is
+    # the bound.
+    bound = 2 * 2 * 2 * (keep + PRUNE_RETIRED_MIN + size)
     most = 0
 
     def churned_enough() -> bool:

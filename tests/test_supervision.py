@@ -8,37 +8,9 @@ import signal
 
 import pytest
 
-from fakes import SPEC, Harness
+from fakes import SPEC, later, launch, live, pool, run
 
 S_ALWAYS = {"restart": "always", "backoff": [1, 8], "max_restarts": [5, 60]}
-
-
-def launch(h: Harness, count: int = 1, policy: dict | None = None, spec: dict = SPEC, pool: str = "web") -> list[str]:
-    return h.ok("launch", pool=pool, count=count, spec=spec, policy=policy or {})
-
-
-def run(h: Harness, rid: str) -> int:
-    pid = h.rep(rid)["pid"]
-    h.fake.ready(pid)
-    h.turn()
-    assert h.state(rid) == "RUNNING", h.rep(rid)
-    return pid
-
-
-def pool(h: Harness, name: str = "web") -> dict:
-    (row,) = [p for p in h.status()["pools"] if p["name"] == name]
-    return row
-
-
-def live(h: Harness, name: str = "web") -> list[dict]:
-    return [r for r in h.status(all=False)["replicas"] if r["pool"] == name]
-
-
-def later(h: Harness, seconds: float) -> None:
-    """Move the clock; the turns fire what is due, then fork what that launched."""
-    h.fake.now += seconds
-    h.turn()
-    h.turn()
 
 
 # -- the restart policy ------------------------------------------------------------------

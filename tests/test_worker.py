@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -180,6 +181,42 @@ def test_processes_the_target_forks_keep_sigterms_default(make_orchestrator, pro
     assert took < PROMPT, (took, out.read_text() if out.exists() else "no child exit code written", _row(orch, rid))
     assert out.read_text() == str(-signal.SIGTERM)
     assert _row(orch, rid)["exit_code"] == -signal.SIGTERM
+
+
+_SWALLOWED = {
+    # A hook registered before the handler's own runs after them as a "before" hook, with
+    # SIGTERM blocked: the signal is pending across the fork and handled in the parent's
+    # after-fork hook, where Python can only report what it raises.
+    "a fork hook": """
+os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGTERM) if armed else None)
+install_sigterm_handler()
+armed = True
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+armed = False
+""",
+    # os.kill runs the handler at once, inside the finalizer.
+    "a finalizer": """
+install_sigterm_handler()
+class Dies:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+Dies()
+""",
+}
+
+
+@pytest.mark.parametrize("where", sorted(_SWALLOWED))
+def test_a_terminated_python_would_swallow_ends_the_worker_as_sigterm(where):
+    """Where Python cannot raise (a fork hook, a ``__del__``), Terminated would be reported
+    and dropped, the SIGTERM lost and the worker left running to its SIGKILL: it must die of
+    the SIGTERM instead."""
+    script = "import os, signal\nfrom orchestrator.worker import install_sigterm_handler\n"
+    script += _SWALLOWED[where] + "print('the SIGTERM was lost', flush=True)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert "lost" not in proc.stdout
 
 
 # -- the spawner's own setup window ---------------------------------------------------------

@@ -9,7 +9,8 @@ and the table (display.py), ``logs`` its readers, so that ``--version``, ``statu
 Exit codes (docs/design.md): 0 success; 1 an error (one line on stderr); 2 a usage error,
 argparse's or one found after it (``UsageError``: two things where one is wanted, none where one is
 needed), one line either way; 3 the daemon is not running (for commands that need it, and for
-``status``/``stop``).
+``status``/``stop``). ``is-active POOL`` exits as systemctl's does: 0 active, 3 not (or no
+daemon), 4 no such pool.
 ``--json`` output goes to stdout only.
 """
 
@@ -40,6 +41,14 @@ from .taskcli import COMMANDS as _TASK_COMMANDS
 from .taskcli import add_parsers as _add_task_parsers
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+EXIT_NO_SUCH_POOL = 4  # is-active's, as systemctl's for a unit it does not know
+POOL_WAIT = 120.0  # stop/start POOL wait this long for the replicas by default (a ready probe's 60 s, and more)
+_SHELLS = ("bash", "zsh")  # completion.SHELLS, which is not imported for every command
+# The hidden first word the completion scripts run for names (client/completion.py); not a
+# verb of the parser, so neither the scripts nor the man page offer it.
+COMPLETE_NAMES = "__complete"
+# Commands that read no state dir: an unsafe or missing one is not their business.
+_NO_STATE_DIR = ("demo", "import", "completion")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"orchestrator {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("start", parents=[common], help="start the daemon")
+    p = sub.add_parser("start", parents=[common], help="start the daemon; with POOL...: start those stopped pools "
+                       "of the running daemon again, back to their size",
+                       description="Without a POOL: start the daemon (the flags below). With POOL...: bring "
+                       "those pools, stopped by `stop POOL`, back to their size, and wait until their "
+                       "replicas run (exit 1 if one failed), as systemctl start does.")
+    p.add_argument("pools", nargs="*", metavar="POOL", help="pools of the running daemon to start (no daemon flag then)")
+    p.add_argument("--no-block", action="store_true", help="with POOL: return once launched, not once running")
+    p.add_argument("--timeout", type=_seconds, default=None,
+                   help=f"with POOL: give up waiting after this many seconds (default {POOL_WAIT:g})")
+    p.add_argument("--json", action="store_true", help="with POOL: the result as one JSON object")
     p.add_argument("--foreground", action="store_true", help="stay attached (systemd, containers)")
     p.add_argument("--config", metavar="FILE", help="pools and [daemon] settings from this TOML file")
     p.add_argument("--grace", type=_seconds, help="seconds from a replica's stop signal to SIGKILL (default 5)")
@@ -79,8 +97,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-days", type=_positive_seconds,
                    help=f"history older than this many days is pruned (default {KEEP_SECONDS / 86400:g})")
 
-    p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone")
-    p.add_argument("--timeout", type=_seconds, default=60.0, help="give up waiting after this many seconds (default 60)")
+    p = sub.add_parser("stop", parents=[common], help="SIGTERM the daemon and wait until it is gone; with POOL...: "
+                       "stop those pools' replicas and keep the pools stopped",
+                       description="Without a POOL: stop the daemon (its pools come back at its next start). "
+                       "With POOL...: stop those pools' replicas as `scale 0` would (each pool's stop signal, "
+                       "SIGKILL after its grace) and wait until they have ended; the pools keep their size and "
+                       "spec, show as stopped, and stay stopped across daemon restarts, upgrades and reloads "
+                       "until `start POOL`.")
+    p.add_argument("pools", nargs="*", metavar="POOL", help="pools to stop (the daemon keeps running)")
+    p.add_argument("--timeout", type=_seconds, default=None,
+                   help="give up waiting after this many seconds (default 60 for the daemon, "
+                   f"{POOL_WAIT:g} for pools)")
+    p.add_argument("--no-block", action="store_true", help="with POOL: return once the stop is asked, not ended")
+    p.add_argument("--json", action="store_true", help="with POOL: the result as one JSON object")
+
+    p = sub.add_parser("show", parents=[common], help="every property of a pool, as Key=Value lines",
+                       description="Every property of a pool, as systemctl show gives a unit's: its state, "
+                       "size and counts, what it runs, its policy with every default resolved (the "
+                       "daemon's grace and log rotation where the pool sets none), its order and sockets.")
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("--json", action="store_true", help="one JSON object (the policy as declared too)")
+
+    p = sub.add_parser("is-active", parents=[common], help="exit 0 if the pool is ok, 3 if not, 4 if no such pool",
+                       description="For scripts: exit 0 when every replica of the pool's size is RUNNING "
+                       "(ready), it is not stopped, no replacement waits for a backoff and nothing failed "
+                       "(a crash loop, a failed replica not replaced); 3 otherwise, or when no daemon "
+                       "runs; 4 when the daemon has no such pool (one line on stderr). Nothing is printed "
+                       "unless asked: -v prints the state (active, activating, deactivating, inactive, "
+                       "failed), --json an object.")
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the state word")
+    p.add_argument("--json", action="store_true", help='print {"pool", "active", "state"}')
+
+    p = sub.add_parser("reset-failed", parents=[common], help="forget pools' crash loops and restart counters, "
+                       "and start their failed replicas again",
+                       description="Clear each pool's crash loop, failed slots, backoff and restart "
+                       "counters, and bring it back to its size with the failed slots filled again (a "
+                       "stopped pool stays stopped: its size is what start brings back).")
+    p.add_argument("pools", nargs="+", metavar="POOL")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("reload", parents=[common], help="re-read the config file and apply the difference")
     p.add_argument("--json", action="store_true")
@@ -141,7 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, default=None, help="bound of --wait, in seconds")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("scale", parents=[common], help="set a pool's size")
+    p = sub.add_parser("scale", parents=[common], help="set a pool's size (of a stopped pool: nothing starts "
+                       "until start POOL)")
     p.add_argument("pool")
     p.add_argument("n", type=int)
     p.add_argument("--json", action="store_true")
@@ -161,7 +217,28 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", parents=[common], help="churn, a kill -9 and the clean-up, on defaults")
     p.add_argument("--replicas", type=_natural, default=20)
     p.add_argument("--seconds", type=_seconds, default=4.0)
+
+    p = sub.add_parser("import", help="print a Procfile (foreman's, honcho's) as the config file that "
+                       "start --config runs", description="One pool per process type, each run by /bin/sh "
+                       "-c; $PORT as {port} with port_base 5000, 5100, ... (foreman's convention); the env "
+                       "file as each pool's env_file; the Procfile's directory as their cwd.")
+    p.add_argument("procfile", metavar="PROCFILE", help="the Procfile to read")
+    p.add_argument("--env", metavar="FILE", help="the env file (KEY=VALUE lines) of every pool "
+                   "(default: .env beside the Procfile, if there is one)")
+    p.add_argument("--port-base", type=_port, metavar="N",
+                   help="the first process type's port (default: PORT of the env file, else 5000)")
+
+    p = sub.add_parser("completion", help="print a bash or zsh completion script",
+                       description="Every verb and flag, and the pools and replicas of the running daemon "
+                       "(the completion extra). bash: source <(orchestrator completion bash); zsh, after "
+                       "compinit: eval \"$(orchestrator completion zsh)\", or save it as _orchestrator in $fpath.")
+    p.add_argument("shell", choices=_SHELLS)
     return ap
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: what the completion scripts and the man page are made from."""
+    return _parser()
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
@@ -281,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     output (a closed stdout, a reader that exited, a full disk), ends as an exit code and at
     most one line on stderr, never a traceback."""
     _standard_fds()
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == [COMPLETE_NAMES]:
+        from .completion import main_names
+
+        return main_names(words[1:])
     try:
         return _main(argv)
     except BrokenPipeError:  # `| head`: the reader has all it wanted; no traceback, no noise
@@ -302,7 +384,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     paths = Paths(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
-        if args.command != "demo":  # the demo makes a state dir of its own
+        if args.command not in _NO_STATE_DIR:  # the demo makes a state dir of its own
             # Another user's dir, or one others can write, is refused before anything in it
             # is read; a missing one is fine here (status of a never-used dir: not running).
             check_state_dir(paths, create=False)
@@ -347,6 +429,11 @@ _RETENTION = {"--keep-replicas": "keep_replicas", "--keep-events": "keep_events"
 
 def cmd_start(args: argparse.Namespace, paths: Paths) -> int:
     from . import control
+
+    if args.pools:
+        return _start_pools(args, paths)
+    if args.no_block or args.timeout is not None or args.json:
+        raise UsageError("--no-block, --timeout and --json are for start POOL...")
 
     if args.config is not None:
         from ..daemon import config as config_file
@@ -426,12 +513,87 @@ def cmd_metrics(args: argparse.Namespace, paths: Any) -> int:
 def cmd_stop(args: argparse.Namespace, paths: Paths) -> int:
     from . import control
 
-    code = control.stop(paths, timeout=args.timeout)
+    if args.pools:
+        return _stop_pools(args, paths)
+    if args.no_block or args.json:
+        raise UsageError("--no-block and --json are for stop POOL...")
+    timeout = 60.0 if args.timeout is None else args.timeout
+    code = control.stop(paths, timeout=timeout)
     if code == EXIT_NOT_RUNNING:
         print(f"orchestrator: no daemon is running for {paths.state_dir}", file=sys.stderr)
     elif code == EXIT_ERROR:
-        print(f"orchestrator: the daemon did not stop within {args.timeout:g} s", file=sys.stderr)
+        print(f"orchestrator: the daemon did not stop within {timeout:g} s", file=sys.stderr)
     return code
+
+
+# -- systemctl's verbs on pools ------------------------------------------------------------
+
+_DAEMON_FLAGS = ("foreground", "config", "grace", "stop_budget", "metrics_port", "http", "http_token_file",
+                 "http_read_token_file", "cgroup", "ready_fd", "keep_replicas", "keep_events",
+                 "result_max_bytes", "keep_days")
+
+
+def _start_pools(args: argparse.Namespace, paths: Any) -> int:
+    given = [f"--{name.replace('_', '-')}" for name in _DAEMON_FLAGS if getattr(args, name) not in (None, False)]
+    if given:
+        raise UsageError(f"{', '.join(given)} start the daemon; start POOL... starts pools of a running daemon")
+    wait = not args.no_block
+    timeout = POOL_WAIT if args.timeout is None else args.timeout
+    with _client(paths) as client:
+        result = client.start_pools(*args.pools, wait=wait, timeout=timeout)
+        failed = []
+        if wait and result["launched"]:
+            launched = set(result["launched"])
+            failed = [r for r in client.status(all=True)["replicas"] if r["id"] in launched and r["state"] != "RUNNING"]
+    started = set(result["started"])
+    _emit(args, {**result, "failed": [r["id"] for r in failed]},
+          [f"started pool {name}" if name in started else f"{name}: not stopped, left as it is"
+           for name in dict.fromkeys(args.pools)] + [f"launched {i}" for i in result["launched"]])
+    for r in failed:
+        print(f"orchestrator: {r['id']} {r['state']}: {r['reason'] or 'not ready'}", file=sys.stderr)
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _stop_pools(args: argparse.Namespace, paths: Any) -> int:
+    wait = not args.no_block
+    with _client(paths) as client:
+        result = client.stop_pools(*args.pools, wait=wait, timeout=POOL_WAIT if args.timeout is None else args.timeout)
+    _emit(args, result, [f"stopped pool {name}" for name in result["stopped"]]
+          + [f"terminating {i}" for i in result["terminating"]])
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace, paths: Any) -> int:
+    from .display import format_show
+
+    with _client(paths) as client:
+        data = client.show(args.pool)
+    _emit(args, data, format_show(data))
+    return EXIT_OK
+
+
+def cmd_is_active(args: argparse.Namespace, paths: Any) -> int:
+    from ..errors import UnknownPool
+
+    try:
+        with _client(paths) as client:
+            info = client.call("is_active", {"pool": args.pool})
+    except UnknownPool as err:
+        print(f"orchestrator: {err}", file=sys.stderr)
+        return EXIT_NO_SUCH_POOL
+    if args.json:
+        print(json.dumps(info))
+    elif args.verbose:
+        print(info["state"])
+    return EXIT_OK if info["active"] else EXIT_NOT_RUNNING
+
+
+def cmd_reset_failed(args: argparse.Namespace, paths: Any) -> int:
+    with _client(paths) as client:
+        result = client.reset_failed(*args.pools)
+    _emit(args, result, [f"reset pool {name}" for name in result["reset"]]
+          + [f"launched {i}" for i in result["launched"]])
+    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace, paths: Any) -> int:
@@ -626,6 +788,20 @@ def cmd_demo(args: argparse.Namespace, paths: Any) -> int:
     return run_demo(replicas=args.replicas, seconds=args.seconds)
 
 
+def cmd_import(args: argparse.Namespace, paths: Any) -> int:
+    from .procfile import convert
+
+    sys.stdout.write(convert(args.procfile, env=args.env, port_base=args.port_base))
+    return EXIT_OK
+
+
+def cmd_completion(args: argparse.Namespace, paths: Any) -> int:
+    from .completion import script
+
+    sys.stdout.write(script(args.shell, _parser()))
+    return EXIT_OK
+
+
 _COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
@@ -643,6 +819,11 @@ _COMMANDS = {
     "upgrade": cmd_upgrade,
     "health": cmd_health,
     "metrics": cmd_metrics,
+    "show": cmd_show,
+    "is-active": cmd_is_active,
+    "reset-failed": cmd_reset_failed,
     "logs": cmd_logs,
+    "import": cmd_import,
+    "completion": cmd_completion,
     **_TASK_COMMANDS,
 }

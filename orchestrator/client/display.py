@@ -1,4 +1,4 @@
-"""What the CLI prints about a daemon: the status table and the health line, and the
+"""What the CLI prints about a daemon: the status table, `show`'s lines and the health line, and the
 status read from the journal when the daemon is down. Client side: it formats what the
 daemon answered (or what state.db last recorded) and imports nothing of the daemon.
 """
@@ -73,7 +73,8 @@ def stored_status(paths: Paths, include_terminal: bool) -> dict[str, Any]:
             spec, policy, extra = unpack_pool_row(p["spec"])
             if not extra.get("deleted"):
                 pools.append({"name": p["name"], "desired": p["desired"], "spec": spec, "policy": policy or {},
-                              "state": "crashloop" if extra.get("crashloop") else None,
+                              "state": "stopped" if extra.get("stopped") else "crashloop" if extra.get("crashloop")
+                              else None, "stopped": bool(extra.get("stopped")),
                               "reason": extra.get("crashloop")})
         return {"pools": pools, "replicas": store.replicas(include_terminal=include_terminal)}
     finally:
@@ -180,6 +181,50 @@ def _worker_counts(counts: Mapping[str, Any]) -> str:
         if budget.get("held"):
             text += f" ({budget['held']} held back by it)"
     return text
+
+
+# show's keys: what each part of the pool's properties is called (systemd's name where it
+# has one); the declared policy is left out of the text, its every value is under effective.
+_SPEC_KEYS = {"command": "ExecStart", "target": "Target", "env": "Environment", "cwd": "WorkingDirectory",
+              "pythonpath": "PythonPath", "preload": "Preload"}
+_SHOW_SKIPPED = ("policy", "spec", "effective", "counts", "after")
+
+
+def format_show(data: Mapping[str, Any]) -> list[str]:
+    """``show POOL``: one ``Key=Value`` line per property, as ``systemctl show`` gives a
+    unit's; a list is space-separated, a mapping ``k=v`` pairs, a flag yes or no, nothing empty."""
+    lines = [f"{_camel(key)}={_show_value(value)}" for key, value in data.items() if key not in _SHOW_SKIPPED]
+    spec = data.get("spec") or {}
+    for key, value in spec.items():
+        if key == "command":
+            import shlex
+
+            lines.append(f"ExecStart={shlex.join(str(v) for v in value)}")
+        elif key != "pickled":
+            lines.append(f"{_SPEC_KEYS.get(key, _camel(key))}={_show_value(value)}")
+    if "pickled" in spec:
+        lines.append("Target=(a pickled callable)")
+    lines += [f"{_camel(key)}={_show_value(value)}" for key, value in (data.get("effective") or {}).items()]
+    lines += [f"Replicas{_camel(state.lower())}={n}" for state, n in (data.get("counts") or {}).items()]
+    return lines
+
+
+def _camel(key: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in key.split("_"))
+
+
+def _show_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, Mapping):
+        return " ".join(f"{k}={_show_value(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return " ".join(_show_value(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def clock(ts: float | None) -> str:

@@ -1,13 +1,15 @@
 """``orchestrator logs``: its arguments and its output. Client side: it reads the files
 (logread.py) and never talks to the daemon, so it works with the daemon down. A task's log
-(``logs POOL/N``) is read the same way; its ``--follow`` ends when the journal (state.db,
-read-only) says the task has ended, which the daemon records only once its output is in
-the files."""
+(``logs POOL/N``) is read the same way, and so are journalctl's filters (``--since``,
+``--until``, ``--grep``, ``--timestamps``, ``--json``: logread.LineFilter); a task's
+``--follow`` ends when the journal (state.db, read-only) says the task has ended, which the
+daemon records only once its output is in the files."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import select
 import sys
@@ -19,6 +21,7 @@ from ..errors import NotFound, UsageError
 from .argtypes import natural
 
 if TYPE_CHECKING:
+    from ..logread import Line
     from ..paths import Paths
 
 P = TypeVar("P", bound=argparse.ArgumentParser)  # the CLI's own parser class
@@ -35,13 +38,28 @@ def add_parser(sub: argparse._SubParsersAction[P], common: P) -> None:
                         "prefixes each line with its id (default: none, give --pool)")
     p.add_argument("--pool", metavar="P", default=None,
                    help="every replica of pool P that has logs, each line prefixed with its id (default: none)")
-    p.add_argument("--lines", "-n", type=natural, default=10, metavar="N",
-                   help="lines shown from the end of each log; 0 shows none (default 10)")
+    p.add_argument("--lines", "-n", type=natural, default=None, metavar="N",
+                   help="lines shown from the end of each log; 0 shows none (default 10, or with --since, "
+                        "--until or --grep every line they keep)")
     p.add_argument("--stderr", action="store_true",
                    help="show the captured stderr instead of stdout (default: stdout)")
     p.add_argument("--follow", "-f", action="store_true",
                    help="then keep printing lines as they are written, until Ctrl-C or, for tasks, until "
                         "they have all ended (default: off)")
+    p.add_argument("--since", metavar="T", default=None,
+                   help="only lines the daemon read at or after T: an ISO 8601 time (2026-12-02T06:00:00, local "
+                        "time unless it says Z or +HH:MM) or a span ago (30s, 10m, 2h, 1d) (default: from the start)")
+    p.add_argument("--until", metavar="T", default=None,
+                   help="only lines read at or before T, given as for --since; with --follow, following ends at T "
+                        "(default: to the end)")
+    p.add_argument("--grep", metavar="REGEX", default=None,
+                   help="only lines a Python regular expression finds a match in (default: every line)")
+    p.add_argument("--timestamps", "-t", action="store_true",
+                   help="prefix each line with the time the daemon read it, ISO 8601 local time to the "
+                        "millisecond (default: off)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object a line: time, ts (unix seconds), replica or task, stream, line "
+                        "(default: off)")
 
 
 def stdout_gone() -> bool:
@@ -73,12 +91,20 @@ def _quiet_stdout() -> None:
 
 
 def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
-    """``orchestrator logs ID... [--follow] [--lines N] [--stderr]`` / ``logs --pool P``."""
+    """``orchestrator logs ID... [--follow] [--lines N] [--stderr] [--since T] [--until T]
+    [--grep RE] [--timestamps] [--json]`` / ``logs --pool P``."""
     from ..logfiles import log_paths
-    from ..logread import follow, pool_replicas, tail
+    from ..logread import LineFilter, compile_grep, follow, follow_lines, parse_when, pool_replicas, read_lines, tail
     from ..protocol import parse_replica_id, parse_task_id, pool_name
 
     stream = "err" if args.stderr else "out"
+    now = time.time()
+    filt = LineFilter(since=None if args.since is None else parse_when(args.since, now),
+                      until=None if args.until is None else parse_when(args.until, now),
+                      grep=None if args.grep is None else compile_grep(args.grep))
+    filtering = filt.timed or filt.grep is not None
+    timed = filtering or args.timestamps or args.json
+    lines = args.lines if args.lines is not None else (None if filtering else 10)
     ids = list(args.ids or ())
     pool = args.pool
     logs_dir = Path(paths.logs)
@@ -111,23 +137,59 @@ def cmd_logs(args: argparse.Namespace, paths: Paths) -> int:
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")  # type: ignore[union-attr]
     out = sys.stdout
+    show = _shower(prefix, args.timestamps, args.json)
     try:
-        if args.follow:
+        if args.follow and (filt.until is None or filt.until > now):  # an end in the past: just print
+            if filt.until is not None:
+                stop = _by_then(stop, filt.until)
             try:
-                for line in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stop,
-                                   lines=args.lines, pool=pool):
-                    out.write(line + "\n")
-                    out.flush()
+                if not timed:
+                    for text in follow(logs_dir, ids, stream=stream, prefix=prefix, stop=stop,
+                                       lines=lines or 0, pool=pool):
+                        out.write(text + "\n")
+                        out.flush()
+                else:
+                    for line in follow_lines(logs_dir, ids, stream=stream, stop=stop, lines=lines, pool=pool,
+                                             filt=filt, timed=True):
+                        out.write(show(line))
+                        out.flush()
             except KeyboardInterrupt:  # Ctrl-C is how a follow ends
                 out.flush()
             return 0
-        for rid in ids:
-            for line in tail(logs_dir, rid, stream=stream, lines=args.lines):
-                out.write(f"{rid} | {line}\n" if prefix else f"{line}\n")
+        if not timed:
+            for rid in ids:
+                for text in tail(logs_dir, rid, stream=stream, lines=lines or 0):
+                    out.write(f"{rid} | {text}\n" if prefix else f"{text}\n")
+        else:
+            found = [line for rid in ids for line in read_lines(logs_dir, rid, stream=stream, lines=lines,
+                                                                  filt=filt)]
+            if len(ids) > 1:
+                found.sort(key=lambda line: line.time)  # one story, as journalctl tells it (stable: each in order)
+            for line in found:
+                out.write(show(line))
         out.flush()
     except BrokenPipeError:
         _quiet_stdout()
     return 0
+
+
+def _by_then(stop: Callable[[], bool], until: float) -> Callable[[], bool]:
+    """``stop``, or it is past ``until`` (--follow --until T: nothing later is shown anyway)."""
+    return lambda: stop() or time.time() > until
+
+
+def _shower(prefix: bool, timestamps: bool, as_json: bool) -> Callable[[Line], str]:
+    """How a line is printed: as JSON, or its text after its time and its id."""
+    from ..logread import stamp
+
+    if as_json:
+        return lambda line: json.dumps(line.as_dict(), ensure_ascii=False) + "\n"
+
+    def show(line: Line) -> str:
+        head = f"{stamp(line.time)} " if timestamps else ""
+        return f"{head}{line.log_id} | {line.text}\n" if prefix else f"{head}{line.text}\n"
+
+    return show
 
 
 TASK_POLL = 0.25  # seconds between two looks at a followed task's state in the journal

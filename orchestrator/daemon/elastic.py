@@ -115,7 +115,7 @@ class Elastic:
         if not xp.elastic or xp.closing or self.host.closing:
             return
         pool = self.host.pool(xp.name)
-        if pool is None or pool.deleted or pool.state == CRASHLOOP:
+        if pool is None or pool.deleted or pool.stopped or pool.state == CRASHLOOP:
             return
         room = xp.max_workers - pool.desired
         starting = self._starting(xp, pool) if room > 0 else 0
@@ -179,6 +179,8 @@ class Elastic:
         pool = self.host.pool(xp.name)
         if xp.closing or pool is None or pool.deleted:
             return "the pool is closing"
+        if pool.stopped:
+            return f"the pool is stopped (start {pool.name})"
         if pool.state == CRASHLOOP:
             return f"the pool stopped replacing its workers: {pool.reason}"
         starting = self._starting(xp, pool)

@@ -45,11 +45,11 @@ before it cannot take one, so its ``--check`` refuses the hand-over); version 4 
 listeners (an image before it would bind their addresses again while the carried fds hold
 them); this code reads all four.
 
-Not carried, so refused with one line: a rollout or a reload's ordered delete in flight
-(each is a sequence of steps the new image would have to resume half way). A replica reaped
-whose cgroup has not emptied yet is waited for: its end is recorded once the cgroup is
-empty, which containment.py bounds (DRAIN_TIMEOUT, well inside QUIESCE_TIMEOUT). No spawn
-is ever in flight between two turns (a batch is asked and answered within one callback,
+Not carried, so refused with one line: a rollout, a reload's ordered delete or a waiting
+``stop``/``start`` of pools in flight (each is a sequence of steps the new image would
+have to resume half way). A replica reaped whose cgroup has not emptied yet is waited for:
+its end is recorded once the cgroup is empty, which containment.py bounds (DRAIN_TIMEOUT,
+well inside QUIESCE_TIMEOUT). No spawn is ever in flight between two turns (a batch is asked and answered within one callback,
 and spawns are held from the check on: the PENDING replicas carry as such). A client's
 poll for task events and a `result --wait` are answered just before the exec (with nothing
 new); both ask again, and the next image answers.
@@ -282,7 +282,9 @@ class Upgrade:
         http = self.daemon.http_api
         carried = [reply_to] + ([] if http is None else [w.reply for w in engine.waiters() if http.key_of(w.reply)])
         if any(w.reply not in carried or w.deadline is None for w in engine.waiters()):
-            return "a reload is still waiting for removed pools to end; try again once it has"
+            # (a reload's ordered delete, or a stop or start of pools with --wait: an HTTP
+            # client's own wait is carried, as the channel's is)
+            return "a reload or a pool's stop or start is still waiting for replicas; try again once it has ended"
         return None
 
     def _refused(self, why: str, *, answered: bool = True) -> None:

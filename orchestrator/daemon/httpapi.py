@@ -96,6 +96,7 @@ POOL_NAME: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0
 REPLICA_ID: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9]{1,18}$"}
 TASK_ID: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/[1-9][0-9]{0,17}$"}
 IDS: dict[str, Any] = {"type": "array", "items": STR, "minItems": 1}
+POOLS: dict[str, Any] = {"type": "array", "items": POOL_NAME, "minItems": 1}
 SIZE: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": protocol.MAX_COUNT}
 _SIGNALS = sorted(signal.Signals, key=int)
 SIGNAL: dict[str, Any] = {"oneOf": [  # what policy.signal_number reads: TERM, SIGTERM, term, 15
@@ -269,6 +270,20 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/signal", "`signal --json`", op="signal", write=True,
           body=body(("signal",), IDS_OR_POOL, signal=SIGNAL, ids=IDS, pool=POOL_NAME),
           result={"type": "object", "properties": {"signal": ANY, "sent": STRS}, "required": ["sent"]}),
+    Route("GET", "/v1/pools/{pool}", "`show POOL --json`: every property of a pool", op="show",
+          result={"type": "object", "properties": {"name": STR, "state": STR, "active_state": STR,
+                                                   "effective": OBJ, "counts": OBJ},
+                  "required": ["name", "state", "active_state", "effective", "counts"]}),
+    Route("GET", "/v1/pools/{pool}/active", "`is-active POOL --json` (200 whether it is active or not)",
+          op="is_active", result=reply(pool=STR, active=BOOL, state=STR)),
+    Route("POST", "/v1/stop", "`stop POOL... --json`: stop pools' replicas; the pools stay stopped",
+          op="stop_pools", write=True, body=body(("pools",), pools=POOLS, wait=BOOL, timeout=OPT_NUM),
+          result=reply(stopped=STRS, terminating=STRS)),
+    Route("POST", "/v1/start", "`start POOL... --json`: stopped pools back to their size", op="start_pools",
+          write=True, body=body(("pools",), pools=POOLS, wait=BOOL, timeout=OPT_NUM),
+          result=reply(started=STRS, launched=STRS)),
+    Route("POST", "/v1/reset-failed", "`reset-failed POOL... --json`: forget crash loops and restart counters",
+          op="reset_failed", write=True, body=body(("pools",), pools=POOLS), result=reply(reset=STRS, launched=STRS)),
     Route("POST", "/v1/wait", "until replicas run (or have ended)", op="wait",
           body=body(("ids",), ids=IDS, until={"enum": ["running", "ended"]}, timeout=NUM), result=OBJ),
     Route("POST", "/v1/reload", "`reload --json`: apply the config file again", op="reload", write=True,

@@ -5,6 +5,7 @@ or down).
     <logs dir>/<id>.out, <id>.out.1 .. <id>.out.K     stdout, newest first (.K the oldest)
     <logs dir>/<id>.err, <id>.err.1 .. <id>.err.K     stderr
     <logs dir>/<pool>#<n>.out, .err (and their .k)    a task's (tasklogs.py says whose bytes are whose)
+    <logs dir>/<any of those>.idx                     the read times of its lines (logindex.py)
 
 Decision: pipes pumped by the control loop (design a), not the log file's fd handed to
 the child (design b). Measured side by side in one run of
@@ -55,6 +56,10 @@ How the pump keeps its promises:
     than ``SLOW_WRITE`` pauses reading that pipe for ``SLOW_PAUSE``, so the throttling is
     passed on to the replica (it blocks on its full pipe) instead of being paid again and
     again by the loop;
+  * each stdout/stderr file keeps its bytes only; the time each chunk was read lives beside
+    it, in ``<file>.idx`` (logindex.py: a 16-byte record before the chunk's write, at most
+    one per millisecond per file, made by the file's first write), renamed right after its
+    file at rotation and removed with it; what it costs the loop: bench_logs.py's (4);
   * ``finish()`` (the replica was reaped) drains what is left in the pipes, bounded by
     ``DRAIN_LIMIT`` per stream (a descendant that still holds the write end and keeps
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
@@ -85,7 +90,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..logfiles import BACKUP_LIMIT, DIR_FLAGS, STREAMS, WRITE_FLAGS, base_name, check_stream, open_log_file
+from ..logfiles import (BACKUP_LIMIT, DIR_FLAGS, INDEX_FLAGS, STREAMS, WRITE_FLAGS, base_name, check_stream,
+                        open_log_file)
+from ..logindex import IndexWriter, index_name
 from ..protocol import parse_replica_id, parse_task_id
 
 if TYPE_CHECKING:
@@ -153,6 +160,11 @@ class _File:
         self.slow = False  # the last write took longer than SLOW_WRITE (the kernel throttles us)
         self.finished = False  # its writer is done: a late line opens it for itself only
         self.notes = bytearray()  # lines of the daemon's (a task's marker), written at the turn's end
+        # stdout and stderr have their lines' times beside them (logindex.py); probes' and
+        # spawners' logs do not (nobody filters them by time)
+        self.indexed = cap.index and name.endswith((".out", ".err"))
+        self.index: IndexWriter | None = None  # made by the first write to the file (none for a silent one)
+        self.index_tried = False  # for the file open now
         if eager:
             self.fd, st = open_log_file(cap.dirfd, self.name, WRITE_FLAGS, cap.logs_dir)
             self.size, self.created = st.st_size, True
@@ -216,6 +228,11 @@ class _File:
     def _write(self, view: memoryview, start: int, end: int) -> int:
         done = 0
         began = time.perf_counter()
+        if self.indexed:
+            if self.index is None and not self.index_tried:
+                self._open_index()
+            if self.index is not None:
+                self.index.chunk(int(self.cap.clock() * 1e6), self.size)
         while start + done < end:
             try:
                 k = os.write(self.fd, view[start + done:end])
@@ -253,20 +270,49 @@ class _File:
         try:
             # Oldest first, so that no rename replaces an existing file: ext4 flushes the
             # source of a replacing rename (auto_da_alloc), ~8 ms for a 10 MiB log, in the loop.
+            # Each index goes with its log, renamed right after it (a reader that looks in
+            # between finds an index of another file, and knows it by its inode).
             if self.backups > 0:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{self.name}.{self.backups}", dir_fd=dirfd)
+                for name in self._with_index(f"{self.name}.{self.backups}"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dirfd)
             for i in range(self.backups - 1, 0, -1):
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(f"{self.name}.{i}", f"{self.name}.{i + 1}", src_dir_fd=dirfd, dst_dir_fd=dirfd)
-            with contextlib.suppress(FileNotFoundError):
-                if self.backups > 0:
-                    os.rename(self.name, f"{self.name}.1", src_dir_fd=dirfd, dst_dir_fd=dirfd)
-                else:
-                    os.unlink(self.name, dir_fd=dirfd)
+                for old, new in zip(self._with_index(f"{self.name}.{i}"), self._with_index(f"{self.name}.{i + 1}")):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(old, new, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+            if self.backups > 0:
+                for old, new in zip(self._with_index(self.name), self._with_index(f"{self.name}.1")):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(old, new, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+            else:
+                for name in self._with_index(self.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dirfd)
         except OSError as err:
             self._failed(f"rotating {self.name}", err)
         return self._reopen(now=True) and self.size == 0
+
+    def _with_index(self, name: str) -> tuple[str, ...]:
+        """A log file's name, and its index's: what a rotation moves together."""
+        return (name, index_name(name)) if self.indexed else (name,)
+
+    def _open_index(self) -> None:
+        """The index of the file open now, at its first write; without one (it cannot be
+        opened) its lines are dated by the file's mtime, and the output is kept all the same."""
+        self.index_tried = True
+        try:
+            st = os.fstat(self.fd)
+            fd, _ = open_log_file(self.cap.dirfd, index_name(self.name), INDEX_FLAGS, self.cap.logs_dir)
+        except OSError as err:
+            log.warning("opening %s: %s; the lines of %s are dated by its mtime", index_name(self.name),
+                        err.strerror or err, self.name)
+            return
+        try:
+            self.index = IndexWriter(fd, st)
+        except OSError as err:
+            os.close(fd)
+            log.warning("starting %s: %s; the lines of %s are dated by its mtime", index_name(self.name),
+                        err.strerror or err, self.name)
 
     def _reopen(self, now: bool = False) -> bool:
         if self.cap.dirfd < 0:
@@ -299,6 +345,10 @@ class _File:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        self.index_tried = False
 
 
 File = _File  # a rotated file: a task's (LogCapture.task_file), or a stream's own (Stream.file)
@@ -559,11 +609,14 @@ class LogCapture:
 
     def __init__(self, logs_dir: str | os.PathLike[str], reactor: Reactor, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS, rate: int | None = RATE,
-                 total_rate: int | None = TOTAL_RATE, create_after: float = CREATE_AFTER) -> None:
+                 total_rate: int | None = TOTAL_RATE, create_after: float = CREATE_AFTER,
+                 index: bool = True, clock: Callable[[], float] = time.time) -> None:
         """``rate``: bytes/s one stream is pumped at most, ``total_rate``: all of them (None:
         no bound); beyond it the replicas block on their full pipes. ``create_after``:
         seconds after ``open`` at which a replica's files are made if no output made them
-        first (0: in ``open``, which then also raises OSError for a file it cannot open)."""
+        first (0: in ``open``, which then also raises OSError for a file it cannot open).
+        ``index``: keep each stdout/stderr file's lines' times beside it (logindex.py; off
+        only to measure what it costs), read from ``clock`` (wall-clock seconds)."""
         self.max_bytes, self.backups = self._limits(max_bytes, backups)
         if isinstance(create_after, bool) or not isinstance(create_after, (int, float)) or not 0 <= create_after < 1e6:
             raise ValueError(f"create_after must be a number of seconds >= 0, got {create_after!r}")
@@ -573,6 +626,8 @@ class LogCapture:
                 raise ValueError(f"{what} must be None or a whole number >= {CHUNK} (bytes/s), got {value!r}")
         self.rate = rate
         self.total_rate = total_rate
+        self.index = index
+        self.clock = clock
         self.logs_dir = Path(os.path.abspath(logs_dir))
         self.reactor = reactor
         with contextlib.suppress(FileExistsError):
@@ -716,12 +771,18 @@ class LogCapture:
         if self.dirfd < 0:
             return
         began = time.perf_counter()
-        for _ in range(REMOVE_PER_TURN):
+        unlinks = 0
+        while unlinks < REMOVE_PER_TURN:
             if not self._doomed:
                 return
             rid, stream, index = self._doomed.popleft()
             name = f"{rid}.{stream}" if index == 0 else f"{rid}.{stream}.{index}"
             t0 = time.perf_counter()
+            if stream in STREAMS:
+                unlinks += 1
+                with contextlib.suppress(OSError):  # its index: gone with it, or left as the log is
+                    os.unlink(index_name(name), dir_fd=self.dirfd)
+            unlinks += 1
             try:
                 os.unlink(name, dir_fd=self.dirfd)
                 there = True

@@ -96,7 +96,7 @@ PREFIX = "orchestrator_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 EXIT_KINDS = ("exit_zero", "exit_nonzero", "signal", "could_not_start", "not_ready", "terminated", "lost")
-POOL_STATES = ("ok", "backoff", "crashloop")
+POOL_STATES = ("ok", "backoff", "crashloop", "stopped")
 LIVE_STATES = tuple(s.value for s in ReplicaState if not s.terminal)
 # Seconds; the last finite bucket is long enough for a command that waits (--wait).
 COMMAND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -331,7 +331,7 @@ class Metrics:
         pool_states: dict[str, int] = collections.Counter({s: 0 for s in POOL_STATES})
         for p in pools:
             pool_states[str(p.get("state") or "ok")] += 1
-        yield _family(GaugeMetricFamily, "pools", "Pools by state (ok, backoff, crashloop).", ("state",),
+        yield _family(GaugeMetricFamily, "pools", "Pools by state (ok, backoff, crashloop, stopped).", ("state",),
                       sorted(pool_states.items()))
         yield _family(GaugeMetricFamily, "pool_desired_replicas", "Desired size of each pool.", ("pool",),
                       ((str(p.get("name")), _number(p.get("desired")))

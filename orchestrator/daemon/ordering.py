@@ -111,10 +111,13 @@ class Order:
         """Pool ``name`` and ``condition`` (ready: every replica it should have RUNNING,
         hence ready; started: each spawned, none waiting to start; completed: none left,
         the last one of each slot EXITED with 0): None when met, else why not. A pool that
-        failed (a crash loop, or a replica that failed and was not replaced) meets none."""
+        failed (a crash loop, or a replica that failed and was not replaced), or that an
+        operator stopped, meets none."""
         dep = self.table.pool(name)
         if dep is None or dep.deleted:
             return f"waiting for {name}: no such pool"
+        if dep.stopped:
+            return f"waiting for {name}: stopped (start {name})"
         if dep.state == CRASHLOOP:
             return f"waiting for {name}: crash loop ({dep.reason})"
         if dep.failed:

@@ -10,7 +10,14 @@ it. A pool's states, as ``status`` shows them:
     backoff     a replacement is scheduled; ``restarts`` counts them
     crashloop   a replacement would have been the (N+1)-th within S seconds: replacing
                 stopped (``reason`` says why) until an operator acts (scale, restart
-                --pool, launch --replace), and the pool's size follows what is left
+                --pool, launch --replace, reset-failed), and the pool's size follows what
+                is left
+    stopped     an operator stopped it (``stop POOL``): its replicas are stopped, none is
+                started or replaced, and it keeps its size and spec (``start POOL`` brings
+                it back to them); the flag is stored with the pool, so a restart, an
+                upgrade and a reload of the config file keep it stopped. It is the flag
+                ``stopped`` beside ``state``, which keeps what it was (a crash loop stays
+                one).
 
 A pool whose replica failed and was not replaced (``--restart never``, a crash loop)
 remembers that slot's failure (``failed``) until a replica is launched into the slot or
@@ -74,6 +81,7 @@ class Pool:
     restarts: int = 0  # replacements made since the pool was created
     deleted: bool = False
     declared: bool = False  # by the config file: a reload without it deletes it
+    stopped: bool = False  # by an operator (stop POOL): nothing of it runs until start POOL
     pending: dict[int, Timer] = field(default_factory=dict)  # slot -> Timer of a scheduled replacement
     # The stored (spec, policy) of a pool restored without a runtime (they no longer
     # resolve): written back as they were, so that a later start can try them again.
@@ -96,7 +104,7 @@ class Pool:
         """A pool of the store (``extra``: the row's flags, store.unpack_pool_row), size 0
         until it is launched (or ``unresolvable``)."""
         pool = cls(name, runtime, policy, next_n=next_n, deleted=bool(extra.get("deleted")),
-                   declared=bool(extra.get("declared")))
+                   declared=bool(extra.get("declared")), stopped=bool(extra.get("stopped")))
         ex = extra.get("executor")
         pool.stored_executor = ex if isinstance(ex, dict) else None
         failed = extra.get("failed")
@@ -121,6 +129,7 @@ class Pool:
         if not self.deleted:
             raise PoolError(f"pool {self.name!r} is not deleted: nothing to reopen")
         self.deleted = False
+        self.stopped = False  # a new life: it runs what it is declared with
         self.respec(runtime, policy)
         self.clear()
 
@@ -158,6 +167,27 @@ class Pool:
         """``slot``'s replica failed and was not replaced: the pools that start after this
         one wait, with ``why``, until the slot is filled again or an operator acts."""
         self.failed[slot] = why
+
+    def stop(self) -> None:
+        """Stopped by an operator: no replacement scheduled, none made until ``start``;
+        its size is kept (the caller stops its replicas)."""
+        self.cancel_replacements()
+        self.stopped = True
+
+    def start(self) -> None:
+        """Started again by an operator: its replicas may run (the caller launches them)."""
+        self.stopped = False
+
+    def reset_failed(self) -> int:
+        """``reset-failed``: the crash loop, the failed slots, the backoff history and the
+        restart counters forgotten, and no replacement left scheduled; returns how many
+        replicas it should hold now (its size with the failed slots filled again)."""
+        size = self.desired + len(self.failed)
+        self.cancel_replacements()
+        self.clear()
+        self.restarts = 0
+        self.slot_restarts.clear()
+        return size
 
     def delete(self) -> None:
         """Deleted: size 0, no replacement scheduled; its name (and ids) kept."""
@@ -284,6 +314,7 @@ class Pool:
     def carried(self) -> dict[str, Any]:
         """The in-memory bookkeeping, as JSON; scheduled replacements by their deadline."""
         return {"desired": self.desired, "state": self.state, "reason": self.reason, "restarts": self.restarts,
+                "stopped": self.stopped,
                 "slot_restarts": {str(k): v for k, v in self.slot_restarts.items()},
                 "recent": list(self._recent), "delay": {str(k): v for k, v in self._delay.items()},
                 "pending": {str(k): t.deadline for k, t in self.pending.items()}}
@@ -292,6 +323,7 @@ class Pool:
         """The bookkeeping of ``carried()``; returns the replacements to schedule (slot -> deadline)."""
         self.desired = int(carried["desired"])
         self.state, self.reason = str(carried["state"]), carried.get("reason")
+        self.stopped = bool(carried.get("stopped", self.stopped))  # an older image's: the store's flag
         self.restarts = int(carried["restarts"])
         self.slot_restarts = {int(k): int(v) for k, v in carried.get("slot_restarts", {}).items()}
         self._recent = collections.deque(float(t) for t in carried.get("recent", ()))
@@ -310,6 +342,8 @@ class Pool:
             row["deleted"] = True
         if self.declared:
             row["declared"] = True
+        if self.stopped:
+            row["stopped"] = True
         if self.executor is not None:
             row["executor"] = self.executor.stored()
         elif self.stored_executor is not None:
@@ -320,11 +354,17 @@ class Pool:
 
     def to_dict(self) -> dict[str, Any]:
         spec, policy = self._declared()
-        out: dict[str, Any] = {"name": self.name, "desired": self.desired, "state": self.state, "reason": self.reason,
-               "restarts": self.restarts, "spec": spec, "policy": policy, "after": list(self.policy.after)}
+        out: dict[str, Any] = {"name": self.name, "desired": self.desired, "state": self.shown_state,
+                               "stopped": self.stopped, "reason": self.reason, "restarts": self.restarts,
+                               "spec": spec, "policy": policy, "after": list(self.policy.after)}
         if self.is_executor:
             out["kind"] = "executor"
         return out
+
+    @property
+    def shown_state(self) -> str:
+        """What ``status`` calls it: ``stopped`` while stopped, else its state."""
+        return "stopped" if self.stopped else self.state
 
     def _declared(self) -> tuple[Any, Any]:
         """(spec, policy) as declared: what runs, or what was stored and no longer resolves."""

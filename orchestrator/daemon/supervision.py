@@ -1,6 +1,7 @@
 """Keeping pools alive: what each pool should hold and keeping it so. The restart policy,
 crash loops, rolling restarts, pools declared by the config file, and the commands that
-shape pools (launch, scale, terminate, restart, delete, signal); readiness and liveness are
+shape pools (launch, scale, terminate, restart, delete, signal, and systemctl's verbs on a
+pool: stop, start, reset-failed, show, is-active); readiness and liveness are
 readiness.py's, the order of pools ordering.py's (both held here: ``readiness``, ``order``).
 
 The daemon's loop thread runs it, beside the engine (engine.py) and apart from it: the
@@ -13,6 +14,10 @@ method of the Pool (pools.py), which is the one writer of its fields. The engine
 
     ended on its own ─► restart policy ─► slot backoff ─► replacement (new id, same slot)
                                └ (N+1)-th within S s ─► pool crashloop, size follows it out
+
+A pool an operator stopped (``stop POOL``) keeps its size and spec but runs nothing: no
+replacement is scheduled or made, no launch, scale, reload or restore starts one, until
+``start POOL`` brings it back to its size.
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ class Supervisor:
     def commands(self) -> dict[str, Callable[[dict[str, Any], Reply, Any], Any]]:
         """The commands it answers: op -> handler(args, reply, cmd_id)."""
         return {"launch": self._cmd_launch, "scale": self._cmd_scale, "restart": self._cmd_restart,
-                "delete": self._cmd_delete, "signal": self._cmd_signal, "terminate": self._cmd_terminate}
+                "delete": self._cmd_delete, "signal": self._cmd_signal, "terminate": self._cmd_terminate,
+                "stop_pools": self._cmd_stop_pools, "start_pools": self._cmd_start_pools,
+                "reset_failed": self._cmd_reset_failed, "show": self._cmd_show, "is_active": self._cmd_is_active}
 
     # -- hooks the engine calls ---------------------------------------------------------
 
@@ -111,6 +118,10 @@ class Supervisor:
 
     def stopped(self, rep: Replica) -> None:
         """``rep`` ended after it was asked to stop: replaced if that was the point."""
+        if self._pool_of(rep).stopped:  # stopped with its pool: nothing replaces it
+            self._renewing.pop(rep.id, None)
+            self._replacing.discard(rep.id)
+            return
         if rep.id in self._renewing:
             self._replace(rep, reason=self._renewing.pop(rep.id), backoff=False)
             return
@@ -129,6 +140,8 @@ class Supervisor:
             return  # a rolling restart's new replica holds the slot already: nothing to do
         if pool.deleted:
             return  # its size is 0 already (a reload's delete stops dependencies last)
+        if pool.stopped:
+            return  # it keeps its size for its start; nothing replaces it meanwhile
         if renewed is not None and not self.table.closing:
             self._replace(rep, reason=renewed, backoff=False)
             return
@@ -147,7 +160,7 @@ class Supervisor:
         ``now``: its replacement starts at once, sharing its slot while it ends (a surge),
         so a process per task does not wait for each exit."""
         pool = self._pool_of(rep)
-        if now and rep.slot is not None and not self.table.closing and not pool.deleted:
+        if now and rep.slot is not None and not self.table.closing and not pool.deleted and not pool.stopped:
             self.table.launch(pool, 1, slots=[rep.slot])
             pool.count_restart(rep.slot)
             self.table.metrics.restarted(pool.name)
@@ -161,7 +174,8 @@ class Supervisor:
         free: launched now into the lowest free slots (forked warm by its spawner), the
         pool's size raised by as many. OrchestratorError (one line) if they would take what
         the daemon keeps for its control plane; nothing is launched then."""
-        if count <= 0 or self.table.closing or pool.deleted or pool.runtime is None or pool.state == CRASHLOOP:
+        if (count <= 0 or self.table.closing or pool.deleted or pool.stopped or pool.runtime is None
+                or pool.state == CRASHLOOP):
             return []
         self.table.room_for(count)
         ids = self.table.launch(pool, count)
@@ -259,6 +273,8 @@ class Supervisor:
                 pool.unresolvable(wire, policy_wire, 0 if deleted else desired, None if deleted else problem)
                 if not deleted:
                     log.error("pool %s: %s", pool.name, problem)
+            elif relaunch and runtime is not None and not deleted and pool.stopped:
+                pool.scale_to(desired)  # stopped by an operator: its size waits for its start
             elif relaunch and runtime is not None and not deleted:
                 pool.grow(len(self.table.launch(pool, desired)))
             self.table.save_pool(pool)
@@ -283,6 +299,9 @@ class Supervisor:
         else:
             size = pool.desired + (1 if count is None else count)
         check_templates(runtime, policy, size)
+        if pool is not None and not pool.deleted and pool.stopped:
+            raise InvalidSpec(f"pool {name!r} is stopped: start it first (start {name}), or scale it "
+                              "(its size changes, nothing starts)")
         self.order.check(name, policy.after_pools)
         rolls = pool is not None and not pool.deleted and (
             runtime.wire != (pool.runtime.wire if pool.runtime else None) or policy != pool.policy)
@@ -330,7 +349,8 @@ class Supervisor:
         name = args.get("pool")
         n = protocol.count(args.get("n"), low=0, what="size")
         pool = self._known_pool(name)
-        self.table.room_for(n - (len(self._live(pool)) if pool is not None else 0))
+        if pool is None or not pool.stopped:
+            self.table.room_for(n - (len(self._live(pool)) if pool is not None else 0))
         if args.get("spec") is not None:
             runtime = self.prepare(args["spec"])
             check_templates(runtime, pool.policy if pool is not None else Policy(), n)
@@ -349,6 +369,10 @@ class Supervisor:
         if pool is None:
             raise UnknownPool(f"unknown pool {name!r}: launch a replica into it first")
         pool.clear()  # an operator acted: a crash loop is forgiven
+        if pool.stopped:  # its size for its start; nothing starts (or is left to stop) now
+            pool.scale_to(n)
+            self.table.save_pool(pool)
+            return {"pool": pool.name, "desired": n, "launched": [], "terminated": [], "stopped": True}
         live = self._live(pool)
         if len(live) < n and pool.runtime is None:
             raise InvalidSpec(f"pool {name!r} has no usable spec to launch from")
@@ -366,6 +390,8 @@ class Supervisor:
         timeout = protocol.wait_timeout(args)
         if args.get("pool") is not None:
             pool = self._pool(args["pool"])
+            if pool.stopped:
+                raise InvalidSpec(f"pool {pool.name!r} is stopped: nothing runs to restart (start {pool.name})")
             if pool.runtime is None:
                 raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
                                   "launch --replace, or delete it")
@@ -387,6 +413,8 @@ class Supervisor:
         if len(by_pool) != 1:
             raise InvalidSpec("restart replicas of one pool at a time")
         (pool_name, olds), = by_pool.items()
+        if self._pool(pool_name).stopped:
+            raise InvalidSpec(f"pool {pool_name!r} is stopped: its replicas are stopping, not restarted")
         return self._start_rollout(self._pool(pool_name), olds, len(olds), reply, cmd_id, timeout)
 
     def _cmd_delete(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
@@ -418,6 +446,175 @@ class Supervisor:
             reps = [r for r in found if r is not None]
         sent = [rep.id for rep in reps if self.table.signal(rep, sig)]
         return {"signal": signal.Signals(sig).name, "sent": sent}
+
+    # -- systemctl's verbs on a pool -----------------------------------------------------
+
+    def _named_pools(self, args: Mapping[str, Any]) -> list[Pool]:
+        """The pools a verb names (``pools``: one or more), all or none: an unknown one is
+        the command's error before any pool changes."""
+        names = args.get("pools")
+        if not isinstance(names, list) or not names:
+            raise InvalidSpec("pools: give one or more pool names")
+        pools: list[Pool] = []
+        for name in names:
+            pool = self._pool(protocol.pool_name(name))
+            if pool not in pools:
+                pools.append(pool)
+        return pools
+
+    def _cmd_stop_pools(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        """``stop POOL...``: every replica stopped as ``scale 0`` stops it (the pool's stop
+        signal, SIGKILL after its grace), none replaced; each pool keeps its size and spec
+        and stays stopped (across restarts too: the flag is stored) until ``start``.
+        ``wait``: the reply comes once they have all ended."""
+        pools = self._named_pools(args)
+        timeout = protocol.wait_timeout(args) if args.get("wait") else None
+        stopping: list[str] = []
+        for pool in pools:
+            for rollout in [r for r in self._rollouts if r.pool is pool]:
+                rollout.finish("the pool was stopped")
+            pool.stop()
+            for rep in list(pool.live.values()):
+                self._replacing.discard(rep.id)
+                self._renewing.pop(rep.id, None)
+                if self.table.stop(rep, reason="pool stopped") or rep.state is S.STOPPING:
+                    stopping.append(rep.id)
+            self.table.save_pool(pool)
+            self.table.journal.event("pool_stopped", {"pool": pool.name, "desired": pool.desired})
+        result = {"stopped": [p.name for p in pools], "terminating": stopping}
+        if timeout is not None:
+            self.when_ended(stopping, lambda ended: self._answer(
+                reply, cmd_id, result, None if ended else f"not all stopped within {timeout:g} s"), timeout)
+            return protocol.DEFERRED
+        return result
+
+    def _answer(self, reply: Reply, cmd_id: Any, result: dict[str, Any], error: str | None) -> None:
+        """A verb's reply once what it waited for is over: its result, or ``error`` with it."""
+        self.table.reply(reply, protocol.ok(cmd_id, result) if error is None
+                         else protocol.error(cmd_id, error, data=result), error is None)
+
+    def _cmd_start_pools(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        """``start POOL...``: stopped pools back to their size (one not stopped is left as it
+        is). Replicas of theirs still stopping are waited for first (bounded by their grace),
+        so that the new ones take their slots, and ports, not the next ones. ``wait``: the
+        reply comes once the replicas it launched run (or have ended)."""
+        pools = self._named_pools(args)
+        timeout = protocol.wait_timeout(args) if args.get("wait") else None
+        to_start = [p for p in pools if p.stopped]
+        for pool in to_start:  # checked before any pool changes
+            if pool.runtime is None and pool.desired > 0:
+                raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
+                                  "launch --replace, or delete it")
+        self.table.room_for(sum(max(0, p.desired - len(self._live(p))) for p in to_start))
+        ending = [r.id for p in to_start for r in p.live.values() if r.state is S.STOPPING]
+        result: dict[str, Any] = {"started": [p.name for p in to_start], "launched": []}
+        for pool in to_start:
+            pool.start()
+            self.table.save_pool(pool)
+            self.table.journal.event("pool_started", {"pool": pool.name, "desired": pool.desired})
+
+        def launch() -> bool:
+            """Launch what the pools lack; whether the reply waits for those to run."""
+            for pool in to_start:
+                if pool.stopped or pool.deleted or self.table.closing:  # stopped again meanwhile
+                    continue
+                before = set(pool.live)
+                self._converge(pool, pool.desired)
+                result["launched"] += [rid for rid in pool.live if rid not in before]
+            if timeout is None or not result["launched"]:
+                return False
+            self.table.wait_for(result["launched"], "running", lambda msg: self._answer(
+                reply, cmd_id, result, None if msg.get("ok") else f"not all running within {timeout:g} s"),
+                cmd_id, timeout, durable=False)
+            return True
+
+        if not ending:
+            return protocol.DEFERRED if launch() else result
+
+        def resume(_ended: bool) -> None:
+            if not launch():
+                self._answer(reply, cmd_id, result, None)
+
+        self.when_ended(ending, resume, 10.0 + max(self._grace_of(p) for p in to_start))
+        return protocol.DEFERRED
+
+    def _grace_of(self, pool: Pool) -> float:
+        return pool.policy.grace if pool.policy.grace is not None else float(self.table.config.grace)
+
+    def _cmd_reset_failed(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        """``reset-failed POOL...``: a crash loop, the failed slots and the backoff are
+        forgotten, the restart counters start from 0, and (unless the pool is stopped) the
+        pool is brought back to its size with its failed slots filled again, now."""
+        pools = self._named_pools(args)
+        for pool in pools:
+            if pool.runtime is None:
+                raise InvalidSpec(f"pool {pool.name!r} has no usable spec to launch from ({pool.reason}): "
+                                  "launch --replace, or delete it")
+        launched: list[str] = []
+        reset: list[str] = []
+        for pool in pools:
+            size = pool.reset_failed()
+            reset.append(pool.name)
+            if pool.stopped:
+                pool.scale_to(size)
+                self.table.save_pool(pool)
+                continue
+            self.table.room_for(size - len(self._live(pool)))
+            before = set(pool.live)
+            self._converge(pool, size)
+            launched += [rid for rid in pool.live if rid not in before]
+        return {"reset": reset, "launched": launched}
+
+    def active_state(self, pool: Pool) -> str:
+        """systemd's ActiveState of a pool: ``active`` (every replica of its size RUNNING,
+        hence ready; nothing failed, nothing waits for a backoff), ``activating`` (some
+        still start, or a replacement waits for its backoff), ``deactivating`` (stopped,
+        replicas still ending), ``inactive`` (stopped, nothing left), ``failed`` (a crash
+        loop, or a failed replica that was not replaced)."""
+        live = [r for r in pool.live.values() if not self._leaving(r)]
+        if pool.stopped:
+            return "deactivating" if live else "inactive"
+        if pool.state == CRASHLOOP or pool.failed:
+            return "failed"
+        running = sum(r.state is S.RUNNING for r in live)
+        if running >= pool.desired and not pool.pending:
+            return "active"
+        return "activating"
+
+    def _cmd_is_active(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        pool = self._pool(protocol.pool_name(args.get("pool")))
+        state = self.active_state(pool)
+        return {"pool": pool.name, "active": state == "active", "state": state}
+
+    def _cmd_show(self, args: dict[str, Any], reply: Reply, cmd_id: Any) -> Any:
+        """Every property of a pool: as ``status`` shows it, and the policy with each
+        default resolved (the daemon's grace, its log rotation), its order, sockets and
+        counts."""
+        pool = self._pool(protocol.pool_name(args.get("pool")))
+        row = pool.to_dict()
+        live = [r for r in pool.live.values() if not self._leaving(r)]
+        counts = {state.value: 0 for state in (S.PENDING, S.STARTING, S.RUNNING, S.STOPPING)}
+        for rep in pool.live.values():
+            counts[rep.state.value] = counts.get(rep.state.value, 0) + 1
+        effective = pool.policy.every_value()
+        config = self.table.config
+        if effective.get("grace") is None:
+            effective["grace"] = config.grace
+        capture = self.table.log_capture
+        if capture is not None:
+            for key, value in (("log_max_bytes", capture.max_bytes), ("log_backups", capture.backups)):
+                if effective.get(key) is None:
+                    effective[key] = value
+        return {**row, "active_state": self.active_state(pool),
+                "effective": effective, "replicas": sorted(pool.live), "counts": counts,
+                "running": sum(r.state is S.RUNNING for r in live),
+                "pending_replacements": sorted(pool.pending),
+                "failed_slots": {str(k): v for k, v in sorted(pool.failed.items())},
+                "slot_restarts": {str(k): v for k, v in sorted(pool.slot_restarts.items())},
+                "after_pools": pool.policy.after_pools, "required_by": self.order.dependents(pool.name),
+                "start_position": self.order.start_order().index(pool.name) + 1,
+                "waiting": self.order.waiting(pool) if pool.policy.after else None,
+                "sockets": list(pool.policy.sockets), "declared": pool.declared, "next_n": pool.next_n}
 
     def _pool(self, name: Any) -> Pool:
         pool = self._known_pool(name)
@@ -463,6 +660,11 @@ class Supervisor:
         changed = runtime.wire != (pool.runtime.wire if pool.runtime else None) or pol != pool.policy
         if changed:
             pool.respec(runtime, pol)
+        if pool.stopped:  # as systemd keeps a stopped unit stopped on daemon-reload
+            resized = size != pool.desired
+            pool.scale_to(size)
+            self.table.save_pool(pool)
+            return "changed" if changed else "resized" if resized else "unchanged"
         stale = [r for r in pool.live.values()
                  if r.state in _LIVE and not self._leaving(r) and not self._runs_declared(pool, r)]
         rolling = [r for r in self._rollouts if r.pool is pool]
@@ -539,7 +741,7 @@ class Supervisor:
             return
         first = [self._pool_of_name(n) for n in layers[0]]
         ids = [rid for pool in first for rid in pool.live]
-        bound = 10.0 + max(p.policy.grace if p.policy.grace is not None else self.table.config.grace for p in first)
+        bound = 10.0 + max(self._grace_of(p) for p in first)
 
         def next_layer(_ended: bool) -> None:
             for pool in map(self._pool_of_name, layers[1]):
@@ -696,13 +898,14 @@ class Supervisor:
         replacement within the window is not made: the pool is in a crash loop."""
         pool = self._pool_of(rep)
         slot = rep.slot if rep.slot is not None else pool.free_slots(1)[0]
-        if self.table.closing or pool.deleted:
+        if self.table.closing or pool.deleted or pool.stopped:
             return
         journal, metrics = self.table.journal, self.table.metrics
         if backoff and not pool.admit_replacement(self.table.os.monotonic()):
             limit, window = pool.policy.max_restarts
             pool.crashloop(f"{limit} restarts within {window:g} s; last: {rep.id} {reason}")
             pool.lower()
+            pool.left_failed(slot, f"{rep.id} {rep.state.value} ({reason})")  # reset-failed fills it again
             self.table.save_pool(pool)
             log.error("pool %s: crash loop (%s); not replacing %s until an operator acts", pool.name, pool.reason, rep.id)
             journal.event("crashloop", {"pool": pool.name, "replica": rep.id, "reason": pool.reason})
@@ -720,7 +923,7 @@ class Supervisor:
         upgrade carried)."""
 
         def launch() -> None:
-            if pool.take_scheduled(slot) is None or self.table.closing or pool.deleted:
+            if pool.take_scheduled(slot) is None or self.table.closing or pool.deleted or pool.stopped:
                 return
             if self._slot_taken(pool, slot):
                 return
