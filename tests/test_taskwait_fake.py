@@ -249,3 +249,25 @@ def test_a_parked_tasks_record_and_event_say_why_and_until_when(make: Callable[.
     rec: Any = task.record()
     assert (rec["state"], rec["wait_reason"], rec["waits"]) == ("WAITING", "busy", 1)
     assert h.tasks.waiting(task) == "busy"
+
+
+def test_a_session_that_asked_hears_a_task_wait_and_start_again(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.tasks.open_session("s1", None, waiting_events=True)  # the Executor's ask, when it opens its pool
+    w1, task = parked(h, 1.0, "not yet")
+    h.advance(0.01)  # the turn's events handed over
+    assert h.kinds(task.ref)[-1] == "waiting"  # its first "started" folded into it: it was never running
+    h.advance(1.0)
+    assert w1.tasks_sent(1) == [task.n] and state(task) is T.RUNNING
+    h.advance(0.01)  # a lone "started" is handed over after STARTED_HOLD
+    assert h.kinds(task.ref)[-1] == "started"
+    w1.send(w.RESULT, task.n, b"done")
+    assert state(task) is T.DONE and h.kinds(task.ref) == ["waiting", "started", "result"]
+
+
+def test_a_session_that_did_not_ask_hears_no_wait(make: Callable[..., Harness]) -> None:
+    """An Executor of a version before the WAITING event would take it for the task's end."""
+    h = make()
+    w1, task = parked(h, 1.0, "not yet")
+    h.advance(0.01)
+    assert "waiting" not in h.kinds(task.ref)

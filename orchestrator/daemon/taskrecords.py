@@ -217,6 +217,7 @@ class Session:
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
     started_timer: Timer | None = None  # a sink's lone STARTED events, held for their ends (tasktable._tell)
+    waiting_events: bool = False  # its submitter takes WAITING events (it asked when it opened)
     idle_timer: Timer | None = None
 
 
