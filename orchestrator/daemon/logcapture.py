@@ -414,8 +414,10 @@ class _Stream:
 
     def _open_bound(self) -> _File:
         assert self.bound is not None
-        name = f"{base_name(self.bound)}.{check_stream(self.bound_stream)}"
-        self.sink = _File(self.cap, name, self.file.max_bytes, self.file.backups, False)
+        base = base_name(self.bound)
+        self.sink = _File(self.cap, f"{base}.{check_stream(self.bound_stream)}", self.file.max_bytes,
+                          self.file.backups, False)
+        self.cap.task_files.add(base)
         return self.sink
 
     def drain(self) -> int:
@@ -592,6 +594,10 @@ class LogCapture:
         self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
         self._doomed_later: set[str] = set()
         self._removal: Timer | None = None  # the next batch of unlinks
+        # The tasks whose files exist (made here, or there at the start): only theirs are
+        # removed when their records go. Most tasks write nothing and have none, and an
+        # unlink that finds no file, four a task, cost a tiny task's loop more than its log.
+        self.task_files: set[str] = self._task_files_there()
         self._removing_failed = 0  # files that could not be removed since the last that could
         at_turn_end = getattr(reactor, "at_turn_end", None)
         if at_turn_end is not None:
@@ -685,8 +691,11 @@ class LogCapture:
         if self.dirfd < 0:
             return  # closed: the next start's scan removes them
         for rid in replica_ids:
-            if isinstance(rid, str) and parse_task_id(rid) is not None:
-                self._doomed.extend((base_name(rid), stream, 0) for stream in STREAMS)
+            if isinstance(rid, str) and "/" in rid:  # a task's (no replica id has one)
+                base = base_name(rid)
+                if base in self.task_files and parse_task_id(rid) is not None:
+                    self.task_files.discard(base)
+                    self._doomed.extend((base, stream, 0) for stream in STREAMS)
                 continue
             if not isinstance(rid, str) or parse_replica_id(rid) is None:
                 continue
@@ -695,6 +704,21 @@ class LogCapture:
             else:
                 self._doomed.extend((rid, stream, 0) for stream in (*STREAMS, "probe"))
         self._schedule_removal(0.0)
+
+    def _task_files_there(self) -> set[str]:
+        """The base names (``pool#n``) of the task files in the logs directory now."""
+        try:
+            names = os.listdir(self.dirfd)
+        except OSError:
+            return set()
+        found: set[str] = set()
+        for name in names:
+            stem, dot, tail = name.rpartition(".")
+            if tail.isdigit():  # a rotated one: <base>.<stream>.<k>
+                stem, dot, tail = stem.rpartition(".")
+            if dot and tail in STREAMS and "#" in stem:
+                found.add(stem)
+        return found
 
     @property
     def removals_pending(self) -> int:
