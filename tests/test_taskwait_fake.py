@@ -188,7 +188,8 @@ def _restored(h: Harness, rows: list[Doc]) -> tuple[FakeEngine, TaskTable]:
 def test_a_restart_keeps_a_waiting_task_waiting_until_its_time(make: Callable[..., Harness]) -> None:
     h = make()
     _, task = parked(h, 10.0, "later", deadline=60.0)
-    row = {**task.record()}
+    earlier: w.Figures = {"wall": 0.5, "cpu": 0.25, "peak_rss": 1 << 24, "children_peak_rss": None}
+    row = {**task.record(), "figures": json.loads(json.dumps(earlier))}  # as the store gives it back
     gone = {**row, "id": f"{POOL}/2", "n": 2, "wait_until": h.engine.time() - 1.0}  # its time passed meanwhile
     late = {**row, "id": f"{POOL}/3", "n": 3, "queued_at": h.engine.time() - 61.0}  # its deadline too
     engine, table = _restored(h, [row, gone, late])
@@ -196,6 +197,7 @@ def test_a_restart_keeps_a_waiting_task_waiting_until_its_time(make: Callable[..
         xp = table.pools[POOL]
         again = table.live[task.id]
         assert (again.state, again.wait_reason, again.deadline, again.waits) == (T.WAITING, "later", 60.0, 1)
+        assert again.figures == earlier  # its first attempt's: the next one's are added to them
         engine.reactor.run_once(0.0)
         assert [t.id for t in xp.queue] == [f"{POOL}/2"] and table.ended[f"{POOL}/3"].state is T.TIMED_OUT
         engine.now += 9.9

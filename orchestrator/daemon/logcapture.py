@@ -60,7 +60,8 @@ How the pump keeps its promises:
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
     full pipe is at most ``PIPE_SIZE`` bytes to write;
   * a replica's files live as long as its record: ``forget(ids)`` (the journal's retention
-    deleted those records) queues their files for removal, which the loop works through at
+    deleted those records) queues their files for removal (a task's only if it wrote, so has
+    files: most tasks have none), which the loop works through at
     most ``REMOVE_PER_TURN`` unlinks and ``REMOVE_TURN_TIME`` seconds a turn (an unlink that
     took longer than ``SLOW_WRITE`` pauses it for ``SLOW_PAUSE``), so a prune of thousands of
     records never holds the loop, and a daemon under churn keeps logs/ at the size of the
@@ -687,7 +688,8 @@ class LogCapture:
     def forget(self, replica_ids: Iterable[str]) -> None:
         """The journal forgot these ended replicas or tasks (``POOL/N``): remove their files
         (current and rotated, stdout and stderr), a bounded number per turn from the next
-        turn on. A replica whose capture is still open is removed once it finishes."""
+        turn on. A replica whose capture is still open is removed once it finishes; a task
+        only if it has files (``task_files``: a task that wrote nothing has none)."""
         if self.dirfd < 0:
             return  # closed: the next start's scan removes them
         for rid in replica_ids:
