@@ -13,7 +13,9 @@ pool of 2 workers, warmed, then ``map`` of ``abs`` over ``--tasks`` items; the C
 host process and its workers spent meanwhile, divided by the tasks; then a worker alone
 against a scripted loop (``worker_alone_us``, the steadiest figure: no host threads, no
 batching that moves with the machine's load). Printed: each round, then the median of each
-checkout and, with a baseline, this one's over the baseline's.
+checkout and, with a baseline, this one's over the baseline's. ``--baseline`` may be given
+more than once (``--baseline A --baseline B``): all of them run in the same rounds, named
+``baseline``, ``baseline2``, ..., each compared with this one.
 
 ``--daemon``: the same ``map`` through a daemon's pool (``Client(DIR).executor``, 2 workers;
 a daemon started for the round from that checkout, stopped after it): the daemon's CPU
@@ -119,6 +121,13 @@ def measure_worker(tasks: int) -> float:
                 sent += 1
 
     def cpu() -> float:
+        # schedstat's time on a CPU (ns) where the kernel has it: /proc/PID/stat's ticks
+        # (10 ms) are a tenth of a µs per task over 60,000, as coarse as the effect
+        try:
+            with open(f"/proc/{pid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -185,7 +194,8 @@ def _round(checkout: Path, tasks: int, extra: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", metavar="DIR", help="another checkout, run alternating with this one")
+    ap.add_argument("--baseline", metavar="DIR", action="append", default=[],
+                    help="another checkout, run alternating with this one (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tasks", type=int, default=60_000)
     ap.add_argument("--daemon", action="store_true", help="through a daemon's pool (Client(DIR).executor)")
@@ -204,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**measure(args.one), "worker_alone_us": alone}))
         return 0
     checkouts = {"now": ROOT}
-    if args.baseline:
-        checkouts["baseline"] = Path(args.baseline).resolve()
+    for i, other in enumerate(args.baseline):
+        checkouts["baseline" + (str(i + 1) if i else "")] = Path(other).resolve()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     keys = (("tasks_per_s", "host_us", "daemon_us", "workers_us", "total_us") if args.daemon else
             ("tasks_per_s", "host_us", "workers_us", "total_us", "worker_alone_us"))
@@ -219,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     median = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
     for name, m in median.items():
         print(f"median {name:7}" + "".join(f"{m[k]:16.1f}" for k in keys))
-    if "baseline" in median:
-        print(f"{'now/baseline':14}" + "".join(f"{median['now'][k] / median['baseline'][k]:15.3f}x" for k in keys))
+    for name in median:
+        if name != "now":
+            print(f"{'now/' + name:14}" + "".join(f"{median['now'][k] / median[name][k]:15.3f}x" for k in keys))
     return 0
 
 

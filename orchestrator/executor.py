@@ -208,6 +208,7 @@ class Executor(futures_base.Executor):
                                   else _remote(state_dir, reconnect_timeout))
         args = {"pool": self._pool, "size": max_workers, "spec": spec, "options": options, "init": init,
                 "init_about": _about(initializer, initargs), "session": self._session,
+                "waiting_events": True,  # a task that waits for its time (Retry) is told: not running() then
                 # Embedded, the pool is this session's alone: one block that never runs out
                 # (a grant would wait behind the submits the loop has still to take).
                 "numbers": FIRST_BLOCK if state_dir is not None else EMBEDDED_BLOCK}
@@ -612,6 +613,10 @@ class Executor(futures_base.Executor):
             with fut._condition:
                 if fut._state == futures_base.PENDING:
                     fut.set_running_or_notify_cancel()
+            return True
+        if kind == w.TaskEvent.WAITING:
+            fut.task_id = task_id
+            fut.not_running()
             return True
         if self._futures.pop(ref, None) is None:
             return True  # another thread ended it (a refusal and a report cannot both come)

@@ -61,7 +61,8 @@ class TaskFuture(Future[Any]):
         answered for it its ``figures``, what it took there: ``wall`` and ``cpu`` seconds
         (user + system, its child processes' included), ``peak_rss`` bytes (its worker's
         own peak while it ran, not the worker's lifetime peak), ``children_peak_rss`` (or
-        None). One call to the loop (embedded: while the executor is open, for the latest
+        None); a task that ran more than once (Retry, retry_on) has its attempts' added
+        (the peaks: the largest). One call to the loop (embedded: while the executor is open, for the latest
         1,000 ended tasks; a daemon's store keeps more). A task cancelled or timed out while
         it ran has its figures once ``wait_stopped()`` returned. UnknownTask: no record
         (a future whose task was never made, or ended long ago)."""
@@ -150,6 +151,13 @@ class TaskFuture(Future[Any]):
                 self._result = None
                 self._exception = pickle.UnpicklingError(
                     f"task {self.task_id}: its result cannot be unpickled here: {type(err).__name__}: {err}")
+
+    def not_running(self) -> None:
+        """Its task waits for its time (``Retry``, ``retry_on``) on no worker: pending again,
+        as a queued one is, until it starts again."""
+        with self._condition:
+            if self._state == futures_base.RUNNING:
+                self._state = futures_base.PENDING
 
     def cancel(self) -> bool:
         with self._condition:

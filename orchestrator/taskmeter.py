@@ -6,7 +6,13 @@ loop as a FIGURES frame (taskwire.py) in the same write as the task's answer.
     cpu                user + system seconds (``getrusage``) of the worker, all its threads,
                        and of the children reaped meanwhile (``RUSAGE_CHILDREN``: the ones the
                        task waited for, their own reaped descendants, and what the worker,
-                       the subreaper of a task's leftovers, ended and reaped before it answers)
+                       the subreaper of a task's leftovers, ended and reaped before it answers),
+                       from the reading its worker made for the task before it (or once it
+                       was ready for tasks) to this one's answer: the worker's CPU between
+                       two tasks (the write of the answer before, the read and unpickling of
+                       this task's frame: a few µs; none while it waits, unless a thread of its
+                       own runs) is this task's too.
+                       One ``getrusage`` a task fewer than a reading at each start
     peak_rss           the worker's own peak resident set while the task ran, not its
                        lifetime's: before each task ``/proc/self/clear_refs`` ("5") brings
                        the kernel's high-water mark down to the resident set of the moment
@@ -30,9 +36,12 @@ it peaked there, one below it reads ``VmHWM``. (``ru_maxrss`` follows the kernel
 resident-set counters, which may lag the exact figure by a few hundred KiB.)
 
 Without ``clear_refs`` (a kernel or sandbox without it) ``peak_rss`` is None: the worker's
-lifetime peak is not the task's. What figures cost a tiny task (three ``getrusage``, one
-write, two clock reads, one ``struct`` pack, 45 bytes more in the answer's write):
-benchmarks/README.md.
+lifetime peak is not the task's. The reset is made before every task: measured here, the
+write costs ~0.5 us, less than what would tell whether it can be skipped (the resident set
+of the moment, ``/proc/self/statm``: ~1.3 us; ``VmHWM``: ~5-10 us), and skipping it when the
+last task's peak did not rise gives a task the peak of one before it that freed memory.
+What figures cost a tiny task (two ``getrusage``, one write, two clock reads, one ``struct``
+pack, 45 bytes more in the answer's write): benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ class Meter:
                 if floor > self._high_water() + _SLACK:
                     self._floor = floor
         self._began = 0.0
-        self._cpu = 0.0  # the worker's user + system seconds at the task's start
+        self._cpu = 0.0  # the worker's user + system seconds at the last reading (the last task's end)
         self._children_cpu = 0.0  # ...its reaped children's, and their largest ru_maxrss
         self._children_peak = 0
         self.settle()
@@ -84,15 +93,14 @@ class Meter:
     def settle(self) -> None:
         """The worker is ready for tasks: what its children took so far (its initializer's)
         is no task's."""
-        children = _usage(_CHILDREN)  # (a struct_rusage read by index: cheaper than by name)
+        own, children = _usage(_SELF), _usage(_CHILDREN)  # (a struct_rusage read by index: cheaper than by name)
+        self._cpu = own[0] + own[1]
         self._children_cpu, self._children_peak = children[0] + children[1], children[2]
 
     def start(self) -> None:
-        """A task starts now: its clock and counters from here, the peak brought down. (The
-        children's counters are where the last task's ``frame`` read them: between two
-        tasks the worker reaps no child.)"""
-        own = _usage(_SELF)
-        self._cpu = own[0] + own[1]
+        """A task starts now: its clock from here, the peak brought down. (The counters are
+        where the last task's ``frame``, or ``settle``, read them: between two tasks the
+        worker reaps no child, and its own CPU meanwhile is the next task's.)"""
         if self._reset_fd >= 0:
             try:
                 os.write(self._reset_fd, _RESET)
@@ -105,13 +113,13 @@ class Meter:
         """The FIGURES frame of task ``number``, measured now."""
         wall = _clock() - self._began
         own, children = _usage(_SELF), _usage(_CHILDREN)
-        children_cpu, children_peak = children[0] + children[1], children[2]
-        cpu = own[0] + own[1] - self._cpu + children_cpu - self._children_cpu
+        own_cpu, children_cpu, children_peak = own[0] + own[1], children[0] + children[1], children[2]
+        cpu = own_cpu - self._cpu + children_cpu - self._children_cpu
         peak = 0
         if self._reset_fd >= 0:
             peak = own[2] if own[2] > self._floor else self._high_water()
         risen = children_peak if children_peak > self._children_peak else 0
-        self._children_cpu, self._children_peak = children_cpu, children_peak
+        self._cpu, self._children_cpu, self._children_peak = own_cpu, children_cpu, children_peak
         return _FRAME.pack(w.FIGURES_PAYLOAD.size, w.FIGURES, number, wall, cpu, peak << 10, risen << 10)
 
     def _high_water(self) -> int:

@@ -120,6 +120,9 @@ class TaskEvent(StrEnum):
     A ``str``: over the daemon's JSON channel it is the word itself, unchanged."""
 
     STARTED = "started"  # a worker runs it now (data: its task id)
+    WAITING = "waiting"  # its attempt ended (Retry, retry_on): it waits for its time, runs on no worker
+    # (data: its task id; told only to a session opened with ``waiting_events``: an older
+    # submitter would take a word it does not know for its end)
     STOPPING = "stopping"  # it ended while a worker ran it: its end comes next, the worker still stops it
     STOPPED = "stopped"  # that worker is done with it (TaskFuture.wait_stopped returns)
 

@@ -60,3 +60,14 @@ def sleep(seconds: float) -> float:
 
 def now() -> float:
     return time.time()
+
+
+def park_then_hold(log: str, go: str, after: float) -> int:
+    """Its first attempt raises Retry(after=); the second reads the FIFO ``go`` (it blocks
+    until the test opens it to write), then returns its attempt's number."""
+    n = _attempt(log)
+    if n == 1:
+        raise Retry(after=after, reason="not yet")
+    with open(go) as f:
+        f.read()
+    return n

@@ -1077,3 +1077,41 @@ def test_the_store_names_the_replicas_its_retention_deleted(tmp_path: Path) -> N
         last = 5 + PRUNE_RETIRED_MIN
         assert sorted(forgotten, key=lambda r: int(r[4:])) == [f"web-{n}" for n in range(1, last - 2)]
         assert {r["id"] for r in store.replicas(include_terminal=True)} == {f"web-{n}" for n in range(last - 2, last + 1)}
+
+
+def test_forget_removes_the_task_files_there_are_and_tries_none_for_a_task_without(
+        logs_dir: Path, reactor: Reactor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's files are made by its first byte: most tasks have none, and a forgotten
+    task without files costs no unlink. Files there before the capture started (an earlier
+    daemon's) and files it made are both removed with their records."""
+    logs_dir.mkdir(exist_ok=True)
+    earlier = _plant(logs_dir, "jobs#1", backups=1)
+    kept = ["jobs#3.out.x", "daemon.log"]
+    for name in kept:
+        (logs_dir / name).write_text("not a task's log\n")
+    cap = LogCapture(logs_dir, reactor)
+    rlog = cap.open("jobs-1")
+    try:
+        out = rlog.stream("out")
+        out.bind("jobs/2", "out")  # a task that writes a line: its file is made
+        os.write(out.w, b"task 2 says\n")
+        out.drain()
+        out.unbind()
+        assert (logs_dir / "jobs#2.out").read_text() == "task 2 says\n"
+        unlinked: list[str] = []
+        real_unlink = os.unlink
+
+        def counting_unlink(name: str, *, dir_fd: int | None = None) -> None:
+            unlinked.append(name)
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "unlink", counting_unlink)
+        cap.forget([f"jobs/{n}" for n in range(1, 1001)])  # 998 tasks that wrote nothing
+        _turns_until(reactor, cap)
+        assert {name.split(".")[0] for name in unlinked} == {"jobs#1", "jobs#2"}
+        assert len(unlinked) <= 4 * 2 + len(earlier)  # each chain probed one past its end, nothing else
+        assert not any(name.startswith(("jobs#1.", "jobs#2.")) for name in os.listdir(logs_dir))
+        assert all((logs_dir / name).exists() for name in kept)
+    finally:
+        rlog.finish()
+        cap.close()

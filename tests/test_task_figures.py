@@ -30,6 +30,7 @@ import figurefns
 from helpers import DaemonUnderTest, cli, cli_json, wait_for
 from orchestrator import Client, Executor, UnknownTask
 from orchestrator import taskwire as w
+from orchestrator.daemon import metrics as metrics_mod
 from orchestrator.daemon import taskfigures
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.taskrecords import Task
@@ -291,6 +292,47 @@ def test_the_stand_in_of_an_upgrade_leaves_the_stored_record_as_it_is(make: Call
     taskfigures.attach(stand_in, payload(0.5, 0.25, 30 * MiB), metrics, store)
     assert stand_in.figures is not None and [p for p, _ in metrics.got] == [POOL]
     assert store.saved == []
+
+
+def test_a_task_that_ran_twice_has_both_attempts_figures_and_each_is_counted(make: Callable[..., Harness]) -> None:  # noqa: F811
+    h = make()
+    metrics = Figured()
+    task = Task("px/9", 9, h.xp, None, None, None, None, 0, state=T.RUNNING)
+    taskfigures.attach(task, payload(0.5, 0.25, 30 * MiB), metrics, None)  # the attempt that raised Retry
+    taskfigures.attach(task, payload(1.0, 0.5, 20 * MiB, 40 * MiB), metrics, None)  # the one after it
+    assert task.figures == {"wall": 1.5, "cpu": 0.75, "peak_rss": 30 * MiB, "children_peak_rss": 40 * MiB}
+    assert [f["wall"] for _, f in metrics.got] == [0.5, 1.0]
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render({}, {}))}
+    counts = [s.value for s in fams["orchestrator_task_wall_seconds"].samples
+              if s.name == "orchestrator_task_wall_seconds_count"]
+    assert counts == [2.0]
+
+
+def test_the_figures_kept_between_scrapes_are_all_counted_at_the_next() -> None:
+    metrics = Metrics()
+    wall = [0.0001 * i for i in range(metrics_mod.FOLD_AT + 10)]  # one fold on the way, ten kept for the scrape
+    for i, seconds in enumerate(wall):
+        metrics.task_figures("px", {"wall": seconds, "cpu": float("nan") if i == 3 else seconds,
+                                    "peak_rss": None if i % 2 else 20 * MiB, "children_peak_rss": None})
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render({}, {}))}
+
+    def value(family: str, sample: str, le: str | None = None) -> float:
+        got = [s.value for s in fams[family].samples if s.name == sample and (le is None or s.labels["le"] == le)]
+        assert len(got) == 1, (family, sample, got)
+        return got[0]
+
+    name = "orchestrator_task_wall_seconds"
+    assert value(name, name + "_count") == len(wall)
+    assert value(name, name + "_sum") == pytest.approx(sum(wall))
+    assert value(name, name + "_bucket", "0.0005") == sum(1 for x in wall if x <= 0.0005)
+    cpu = "orchestrator_task_cpu_seconds"
+    assert value(cpu, cpu + "_sum") == pytest.approx(sum(wall) - wall[3])  # NaN counted as 0, as observe does
+    peak = "orchestrator_task_peak_rss_bytes"
+    assert value(peak, peak + "_count") == (len(wall) + 1) // 2
+    metrics.forget_pool("px")
+    metrics.task_figures("px", {"wall": 1.0, "cpu": 1.0, "peak_rss": None, "children_peak_rss": None})
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render({}, {}))}
+    assert value(name, name + "_count") == 1
 
 
 def state(task: Any) -> T:

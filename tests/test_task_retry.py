@@ -8,6 +8,7 @@ is refused in one line; a parked task survives a daemon's restart."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -190,3 +191,30 @@ def test_the_command_lines_deadline_bounds_a_targets_waits(daemon: DaemonUnderTe
     outcome = json.loads(got.stdout)
     assert outcome["state"] == "TIMED_OUT" and "passed its deadline of 1.5 s" in outcome["reason"]
     assert len(retryfns.starts(log)) >= 2  # it waited and ran again until its deadline
+
+
+def test_a_waiting_tasks_future_is_not_running_and_cancels_as_a_queued_ones(pool: Pool, tmp_path: Path) -> None:
+    log = str(tmp_path / "parked.log")
+    fut = pool.ex.submit(retryfns.always_park, log, 60.0)
+    waiting(pool, fut.task_id, log)
+    # The future hears of the wait just after the record says it (the same turn of the loop).
+    wait_for(lambda: not fut.running(), 10, "its future not to be running")
+    assert not fut.done()
+    assert fut.cancel() and fut.cancelled()
+    assert fut.task_id is not None
+    wait_for(lambda: pool.info(fut.task_id)["state"] == "CANCELLED", 30, "its record to say CANCELLED")
+    assert len(retryfns.starts(log)) == 1  # it never ran again
+
+
+def test_a_waiting_task_that_runs_again_is_running_again(pool: Pool, tmp_path: Path) -> None:
+    log = str(tmp_path / "parked.log")
+    go = str(tmp_path / "go")
+    os.mkfifo(go)
+    fut = pool.ex.submit(retryfns.park_then_hold, log, go, 1.0)
+    waiting(pool, fut.task_id, log)
+    wait_for(lambda: not fut.running(), 10, "its future not to be running")
+    wait_for(lambda: len(retryfns.starts(log)) == 2, 30, "its second attempt")
+    wait_for(fut.running, 10, "its future to be running again")
+    with open(go, "w") as f:  # the second attempt reads it to its end
+        f.write("go")
+    assert fut.result(timeout=30) == 2

@@ -610,7 +610,7 @@ def test_a_restore_requeues_or_loses_what_ran_and_keeps_the_queue(make: Callable
 
 
 def test_task_events_keep_their_words_on_the_wire() -> None:
-    assert [e.value for e in TaskEvent] == ["started", "stopping", "stopped"]
+    assert [e.value for e in TaskEvent] == ["started", "waiting", "stopping", "stopped"]
     assert json.dumps([TaskEvent.STARTED, "r", None, "p/1"]) == '["started", "r", null, "p/1"]'
     assert json.loads('"stopping"') == TaskEvent.STOPPING  # what the executor compares a JSON event with
 

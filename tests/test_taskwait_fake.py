@@ -188,7 +188,8 @@ def _restored(h: Harness, rows: list[Doc]) -> tuple[FakeEngine, TaskTable]:
 def test_a_restart_keeps_a_waiting_task_waiting_until_its_time(make: Callable[..., Harness]) -> None:
     h = make()
     _, task = parked(h, 10.0, "later", deadline=60.0)
-    row = {**task.record()}
+    earlier: w.Figures = {"wall": 0.5, "cpu": 0.25, "peak_rss": 1 << 24, "children_peak_rss": None}
+    row = {**task.record(), "figures": json.loads(json.dumps(earlier))}  # as the store gives it back
     gone = {**row, "id": f"{POOL}/2", "n": 2, "wait_until": h.engine.time() - 1.0}  # its time passed meanwhile
     late = {**row, "id": f"{POOL}/3", "n": 3, "queued_at": h.engine.time() - 61.0}  # its deadline too
     engine, table = _restored(h, [row, gone, late])
@@ -196,6 +197,7 @@ def test_a_restart_keeps_a_waiting_task_waiting_until_its_time(make: Callable[..
         xp = table.pools[POOL]
         again = table.live[task.id]
         assert (again.state, again.wait_reason, again.deadline, again.waits) == (T.WAITING, "later", 60.0, 1)
+        assert again.figures == earlier  # its first attempt's: the next one's are added to them
         engine.reactor.run_once(0.0)
         assert [t.id for t in xp.queue] == [f"{POOL}/2"] and table.ended[f"{POOL}/3"].state is T.TIMED_OUT
         engine.now += 9.9
@@ -249,3 +251,25 @@ def test_a_parked_tasks_record_and_event_say_why_and_until_when(make: Callable[.
     rec: Any = task.record()
     assert (rec["state"], rec["wait_reason"], rec["waits"]) == ("WAITING", "busy", 1)
     assert h.tasks.waiting(task) == "busy"
+
+
+def test_a_session_that_asked_hears_a_task_wait_and_start_again(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.tasks.open_session("s1", None, waiting_events=True)  # the Executor's ask, when it opens its pool
+    w1, task = parked(h, 1.0, "not yet")
+    h.advance(0.01)  # the turn's events handed over
+    assert h.kinds(task.ref)[-1] == "waiting"  # its first "started" folded into it: it was never running
+    h.advance(1.0)
+    assert w1.tasks_sent(1) == [task.n] and state(task) is T.RUNNING
+    h.advance(0.01)  # a lone "started" is handed over after STARTED_HOLD
+    assert h.kinds(task.ref)[-1] == "started"
+    w1.send(w.RESULT, task.n, b"done")
+    assert state(task) is T.DONE and h.kinds(task.ref) == ["waiting", "started", "result"]
+
+
+def test_a_session_that_did_not_ask_hears_no_wait(make: Callable[..., Harness]) -> None:
+    """An Executor of a version before the WAITING event would take it for the task's end."""
+    h = make()
+    w1, task = parked(h, 1.0, "not yet")
+    h.advance(0.01)
+    assert "waiting" not in h.kinds(task.ref)

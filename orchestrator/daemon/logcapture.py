@@ -65,7 +65,8 @@ How the pump keeps its promises:
     writing cannot hold the loop), then closes everything. It runs in the caller's turn: a
     full pipe is at most ``PIPE_SIZE`` bytes to write;
   * a replica's files live as long as its record: ``forget(ids)`` (the journal's retention
-    deleted those records) queues their files for removal, which the loop works through at
+    deleted those records) queues their files for removal (a task's only if it wrote, so has
+    files: most tasks have none), which the loop works through at
     most ``REMOVE_PER_TURN`` unlinks and ``REMOVE_TURN_TIME`` seconds a turn (an unlink that
     took longer than ``SLOW_WRITE`` pauses it for ``SLOW_PAUSE``), so a prune of thousands of
     records never holds the loop, and a daemon under churn keeps logs/ at the size of the
@@ -464,8 +465,10 @@ class _Stream:
 
     def _open_bound(self) -> _File:
         assert self.bound is not None
-        name = f"{base_name(self.bound)}.{check_stream(self.bound_stream)}"
-        self.sink = _File(self.cap, name, self.file.max_bytes, self.file.backups, False)
+        base = base_name(self.bound)
+        self.sink = _File(self.cap, f"{base}.{check_stream(self.bound_stream)}", self.file.max_bytes,
+                          self.file.backups, False)
+        self.cap.task_files.add(base)
         return self.sink
 
     def drain(self) -> int:
@@ -647,6 +650,10 @@ class LogCapture:
         self._doomed: collections.deque[tuple[str, str, int]] = collections.deque()
         self._doomed_later: set[str] = set()
         self._removal: Timer | None = None  # the next batch of unlinks
+        # The tasks whose files exist (made here, or there at the start): only theirs are
+        # removed when their records go. Most tasks write nothing and have none, and an
+        # unlink that finds no file, four a task, cost a tiny task's loop more than its log.
+        self.task_files: set[str] = self._task_files_there()
         self._removing_failed = 0  # files that could not be removed since the last that could
         at_turn_end = getattr(reactor, "at_turn_end", None)
         if at_turn_end is not None:
@@ -736,12 +743,16 @@ class LogCapture:
     def forget(self, replica_ids: Iterable[str]) -> None:
         """The journal forgot these ended replicas or tasks (``POOL/N``): remove their files
         (current and rotated, stdout and stderr), a bounded number per turn from the next
-        turn on. A replica whose capture is still open is removed once it finishes."""
+        turn on. A replica whose capture is still open is removed once it finishes; a task
+        only if it has files (``task_files``: a task that wrote nothing has none)."""
         if self.dirfd < 0:
             return  # closed: the next start's scan removes them
         for rid in replica_ids:
-            if isinstance(rid, str) and parse_task_id(rid) is not None:
-                self._doomed.extend((base_name(rid), stream, 0) for stream in STREAMS)
+            if isinstance(rid, str) and "/" in rid:  # a task's (no replica id has one)
+                base = base_name(rid)
+                if base in self.task_files and parse_task_id(rid) is not None:
+                    self.task_files.discard(base)
+                    self._doomed.extend((base, stream, 0) for stream in STREAMS)
                 continue
             if not isinstance(rid, str) or parse_replica_id(rid) is None:
                 continue
@@ -750,6 +761,21 @@ class LogCapture:
             else:
                 self._doomed.extend((rid, stream, 0) for stream in (*STREAMS, "probe"))
         self._schedule_removal(0.0)
+
+    def _task_files_there(self) -> set[str]:
+        """The base names (``pool#n``) of the task files in the logs directory now."""
+        try:
+            names = os.listdir(self.dirfd)
+        except OSError:
+            return set()
+        found: set[str] = set()
+        for name in names:
+            stem, dot, tail = name.rpartition(".")
+            if tail.isdigit():  # a rotated one: <base>.<stream>.<k>
+                stem, dot, tail = stem.rpartition(".")
+            if dot and tail in STREAMS and "#" in stem:
+                found.add(stem)
+        return found
 
     @property
     def removals_pending(self) -> int:

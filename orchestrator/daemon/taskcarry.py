@@ -126,7 +126,8 @@ class TaskCarry:
         carried_pools = [{"name": xp.name, "next_n": xp.next_n, "reserved": xp.reserved, "said": xp.said,
                           "ended": dict(xp.ended), "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                          for xp in pools if not xp.closing]
-        sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events]}
+        sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events],
+                     "waiting_events": ss.waiting_events}
                     for ss in self.tasks.sessions.values() if ss.sink is None]
         listener = self.tasks.listener_fd
         return {"address": self.tasks.address, "listener": keep(listener) if listener is not None else None,
@@ -156,7 +157,8 @@ class TaskCarry:
                                   ended={str(k): int(v) for k, v in (carried.get("ended") or {}).items()})
             self._keep_about(pool, adopted, ex)
         for ss in doc.get("sessions", []):
-            tasks.resume_session(ss["name"], int(ss["seq"]), ((int(seq), event) for seq, event in ss["events"]))
+            tasks.resume_session(ss["name"], int(ss["seq"]), ((int(seq), event) for seq, event in ss["events"]),
+                                 waiting_events=ss.get("waiting_events") is True)
         now = self.table.os.monotonic()
         by_id: dict[str, Task] = {}
         for row in doc.get("tasks", []):

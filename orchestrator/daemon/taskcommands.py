@@ -129,7 +129,7 @@ class TaskCommands:
             if sink is not None and not callable(sink):
                 raise InvalidSpec("a session's sink must be callable")
             fresh = str(session) not in self.tasks.sessions
-            self.tasks.open_session(str(session), sink, after=after)
+            self.tasks.open_session(str(session), sink, after=after, waiting_events=args.get("waiting_events") is True)
         block = self.tasks.grant(xp, numbers) if numbers else None
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 

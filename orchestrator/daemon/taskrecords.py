@@ -217,6 +217,7 @@ class Session:
     poll: tuple[Reply, Any, Timer] | None = None  # a task_events waiting for an event
     flushing: bool = False  # its poll's answer is scheduled
     started_timer: Timer | None = None  # a sink's lone STARTED events, held for their ends (tasktable._tell)
+    waiting_events: bool = False  # its submitter takes WAITING events (it asked when it opened)
     idle_timer: Timer | None = None
 
 
@@ -332,15 +333,28 @@ class WaitFields(TypedDict):
     waits: int
     wait_until: float | None
     wait_reason: str | None
+    figures: w.Figures | None  # its earlier attempts', which the next one's are added to
 
 
 def wait_fields(row: Doc) -> WaitFields:
-    """A stored or carried task's deadline, backoff and wait (a row of an earlier version
-    has none of them)."""
+    """A stored or carried task's deadline, backoff, wait and its attempts' figures so far
+    (a row of an earlier version has none of them)."""
     low, high = row.get("backoff_min"), row.get("backoff_max")
     return {"deadline": row.get("deadline"), "backoff": (float(low), float(high)) if low is not None and high is not None
             else None, "waits": int(row.get("waits") or 0), "wait_until": row.get("wait_until"),
-            "wait_reason": row.get("wait_reason")}
+            "wait_reason": row.get("wait_reason"), "figures": _figures(row.get("figures"))}
+
+
+def _figures(raw: Any) -> w.Figures | None:
+    """A stored or carried record's figures, if they are what taskwire.Figures says."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return {"wall": float(raw["wall"]), "cpu": float(raw["cpu"]),
+                "peak_rss": None if raw.get("peak_rss") is None else int(raw["peak_rss"]),
+                "children_peak_rss": None if raw.get("children_peak_rss") is None else int(raw["children_peak_rss"])}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def deadline(raw: Any) -> float | None:

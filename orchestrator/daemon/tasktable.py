@@ -27,8 +27,8 @@ a path is given); a connection is accepted only from the main process of a live 
 of an executor pool (SO_PEERCRED), once. The loop never unpickles a task or a result: it
 moves opaque bytes between the submitting session and the worker. What a session hears
 (``sink``, called with a list of them once per turn; a client of the daemon polls them):
-``(kind, ref, data, task id)`` with kind a ``taskwire.TaskEvent`` (started, stopping,
-stopped) or its end: result, raised, error (data: a line), cancelled, timeout, lost,
+``(kind, ref, data, task id)`` with kind a ``taskwire.TaskEvent`` (started, waiting: only
+to a session that asked, stopping, stopped) or its end: result, raised, error (data: a line), cancelled, timeout, lost,
 unrun, interrupted (data: the reason; interrupted: the loop's stop cut the task short).
 
 This table is the one owner of the tasks, the workers' connections and the sessions; its
@@ -760,6 +760,8 @@ class TaskTable:
         task.waits += not got.counted
         self._waits.park(task, got.delay, got.why)
         self._save(task, T.RUNNING)
+        if task.session is not None and task.session.waiting_events:
+            self._tell(task, TaskEvent.WAITING, task.id)  # its future is not running() while it waits
         log.info("%s: waits %.3g s: %s", task.id, got.delay, got.why)
         self.table.changed()
 
@@ -939,15 +941,16 @@ class TaskTable:
 
     # -- sessions -------------------------------------------------------------------------
 
-    def open_session(self, name: str, sink: Sink | None, *, after: int = 0) -> Session:
+    def open_session(self, name: str, sink: Sink | None, *, after: int = 0, waiting_events: bool = False) -> Session:
         """The session ``name``, made if it is new (its events counted from ``after``: a
         client that comes back reads on from where it was), alive again; a ``sink`` given
-        replaces its own."""
+        replaces its own; ``waiting_events``: its submitter takes WAITING events."""
         session = self._sessions.get(name)
         if session is None:
             session = self._sessions[name] = Session(name, sink, seq=after)
         elif sink is not None:
             session.sink = sink
+        session.waiting_events = session.waiting_events or waiting_events
         self._touch(session)
         return session
 
@@ -967,9 +970,10 @@ class TaskTable:
             session.idle_timer.cancel()
         session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self.drop_session(session))
 
-    def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list[Any]]]) -> Session:
+    def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list[Any]]], *,
+                       waiting_events: bool = False) -> Session:
         """A polling session carried across an upgrade, with the events it had not read."""
-        session = self.open_session(name, None)
+        session = self.open_session(name, None, waiting_events=waiting_events)
         session.seq = seq
         for number, event in events:
             session.events.append((number, event))
