@@ -554,6 +554,23 @@ def test_a_poll_waits_for_an_event_and_expires_on_the_clock(make: Callable[..., 
     assert answers[1]["result"] == {"events": [], "next": 1}
 
 
+def test_a_poll_that_expires_in_the_turn_an_event_came_answers_with_it(make: Callable[..., Harness]) -> None:
+    """The poll's timer and an event's timer (a waiting task's resume, a timeout) fall in one
+    turn, the event's first: its flush is only due (call_soon) when the poll expires. The
+    expired poll must carry it: answered empty with ``next`` past it, the client reading on
+    from there would never see it (a future that stayed not running, in a daemon)."""
+    h = make()
+    polling = h.tasks.open_session("poller", None)
+    answers: list[Doc] = []
+    task = h.tasks.submit(h.xp, Task("", 0, h.xp, b"x", "a", polling, None, 0))  # no worker: it waits
+    h.turn()
+    assert h.tasks.poll(polling, 0, 1.0, answers.append, 1) is protocol.DEFERRED
+    h.engine.reactor.call_later(0.999, lambda: h.tasks.cancel(task))
+    h.advance(1.0)
+    assert [a["result"] for a in answers] == [{"events": [["cancelled", "a", "cancelled", task.id]], "next": 1}]
+    assert h.tasks.poll(polling, 1, 1.0, answers.append, 2) is protocol.DEFERRED  # nothing twice
+
+
 # -- task numbers -------------------------------------------------------------------------
 
 

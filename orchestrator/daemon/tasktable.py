@@ -931,13 +931,7 @@ class TaskTable:
 
     def _flush(self, session: Session) -> None:
         session.flushing = False
-        if session.poll is None:
-            return
-        reply, cmd_id, timer = session.poll
-        session.poll = None
-        timer.cancel()
-        self.table.reply(reply, protocol.ok(cmd_id, {"events": [e for _, e in session.events], "next": session.seq}),
-                         False)
+        self._answer_poll(session)
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -993,12 +987,16 @@ class TaskTable:
         session.tasks.clear()
 
     def _answer_poll(self, session: Session) -> None:
-        """A poll of ``session`` that waits is answered now, empty."""
+        """A poll of ``session`` that waits is answered now, with the events it has not
+        read. Never empty with a ``next`` past events it holds: a flush due in this turn
+        (call_soon) comes after the poll's timer or an upgrade's answer, and the client,
+        reading on from ``next``, would never see them."""
         if session.poll is not None:
             reply, cmd_id, timer = session.poll
             timer.cancel()
             session.poll = None
-            self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+            self.table.reply(reply, protocol.ok(cmd_id, {"events": [e for _, e in session.events],
+                                                         "next": session.seq}), False)
 
     def attach(self, session: Session | None, ref: Any, task: Task) -> None:
         """``task`` is ``session``'s, under ``ref``: what it does from now on is told there,
@@ -1029,8 +1027,7 @@ class TaskTable:
 
         def expire() -> None:
             if session.poll is not None and session.poll[0] is reply:
-                session.poll = None
-                self.table.reply(reply, protocol.ok(cmd_id, {"events": [], "next": session.seq}), False)
+                self._answer_poll(session)
 
         session.poll = (reply, cmd_id, self.table.reactor.call_later(min(timeout, 30.0), expire))
         return protocol.DEFERRED
