@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import warnings
 import threading
 import time
 from concurrent.futures import Future
@@ -59,7 +60,11 @@ def dk() -> Iterator[SimpleNamespace]:
     from multiprocessing import resource_tracker
 
     dispatch = dict(copyreg.dispatch_table)
-    resource_tracker.ensure_running()
+    with warnings.catch_warnings():
+        # One an earlier test of this xdist worker started was ended by that test's sweep:
+        # started again here, as wanted, not an error of this module's.
+        warnings.filterwarnings("ignore", "resource_tracker: process died unexpectedly", UserWarning)
+        resource_tracker.ensure_running()
     try:
         import dask
         from distributed import Client, LocalCluster, Reschedule
