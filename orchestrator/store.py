@@ -686,10 +686,11 @@ class Store:
         return dict(self._rows("SELECT pool, max(n) FROM tasks GROUP BY pool"))
 
     def events(self, *, replica: str | None = None, since: float | None = None,
-               after_seq: int = 0, limit: int | None = None) -> list[EventRow]:
+               after_seq: int = 0, limit: int | None = None, newest: bool = False) -> list[EventRow]:
         """Journal entries {"seq", "ts", "kind", "replica", "data"} ordered by seq.
 
-        after_seq: only seq > after_seq (for tailing); since: only ts >= since;
+        after_seq: only seq > after_seq (for tailing); since: only ts >= since; limit: the
+        first that many (a page, for tailing), or with ``newest`` the last that many;
         data is {} for events appended without data."""
         sql = "SELECT seq, ts, kind, replica, data FROM events WHERE seq > ?"
         args: list[Any] = [after_seq]
@@ -699,11 +700,12 @@ class Store:
         if since is not None:
             sql += " AND ts >= ?"
             args.append(since)
-        sql += " ORDER BY seq"
+        sql += " ORDER BY seq DESC" if newest else " ORDER BY seq"
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
-        return [self._event_dict(row) for row in self._rows(sql, args)]
+        rows = [self._event_dict(row) for row in self._rows(sql, args)]
+        return rows[::-1] if newest else rows
 
     @staticmethod
     def _event_dict(row: tuple[Any, ...]) -> EventRow:

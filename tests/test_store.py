@@ -225,6 +225,7 @@ def test_events_filters(tmp_path: Path) -> None:
         assert [e["seq"] for e in s.events(since=T0 + 8.0)] == [9, 10, 11]
         assert [e["seq"] for e in s.events(after_seq=8)] == [9, 10, 11]
         assert [e["seq"] for e in s.events(after_seq=2, limit=3)] == [3, 4, 5]
+        assert [e["seq"] for e in s.events(limit=3, newest=True)] == [9, 10, 11]  # `events --limit`
         assert [e["seq"] for e in s.events(replica="web-0", since=T0 + 3.0, after_seq=4)] == [7, 10]
         assert s.events(after_seq=11) == []
         stop = s.events()[-1]

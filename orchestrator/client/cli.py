@@ -744,7 +744,7 @@ def cmd_events(args: argparse.Namespace, paths: Any) -> int:
     store = open_store_readonly(paths)  # with --follow, it picks the file up once it appears
     try:
         seq = 0
-        rows = store.events(replica=args.replica, since=args.since, limit=args.limit)
+        rows = store.events(replica=args.replica, since=args.since, limit=args.limit, newest=True)
         while True:
             for ev in rows:
                 seq = ev["seq"]

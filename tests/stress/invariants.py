@@ -130,5 +130,7 @@ def size_violations(status: dict) -> list[str]:
     for p in status["pools"]:
         running = sum(1 for r in status["replicas"] if r["pool"] == p["name"] and r["state"] == "RUNNING")
         if p["state"] == "ok" and running != p["desired"]:
-            out.append(f"pool {p['name']}: size {p['desired']}, {running} running")
+            ended = [(r["id"], r["state"], r.get("reason"), r.get("slot")) for r in status["replicas"]
+                     if r["pool"] == p["name"] and r["state"] != "RUNNING"][-6:]
+            out.append(f"pool {p['name']}: size {p['desired']}, {running} running; its last others: {ended}")
     return out
