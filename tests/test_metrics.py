@@ -568,7 +568,9 @@ def test_silent_client_is_closed_after_the_timeout_without_blocking_the_loop(ser
     assert 1.5 <= waited <= 4.0
     assert s.server.counts["timeout"] == 1
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert len(ticks) >= 20 and max(gaps) < 0.5  # the loop never waited on the client
+    # the loop never waited on the client (that would be a gap of its ~2 s timeout; a
+    # loaded host stretches a 50 ms tick to half a second)
+    assert len(ticks) >= 20 and max(gaps) < 1.0
 
 
 def test_request_too_large_and_garbage(served):
