@@ -273,22 +273,14 @@ class _File:
             # source of a replacing rename (auto_da_alloc), ~8 ms for a 10 MiB log, in the loop.
             # Each index goes with its log, renamed right after it (a reader that looks in
             # between finds an index of another file, and knows it by its inode).
-            if self.backups > 0:
-                for name in self._with_index(f"{self.name}.{self.backups}"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=dirfd)
-            for i in range(self.backups - 1, 0, -1):
-                for old, new in zip(self._with_index(f"{self.name}.{i}"), self._with_index(f"{self.name}.{i + 1}")):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.rename(old, new, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-            if self.backups > 0:
-                for old, new in zip(self._with_index(self.name), self._with_index(f"{self.name}.1")):
+            chain = [self.name] + [f"{self.name}.{i}" for i in range(1, self.backups + 1)]
+            for name in self._with_index(chain[-1]):  # the oldest (the current one, if none is kept)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dirfd)
+            for i in range(len(chain) - 2, -1, -1):
+                for old, new in zip(self._with_index(chain[i]), self._with_index(chain[i + 1])):
                     with contextlib.suppress(FileNotFoundError):
                         os.rename(old, new, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-            else:
-                for name in self._with_index(self.name):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=dirfd)
         except OSError as err:
             self._failed(f"rotating {self.name}", err)
         return self._reopen(now=True) and self.size == 0
