@@ -208,11 +208,26 @@ def fd_count() -> int:
     return len(open_fds())
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for the source ports of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port_range(n: int) -> int:
-    """A base port whose next ``n`` ports are free on 127.0.0.1 right now."""
+    """A base port whose next ``n`` ports are free on 127.0.0.1 right now, below the
+    kernel's ephemeral range: a client that connects to such a port before its server
+    listens may be given that same port as its own source and connect to itself (TCP's
+    simultaneous open), reading back its own request as the answer (seen in CI)."""
     rng = random.Random()
+    top = min(_ephemeral_ports().start, 65536)
+    low = 10000 if top > 10000 + 4 * n else 1024
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(low, top - n)
         socks = []
         try:
             for port in range(base, base + n):
