@@ -29,7 +29,11 @@ SIGTERM in a Python target's worker
     cannot do: interrupt a C call
     that never returns to the interpreter (a long computation in an extension that does not
     check for signals): the Terminated comes when the call returns, or the SIGKILL after the
-    grace comes first.
+    grace comes first. The same holds, in any Python program, for a SIGTERM that lands in
+    the instant between the interpreter's last check for signals and a blocking call's
+    entry into the kernel (``time.sleep(1000)`` called just then): the call is not
+    interrupted, and the Terminated waits for it to return (seen about once in 400 workers
+    SIGTERMed within a millisecond of their start on a loaded host).
 
 Readiness
     ``ready()`` is systemd's ``sd_notify(0, "READY=1")``: one datagram on the AF_UNIX socket
