@@ -186,6 +186,28 @@ def test_restart_of_ids_is_surge_first(h):
     assert pool(h)["desired"] == 2 and len(live(h)) == 2
 
 
+def test_a_new_replica_that_fails_while_its_old_one_stops_is_replaced(h):
+    """Found by the stress suite (a pool settled one short, ~1 run in 15): a rolling
+    restart's new replica is ready, its old one is asked to stop, and a signal to the pool
+    kills the new one before the old one has gone. The old one, on its way out, must not
+    count as holding the slot: the new one is replaced, and the pool keeps its size."""
+    (old,) = launch(h, policy={"restart": "always", "backoff": [0, 0]})
+    old_pid = run(h, old)
+    h.send("restart", ids=[old])
+    (new,) = [r for r in live(h) if r["id"] != old]
+    h.fake.ready(new["pid"])
+    h.turn()
+    assert h.state(old) == "STOPPING" and h.state(new["id"]) == "RUNNING"
+    h.fake.exit(new["pid"], -signal.SIGUSR1)
+    h.turn()
+    h.fake.exit(old_pid, -15)
+    h.turn()
+    later(h, 0)
+    running = [r for r in live(h) if r["state"] in ("STARTING", "RUNNING")]
+    assert len(running) == 1 and running[0]["slot"] == 0, live(h)
+    assert pool(h)["desired"] == 1
+
+
 def test_overlapping_restarts_and_a_terminate_leave_the_pool_at_its_size(h):
     """Found by the stress suite: a second restart of a pool while the first is replacing a
     slot, and a terminate of an old replica while its replacement starts, each left a

@@ -891,7 +891,11 @@ class Supervisor:
     # -- the restart policy -----------------------------------------------------------
 
     def _slot_taken(self, pool: Pool, slot: int | None) -> bool:
-        return slot is not None and any(r.slot == slot and not self._leaving(r) for r in pool.live.values())
+        """Does a replica that stays hold ``slot`` (a rolling restart's new one, already
+        launched)? One on its way out does not: a rollout's old replica, asked to stop once
+        its new one was ready, leaves the slot empty if that new one dies first."""
+        return slot is not None and any(r.slot == slot and r.state in _LIVE and not self._leaving(r)
+                                        for r in pool.live.values())
 
     def _replace(self, rep: Replica, *, reason: str, backoff: bool) -> None:
         """A new replica in ``rep``'s slot: now, or after the slot's backoff. The (N+1)-th
