@@ -77,20 +77,21 @@ import logging
 import math
 import re
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, NotRequired, TypedDict
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString as _untyped_go_float
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NotRequired, TypedDict, cast
 
 from ..states import ReplicaState
 from ..taskwire import Figures
 from .reactor import Reactor, Timer
 
+# prometheus_client is imported at the first scrape, not with the daemon: the package pulls
+# in http.server, email and ssl (~70 ms of every daemon's start-up CPU) for its exposition,
+# and what the loop counts between scrapes is plain Python here.
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+
 log = logging.getLogger(__name__)
-# A bucket bound as Prometheus writes it (``+Inf``, ``0.005``); the library leaves it untyped.
-_go_float: Callable[[float], str] = _untyped_go_float
 
 PREFIX = "orchestrator_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -148,11 +149,15 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative ``(le, count)`` pairs, as ``HistogramMetricFamily`` takes them."""
+        from prometheus_client.utils import floatToGoString
+
+        # A bound as Prometheus writes it (``+Inf``, ``0.005``); the library leaves it untyped.
+        go_float = cast(Callable[[float], str], floatToGoString)
         out: list[tuple[str, float]] = []
         cumulative = 0
         for bound, count in zip(self.bounds, self.counts):
             cumulative += count
-            out.append((_go_float(bound), cumulative))
+            out.append((go_float(bound), cumulative))
         return out
 
 
@@ -195,8 +200,7 @@ class Metrics:
         self._tenant_wait: dict[str, dict[str, _Histogram]] = {}  # pool -> tenant label -> waits
         self._churn: collections.deque[list[int]] = collections.deque()  # [second, launches]
         self._collector = _Collector(self)
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(self._collector)
+        self._registry: CollectorRegistry | None = None  # made at the first scrape
 
     # -- fed by the engine --
 
@@ -331,6 +335,13 @@ class Metrics:
     def render(self, status: Mapping[str, Any], daemon: Mapping[str, Any]) -> str:
         """The exposition text (format 0.0.4) of these counters with ``status`` and
         ``daemon`` snapshots, by ``prometheus_client``'s ``generate_latest``."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        if self._registry is None:
+            self._registry = CollectorRegistry(auto_describe=False)
+            # Any object with collect() is a collector to the registry; ours does not derive
+            # from the library's ABC so that defining it needs no import of the library.
+            self._registry.register(cast("Collector", self._collector))
         self._collector.snapshot = (status, daemon)
         try:
             return generate_latest(self._registry).decode("utf-8")
@@ -340,6 +351,8 @@ class Metrics:
     def families(self, status: Mapping[str, Any], daemon: Mapping[str, Any]) -> Iterator[Metric]:
         """Every metric family, built from the counters and the snapshots (the collector's
         ``collect``)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
         for pool in list(self._figures):
             self._fold(pool)
         pools = [p for p in status.get("pools") or () if isinstance(p, Mapping)]
@@ -426,6 +439,8 @@ class Metrics:
 
 
     def _task_families(self, pools: list[Mapping[str, Any]]) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
         queued_running = []
         by_tenant: list[tuple[tuple[str, str, str], float]] = []
         for p in sorted(pools, key=lambda p: str(p.get("name"))):
@@ -495,7 +510,7 @@ def _histogram(by_pool: dict[str, _Histogram], pool: str, bounds: tuple[float, .
     return h
 
 
-class _Collector(Collector):
+class _Collector:
     """``prometheus_client``'s view of one ``Metrics``: a custom collector whose
     ``collect()`` builds the families from the snapshot ``render`` hands it."""
 
