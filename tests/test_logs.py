@@ -985,6 +985,13 @@ def test_forget_removes_every_file_of_those_replicas_a_bounded_number_per_turn(
         doomed = [f"web-{n}" for n in range(1, 201)]
         for rid in doomed:
             _plant(logs_dir, rid, backups=2)
+        # A probe's log has no time index (one unlink, a stream's two): web-1's rotated one
+        # makes the queue's cost odd, so a turn's 64th unlink falls inside a stream's pair,
+        # which must wait for the next turn. Without the time bound, that turn is reached
+        # whatever the host's speed (a loaded host's time bound found it first).
+        for name in ("web-1.probe", "web-1.probe.1"):
+            (logs_dir / name).write_text("x\n")
+        monkeypatch.setattr(logcapture, "REMOVE_TURN_TIME", 60.0)
         kept = _plant(logs_dir, "web-500", backups=1) + ["daemon.log", "web-7.out.x"]
         for name in kept[-2:]:
             (logs_dir / name).write_text("not a forgotten replica's\n")

@@ -790,13 +790,15 @@ class LogCapture:
             return
         began = time.perf_counter()
         unlinks = 0
-        while unlinks < REMOVE_PER_TURN:
-            if not self._doomed:
-                return
-            rid, stream, index = self._doomed.popleft()
+        while self._doomed:
+            rid, stream, index = self._doomed[0]
+            indexed = stream in STREAMS  # a log and its time index: two unlinks
+            if unlinks + 1 + indexed > REMOVE_PER_TURN:
+                break
+            self._doomed.popleft()
             name = f"{rid}.{stream}" if index == 0 else f"{rid}.{stream}.{index}"
             t0 = time.perf_counter()
-            if stream in STREAMS:
+            if indexed:
                 unlinks += 1
                 with contextlib.suppress(OSError):  # its index: gone with it, or left as the log is
                     os.unlink(index_name(name), dir_fd=self.dirfd)
