@@ -213,9 +213,11 @@ class Frames:
         self._buf += pending
         self._skip = skipping
 
-    def feed(self, data: bytes, limit: Callable[[int], int] | None = None) -> list[tuple[int, int, bytes]]:
+    def feed(self, data: bytes | memoryview, limit: Callable[[int], int] | None = None
+             ) -> list[tuple[int, int, bytes]]:
         """(kind, number, payload) of every frame completed by ``data``; ValueError on a
-        frame over MAX_FRAME (the peer is broken: the caller drops it).
+        frame over MAX_FRAME (the peer is broken: the caller drops it). ``data`` is copied
+        (the caller may reuse its buffer).
 
         ``limit(kind)``: the largest payload a frame of that kind may have, decided on its
         header: one over it is not buffered but read past, and comes out as
