@@ -76,6 +76,15 @@ class FakeOS:
         self._given |= {p.exit_r, p.ready_r}
         return Spawned(pid, p.exit_r, p.ready_r, start_time=pid * 7)
 
+    def kill_child(self, pid: int, sig: int) -> bool:
+        """A signal to the process alone (the engine's SIGURG kick): recorded, no effect."""
+        p = self.procs.get(pid)
+        if p is None or p.reaped:
+            self.violations.append(f"signal {sig} to {pid}, which is not an unreaped child")
+            return False
+        self.signals.append((pid, sig, "exited" if p.exited else "alive"))
+        return True
+
     def signal_group(self, pgid: int, sig: int) -> bool:
         p = self.procs.get(pgid)
         if p is None or p.reaped:

@@ -183,6 +183,43 @@ def test_processes_the_target_forks_keep_sigterms_default(make_orchestrator, pro
     assert _row(orch, rid)["exit_code"] == -signal.SIGTERM
 
 
+def test_a_sigterm_left_pending_by_a_blocking_call_is_raised_at_the_kick(make_orchestrator, procs, tmp_path):
+    """A SIGTERM that lands just before ``time.sleep`` enters the kernel leaves its handler
+    pending, and the sleep is not interrupted (CPython's own race). Made certain here: the
+    main thread blocks SIGTERM, so a thread of the target takes it, and the handler waits
+    for the main thread, asleep. The daemon's SIGURG after the stop signal interrupts the
+    sleep: the Terminated is raised, the target's ``finally:`` runs, the worker ends as
+    SIGTERM's, at once, not by the SIGKILL after the grace."""
+    orch = make_orchestrator(grace=GRACE)
+    started, out = tmp_path / "started", tmp_path / "finally"
+
+    def target() -> None:
+        import threading
+
+        taker = threading.Event()
+
+        def take() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})  # the kick is the main thread's
+            taker.set()
+            time.sleep(1000)
+
+        threading.Thread(target=take, daemon=True).start()
+        taker.wait()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the kernel gives it to `take`
+        started.touch()
+        try:
+            time.sleep(1000)
+        finally:
+            out.write_text("ran")
+
+    rid = _launch_py(orch, procs, target)
+    wait_for(started.exists, 10, "the target to sleep")
+    took = _terminate(orch, rid)
+    assert took < PROMPT, (took, _row(orch, rid))
+    assert out.read_text() == "ran"
+    assert _row(orch, rid)["exit_code"] == -signal.SIGTERM
+
+
 _SWALLOWED = {
     # A hook registered before the handler's own runs after them as a "before" hook, with
     # SIGTERM blocked: the signal is pending across the fork and handled in the parent's

@@ -63,6 +63,8 @@ Reply = protocol.ReplyTo
 Handler = Callable[[dict[str, Any], Reply, Any], Any]
 MAX_COUNT = protocol.MAX_COUNT
 COMMIT_RETRY = 1.0  # seconds between commits while the journal has a fault
+# Seconds after a Python target's stop signal at which it is sent a SIGURG, while it lives (_kick).
+KICKS = (0.05, 0.25, 1.0, 4.0)
 SHUTDOWN_MARGIN = 1.0  # of a stop budget, kept for what comes after the replicas (SIGKILL, reap, manager, journal)
 
 
@@ -622,6 +624,23 @@ class Engine:
         sig = pool.policy.signum if pool is not None else signal.SIGTERM
         proc.escaped = self.containment.signal_tree(proc, sig)
         proc.kill_timer = self.reactor.call_later(self._grace(rep), lambda: self.containment.kill_after_grace(proc))
+        if pool is not None and pool.runtime is not None and pool.runtime.run is not None:
+            self._kick(proc, 0)
+
+    def _kick(self, proc: Proc, n: int) -> None:
+        """SIGURG to a Python target's worker KICKS[n] s after its stop signal, while it lives:
+        a stop signal that landed just before a blocking call (time.sleep) leaves its handler
+        pending until that call returns, and a SIGURG (whose handler does nothing: worker.py)
+        interrupts the call, so the Terminated is raised now, not the SIGKILL after the grace."""
+
+        def fire() -> None:
+            if proc.reaped or proc.killed:
+                return
+            self.os.kill_child(proc.pid, signal.SIGURG)  # our unreaped child: the pid is pinned
+            if n + 1 < len(KICKS):
+                self._kick(proc, n + 1)
+
+        self.reactor.call_later(KICKS[n] - (KICKS[n - 1] if n else 0.0), fire)
 
     def signal(self, rep: Replica, sig: int) -> bool:
         """``sig`` to every process of ``rep``, if it has a live one (True)."""
