@@ -76,21 +76,24 @@ class FakeOS:
         self._given |= {p.exit_r, p.ready_r}
         return Spawned(pid, p.exit_r, p.ready_r, start_time=pid * 7)
 
-    def kill_child(self, pid: int, sig: int) -> bool:
-        """A signal to the process alone (the engine's SIGURG kick): recorded, no effect."""
+    def _signalled(self, pid: int, sig: int) -> FakeProc | None:
+        """Record ``sig`` to ``pid``; the process, or None (and a violation) if it is not an
+        unreaped child."""
         p = self.procs.get(pid)
         if p is None or p.reaped:
             self.violations.append(f"signal {sig} to {pid}, which is not an unreaped child")
-            return False
+            return None
         self.signals.append((pid, sig, "exited" if p.exited else "alive"))
-        return True
+        return p
+
+    def kill_child(self, pid: int, sig: int) -> bool:
+        """A signal to the process alone (the engine's SIGURG kick): recorded, no effect."""
+        return self._signalled(pid, sig) is not None
 
     def signal_group(self, pgid: int, sig: int) -> bool:
-        p = self.procs.get(pgid)
-        if p is None or p.reaped:
-            self.violations.append(f"signal {sig} to {pgid}, which is not an unreaped child")
+        p = self._signalled(pgid, sig)
+        if p is None:
             return False
-        self.signals.append((pgid, sig, "exited" if p.exited else "alive"))
         if p.exited:
             return True  # the zombie pins the group; nobody left to receive it
         if sig == signal.SIGKILL or (sig == signal.SIGTERM and p.on_term == "die"):
