@@ -820,6 +820,8 @@ def test_a_sessions_numbers_on_their_way_are_ranges_freed_when_it_ends(make: Cal
     first, end = block[0], block[0] + block[1]
     spare = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 16}, lambda m: None, 2)
     assert session.granted[POOL].ranges == [[first, end + 16]]  # a million numbers: one range
+    h.tasks.expect(h.xp, session, first + 10, first + 20)  # inside it: nothing new
+    assert session.granted[POOL].ranges == [[first, end + 16]]
     for n in (first, first + 1, first + 5):  # in order, then one out of order: a split
         h.tasks.arrived(h.xp, session, n)
     assert session.granted[POOL].ranges == [[first + 2, first + 5], [first + 6, end + 16]]
@@ -853,3 +855,40 @@ def test_numbers_on_their_way_and_their_cancels_cross_an_upgrade(make: Callable[
     finally:
         table.close()
         engine.reactor.close()
+
+
+def test_a_session_back_after_a_restart_has_its_numbers_on_their_way_again(make: Callable[..., Harness]) -> None:
+    """A client that registers again (``executor`` with ``rejoin``) names the numbers it
+    still has to send: a cancel by id of one lands at once; numbers never handed out do not count."""
+    h = make()
+    h.tasks.grant(h.xp, 40)  # handed out before the restart (the pool's row says so)
+    session = h.tasks.open_session("back", None)
+    for first, end in ([30, 41], [12, 13], [35, 99]):
+        h.tasks.expect(h.xp, session, first, end)
+    assert session.granted[POOL].ranges == [[12, 13], [30, 41]]  # overlaps merged, clipped at 41
+    assert h.tasks.granted_to(f"{POOL}/12") is session and h.tasks.granted_to(f"{POOL}/41") is None
+    cmd = h.commands.commands()
+    assert cmd["task_cancel"]({"ids": [f"{POOL}/12"]}, lambda m: None, 1) == [True]
+    cmd["task_submit"]({"pool": POOL, "session": "back", "resend": True,
+                        "tasks": [{"payload": b"a", "n": 12, "ref": "a"}]}, lambda m: None, 2)
+    assert not h.tasks.live and [ev[:2] for _, ev in session.events] == [["cancelled", "a"]]
+
+
+def test_numbers_on_their_way_as_ranges_are_the_numbers_granted_less_those_arrived() -> None:
+    import random
+
+    from orchestrator.daemon.taskrecords import Unarrived
+
+    rng = random.Random(31)
+    for _ in range(500):
+        on_way, want = Unarrived(), set()
+        for _ in range(rng.randint(1, 6)):
+            first = rng.randint(1, 40)
+            end = first + rng.randint(1, 10)
+            on_way.add(first, end)
+            want |= set(range(first, end))
+        for n in rng.sample(range(1, 60), 20):
+            assert on_way.take(n) == (n in want)
+            want.discard(n)
+            assert {n for a, b in on_way.ranges for n in range(a, b)} == want
+            assert all(a[1] < b[0] for a, b in zip(on_way.ranges, on_way.ranges[1:]))  # apart, in order

@@ -90,7 +90,8 @@ class TaskCommands:
         (``numbers``: the size of the first block of task numbers it is granted; ``after``:
         where a session made anew starts counting its events, so that a client that comes
         back reads on from where it was; ``rejoin``: the pool must exist, it is not made
-        again). Returns the pool's name, its replicas, its size, the block (``numbers``:
+        again; ``on_its_way``: [[first, end], ...] of the numbers granted to it before
+        whose submits are still to come, on their way again). Returns the pool's name, its replicas, its size, the block (``numbers``:
         [first, count]) and whether the session is new here (``fresh``)."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
@@ -136,6 +137,12 @@ class TaskCommands:
             opened = self.tasks.open_session(str(session), sink, after=after,
                                              waiting_events=args.get("waiting_events") is True)
         block = self.tasks.grant(xp, numbers, opened if session is not None else None) if numbers else None
+        coming = args.get("on_its_way")  # a client back after a restart: the numbers it has yet to send
+        if session is not None and isinstance(coming, list):
+            for pair in coming:
+                if (isinstance(pair, list) and len(pair) == 2
+                        and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+                    self.tasks.expect(xp, opened, pair[0], pair[1])
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 
     def _conflicts(self, xp: ExecPool, pool: Pool, options: Doc, init: bytes, about: Any, spec: Doc) -> list[str]:

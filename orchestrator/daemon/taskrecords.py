@@ -215,18 +215,30 @@ class Unarrived:
         return any(first <= n < end for first, end in self.ranges)
 
     def add(self, first: int, end: int) -> None:
-        """[first, end) granted (above what it holds, unless numbers were given back)."""
+        """[first, end) granted (above what it holds, unless numbers were given back or a
+        client named them again after a restart: merged with what it overlaps)."""
         at = len(self.ranges)
         while at and self.ranges[at - 1][0] > first:
             at -= 1
-        if at and self.ranges[at - 1][1] == first:
-            self.ranges[at - 1][1] = end
-        else:
-            self.ranges.insert(at, [first, end])
+        self.ranges.insert(at, [first, end])
+        i = max(at - 1, 0)
+        while i + 1 < len(self.ranges):  # from the one before it: merge what touches
+            here, after = self.ranges[i], self.ranges[i + 1]
+            if after[0] <= here[1]:
+                here[1] = max(here[1], after[1])
+                del self.ranges[i + 1]
+            elif i >= at:
+                break
+            else:
+                i += 1
 
     def take(self, n: int) -> bool:
         """``n``'s submit arrived: no longer on its way. False if it was not."""
-        for i, r in enumerate(self.ranges):
+        ranges = self.ranges
+        if ranges and ranges[0][0] == n and ranges[0][1] > n + 1:  # the common case: in the order taken
+            ranges[0][0] = n + 1
+            return True
+        for i, r in enumerate(ranges):
             first, end = r
             if n < first:
                 return False

@@ -191,7 +191,7 @@ class TaskTable:
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
                 ``run_queues``
-    on its way  ``granted_to`` (whose number, its submit not arrived), ``arrived``,
+    on its way  ``expect``, ``granted_to`` (whose number, its submit not arrived), ``arrived``,
                 ``on_its_way`` (its record), ``cancel_unarrived``, ``wait_arrival``
     tasks       ``submit``, ``add``/``enqueue`` (restored ones), ``cancel``, ``shut_down``,
                 ``requeue``, ``end``, ``arm_timeout``, ``wait_result``
@@ -496,6 +496,14 @@ class TaskTable:
             self._reserve(xp)
             return True
         return False
+
+    def expect(self, xp: ExecPool, session: Session, first: int, end: int) -> None:
+        """[first, end), numbers of ``xp`` granted to ``session`` before (a daemon since
+        restarted, or a session dropped while its client was away), on their way again; only
+        numbers handed out count."""
+        end = min(end, xp.next_n)
+        if 0 < first < end:
+            session.granted.setdefault(xp.name, Unarrived()).add(first, end)
 
     def granted_to(self, task_id: str) -> Session | None:
         """The open session that was granted ``task_id``'s number and has not submitted it
