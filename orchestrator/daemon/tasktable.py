@@ -1257,6 +1257,11 @@ class TaskTable:
         xp = worker.pool
         if xp is None:
             return  # not identified: nothing but HELLO is read from it
+        if kind == w.FIGURES:  # what the task it runs took; its answer comes next (first: one a task)
+            task = worker.tasks[0] if worker.tasks else None
+            if task is not None and task.n == number:
+                taskfigures.attach(task, payload, self.table.metrics, self.table.journal.store)
+            return
         if kind == w.READY:
             worker.ready = True
             if not xp.closing:
@@ -1265,10 +1270,6 @@ class TaskTable:
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
             xp.said = payload.decode("utf-8", "replace")
-            return
-        if kind == w.FIGURES:  # what the task it runs took; its answer comes next
-            if worker.task is not None and worker.task.n == number:
-                taskfigures.attach(worker.task, payload, self.table.metrics, self.table.journal.store)
             return
         if kind in (w.STOPPED, w.KEPT) and (kind == w.KEPT or payload == bytes([w.REVOKE])):
             if worker.asked is None or number != worker.asks:
