@@ -72,8 +72,8 @@ from .tasklogs import TaskLogs
 from .taskqueue import TaskQueue, lane_key
 from .taskwait import End, TaskWait, deadline_line
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Sink, Task, Unarrived, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
-    size_text,
+    Doc, ExecPool, Reply, Session, Sink, Task, Unarrived, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome,
+    received_fds, size_text,
 )
 
 log = logging.getLogger("orchestrator")
@@ -512,6 +512,8 @@ class TaskTable:
         if parsed is None:
             return None
         pool, n = parsed
+        if pool not in self._pools:
+            return None
         for session in self._sessions.values():  # a few sessions, each with a range or two
             unarrived = session.granted.get(pool)
             if unarrived is not None and n in unarrived:
@@ -1083,7 +1085,7 @@ class TaskTable:
         for task in session.tasks.values():
             task.session = None
         session.tasks.clear()
-        session.granted.clear()  # a number of it that comes yet is submitted as any, no cancel waits for it
+        session.granted.clear()  # one of its numbers that still comes is a task as any; a cancel recorded for it is forgotten
         session.early.clear()
         for task_id, waiting in session.awaited.items():
             for reply, cmd_id, _ in waiting:
