@@ -137,11 +137,14 @@ class Numbers:
             self.came.notify_all()
 
     def held(self) -> list[list[int]]:
-        """[first, end) of the numbers granted and not used yet: the block in use, the spare."""
-        with self.lock:
-            held = [[self.next, self.end]] if self.next < self.end else []
-            if self.spare is not None:
-                held.append([self.spare[0], self.spare[0] + self.spare[1]])
+        """[first, end) of the numbers granted and not used yet: the block in use, the spare.
+        Read without ``lock``: a reconnect asks (the executor's rejoin) while a submit may
+        hold it, waiting for that reconnect (its own grant); a number taken meanwhile is
+        named once too often, which the daemon takes as arrived when it comes."""
+        first, end, spare = self.next, self.end, self.spare
+        held = [[first, end]] if first < end else []
+        if spare is not None:
+            held.append([spare[0], spare[0] + spare[1]])
         return held
 
     def unused(self) -> list[int] | None:
