@@ -501,7 +501,11 @@ class Executor(futures_base.Executor):
         ids. A task the daemon has no record of fails (its submit had been acknowledged)."""
         assert isinstance(self._backend, Remote)
         remote = self._backend
-        got = remote.raw_call("executor", {**join, "numbers": None, "rejoin": True, "after": self._after}, timeout)
+        # The numbers whose submits the daemon has yet to see (unused, or not acknowledged):
+        # a daemon that restarted knows them again as on their way (a cancel by id lands).
+        coming = self._numbers.held() + [[n, n + 1] for n in remote.unacknowledged()]
+        got = remote.raw_call("executor", {**join, "numbers": None, "rejoin": True, "after": self._after,
+                                           "on_its_way": coming}, timeout)
         if not got.get("fresh"):
             return
         pending = [(ref, fut.task_id) for ref, fut in remote.acknowledged(list(self._futures.items()))

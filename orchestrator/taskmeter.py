@@ -61,8 +61,10 @@ _RESET = b"5"  # clear_refs: "reset the peak resident set size (VmHWM) to the re
 # (a task that peaks below it is counted as peaking at it): about what ru_maxrss's per-CPU
 # counters may be off by, so that a worker is not sent to VmHWM by their noise alone
 _SLACK = 1024
-# The whole FIGURES frame, header and payload, packed in one call
-_FRAME = struct.Struct(w.HEADER.format + w.FIGURES_PAYLOAD.format.lstrip("!"))
+# The whole FIGURES frame, header and payload, packed in one call (its header's two
+# constants bound here: module attributes looked up per task cost more than the pack)
+_pack = struct.Struct(w.HEADER.format + w.FIGURES_PAYLOAD.format.lstrip("!")).pack
+_SIZE, _KIND = w.FIGURES_PAYLOAD.size, w.FIGURES
 
 
 class Meter:
@@ -120,7 +122,7 @@ class Meter:
             peak = own[2] if own[2] > self._floor else self._high_water()
         risen = children_peak if children_peak > self._children_peak else 0
         self._cpu, self._children_cpu, self._children_peak = own_cpu, children_cpu, children_peak
-        return _FRAME.pack(w.FIGURES_PAYLOAD.size, w.FIGURES, number, wall, cpu, peak << 10, risen << 10)
+        return _pack(_SIZE, _KIND, number, wall, cpu, peak << 10, risen << 10)
 
     def _high_water(self) -> int:
         """VmHWM (KiB) of /proc/self/status; 0 if it cannot be read."""

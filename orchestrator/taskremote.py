@@ -136,6 +136,17 @@ class Numbers:
                 self.spare = block
             self.came.notify_all()
 
+    def held(self) -> list[list[int]]:
+        """[first, end) of the numbers granted and not used yet: the block in use, the spare.
+        Read without ``lock``: a reconnect asks (the executor's rejoin) while a submit may
+        hold it, waiting for that reconnect (its own grant); a number taken meanwhile is
+        named once too often, which the daemon takes as arrived when it comes."""
+        first, end, spare = self.next, self.end, self.spare
+        held = [[first, end]] if first < end else []
+        if spare is not None:
+            held.append([spare[0], spare[0] + spare[1]])
+        return held
+
     def unused(self) -> list[int] | None:
         """[first, end] of the numbers granted and not used, if they are one range that
         ends with the latest grant (the spare follows the block in use unless another
@@ -196,7 +207,8 @@ class Remote(Backend):
         self._recovering = False
         self._broken: OrchestratorError | None = None  # the window passed: every call fails with it
         self._unsent: list[tuple[Submit, Answer]] = []
-        self._inflight: set[int] = set()  # the refs of the batch on its way
+        self._inflight: set[int] = set()  # the refs of the batch on its way...
+        self._inflight_n: list[int] = []  # ...and their task numbers
         self._want_numbers = 0  # task numbers to ask for with the next batch...
         self._on_numbers: Callable[[list[int] | None], None] = lambda block: None  # ...and where they go
         self._wake = threading.Condition()
@@ -305,6 +317,12 @@ class Remote(Backend):
             waiting = self._inflight | {args["ref"] for args, _ in self._unsent}
         return [(ref, fut) for ref, fut in items if ref not in waiting]
 
+    def unacknowledged(self) -> list[int]:
+        """The task numbers of the submits not sent yet or on their way (a reconnect: the
+        daemon is told they are coming, so that a cancel by id of one lands meanwhile)."""
+        with self._wake:
+            return self._inflight_n + [n for args, _ in self._unsent if (n := args["n"]) is not None]
+
     def _send(self) -> None:
         try:
             while True:
@@ -316,13 +334,14 @@ class Remote(Backend):
                     self._sending.acquire()  # before the batch leaves _unsent: unsend() waits for it
                     batch, self._unsent = self._unsent, []
                     self._inflight = {args["ref"] for args, _ in batch}
+                    self._inflight_n = [n for args, _ in batch if (n := args["n"]) is not None]
                     want, self._want_numbers = self._want_numbers, 0
                     deliver = self._on_numbers
                 try:
                     self._send_batch(batch, want, deliver)
                 finally:
                     with self._wake:
-                        self._inflight = set()
+                        self._inflight, self._inflight_n = set(), []
                     self._sending.release()
         finally:
             self.handle.close_thread()  # its own connection: the Client's close() closes only its caller's

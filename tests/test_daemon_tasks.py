@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -307,3 +309,52 @@ def test_submit_without_a_target_runs_the_pools_own(daemon: DaemonUnderTest, job
     refused = cli(daemon.state_dir, "submit", "--pool", "bare", "--arg", "1")
     assert refused.returncode == 1 and "no target of its own" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_cancel_by_id_from_another_process_lands_before_the_submit_arrives(
+        daemon: DaemonUnderTest, jobs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submitter's batch is held (its sender thread waits) while a second process
+    cancels the task by its id: answered at once (the daemon has the number on its way),
+    and the submit, once it arrives, is that task, cancelled: it never runs."""
+    from concurrent.futures import CancelledError
+
+    from orchestrator.taskremote import Remote
+
+    daemon.start()
+    import jobsmod  # type: ignore[import-not-found]
+
+    hold = threading.Event()
+    send_batch = Remote._send_batch
+
+    def held(self: Remote, *args: Any) -> None:
+        hold.wait(60)
+        send_batch(self, *args)
+
+    monkeypatch.setattr(Remote, "_send_batch", held)
+    started = tmp_path / "started"
+    canceller = textwrap.dedent("""
+        import sys, time
+        from orchestrator import Client
+        began = time.monotonic()
+        handle = Client(sys.argv[1]).task(sys.argv[2])
+        state = handle.info()["state"]
+        print(state, handle.cancel(), handle.info()["state"], round(time.monotonic() - began, 3))
+    """)
+    with Client(daemon.state_dir) as client:
+        with client.executor("jobs", max_workers=1) as ex:
+            fut = ex.submit(jobsmod.slow, 0, "ran", str(started))
+            assert fut.task_id is not None
+            out = subprocess.run([sys.executable, "-c", canceller, str(daemon.state_dir), fut.task_id],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            before, cancelled, after, _took = out.stdout.split()
+            assert (before, cancelled, after) == ("QUEUED", "True", "CANCELLED")
+            hold.set()
+            with pytest.raises(CancelledError):
+                fut.result(timeout=30)
+            assert fut.cancelled()
+            assert ex.submit(jobsmod.add, 1, 2).result(timeout=30) == 3
+        assert not started.exists()  # the cancelled task never ran
+        unknown = subprocess.run([sys.executable, "-c", canceller, str(daemon.state_dir), "jobs/100000"],
+                                 capture_output=True, text=True, timeout=60)
+        assert unknown.returncode == 1 and "unknown task 'jobs/100000'" in unknown.stderr

@@ -153,6 +153,39 @@ def test_submits_while_the_daemon_is_down_wait_for_it(daemon: DaemonUnderTest, j
     assert sorted(_lines(log)) == ["before", "down0", "down1", "down2"]
 
 
+def test_a_cancel_by_id_lands_while_a_client_back_after_a_restart_has_yet_to_resend(
+        daemon: DaemonUnderTest, jobs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submits made while the daemon is down reach the restarted daemon after the client
+    registered again; it named their numbers then, so a cancel by id from another process
+    in between lands at once (not "unknown"), and that task never runs."""
+    daemon.start()
+    log = tmp_path / "log"
+    futs: list[cf.Future[str]] = []
+    said: list[str] = []
+    rejoin = Executor._rejoin
+
+    def rejoined(self: Executor, join: dict[str, object], timeout: float) -> None:
+        rejoin(self, join, timeout)
+        if futs and not said:  # the first reconnect: the submits are not sent again yet
+            out = subprocess.run([sys.executable, "-c", "import sys; from orchestrator import Client; "
+                                  "print(Client(sys.argv[1]).task(sys.argv[2]).cancel())",
+                                  str(daemon.state_dir), str(futs[1].task_id)], capture_output=True, text=True,
+                                 timeout=60)
+            said.append(out.stdout.strip() or out.stderr)
+
+    monkeypatch.setattr(Executor, "_rejoin", rejoined)
+    with Executor(state_dir=daemon.state_dir, pool="jobs", max_workers=1) as ex:
+        assert ex.submit(jobs.record, str(log), "before").result(timeout=30) == "before"  # type: ignore[attr-defined]
+        assert cli(daemon.state_dir, "stop", "--timeout", "60").returncode == 0
+        futs.extend(ex.submit(jobs.record, str(log), f"down{i}") for i in range(3))  # type: ignore[attr-defined]
+        daemon.start()
+        assert [futs[0].result(timeout=60), futs[2].result(timeout=60)] == ["down0", "down2"]
+        with pytest.raises(cf.CancelledError):
+            futs[1].result(timeout=30)
+    assert said == ["True"]
+    assert sorted(_lines(log)) == ["before", "down0", "down2"]
+
+
 def test_a_client_whose_daemon_never_returns_gets_its_error_within_the_window(
         daemon: DaemonUnderTest, jobs: object, tmp_path: Path) -> None:
     daemon.start()

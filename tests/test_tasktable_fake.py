@@ -751,3 +751,144 @@ def test_a_running_tasks_timeout_goes_on_across_the_hand_over(make: Callable[...
     finally:
         table.close()
         engine.reactor.close()
+
+
+# -- a cancel by id of a task whose submit has not arrived ----------------------------------
+
+
+def test_a_cancel_by_id_of_a_granted_number_not_arrived_lands_at_once_and_it_never_runs(
+        make: Callable[..., Harness]) -> None:
+    h = make()
+    cmd = h.commands.commands()
+    polling = h.tasks.open_session("s2", None)
+    first, count = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 4}, lambda m: None, 1)
+    on_way, other = f"{POOL}/{first}", f"{POOL}/{first + 1}"
+    # Known at once as on its way: QUEUED, not an unknown task; an id never granted is unknown at once.
+    (row,) = cmd["tasks"]({"id": on_way}, lambda m: None, 2)
+    assert (row["state"], row["waiting"]) == ("QUEUED", "its submit has not arrived yet")
+    with pytest.raises(UnknownTask, match="unknown task"):
+        cmd["task_cancel"]({"ids": [f"{POOL}/{first + count}"]}, lambda m: None, 3)
+    waits: list[Doc] = []
+    assert cmd["task_result"]({"id": on_way, "wait": True, "timeout": 30}, waits.append, 4) is protocol.DEFERRED
+    assert cmd["task_cancel"]({"ids": [on_way]}, lambda m: None, 5) == [True]
+    assert [(m["id"], m["result"]["state"]) for m in waits] == [(4, "CANCELLED")]  # the wait, answered
+    assert cmd["task_result"]({"id": on_way}, lambda m: None, 6)["state"] == "CANCELLED"
+    assert cmd["task_cancel"]({"ids": [on_way]}, lambda m: None, 7) == [True]  # again: as a cancelled task's
+    w1 = h.worker()
+    batch = {"pool": POOL, "session": "s2", "tasks": [{"payload": b"a", "n": first, "ref": "a"},
+                                                      {"payload": b"b", "n": first + 1, "ref": "b"}]}
+    assert cmd["task_submit"](batch, lambda m: None, 8) == [on_way, other]
+    h.turn()
+    assert w1.tasks_sent(1) == [first + 1] and w1.nothing_sent()  # the cancelled one is never sent
+    assert [ev[:2] for _, ev in polling.events if ev[1] == "a"] == [["cancelled", "a"]]  # its future: cancelled
+    cancelled = h.tasks.task(on_way)
+    assert cancelled is not None and cancelled.state is T.CANCELLED and cancelled.attempts == 0
+    assert h.tasks.granted_to(on_way) is None and h.tasks.granted_to(other) is None
+    assert h.tasks.granted_to(f"{POOL}/{first + 2}") is polling  # the rest still on its way
+
+
+def test_a_result_wait_on_a_number_not_arrived_follows_its_task_once_it_comes(make: Callable[..., Harness]) -> None:
+    h = make()
+    cmd = h.commands.commands()
+    h.tasks.open_session("s2", None)
+    first, _ = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 2}, lambda m: None, 1)
+    task_id = f"{POOL}/{first}"
+    waits: list[Doc] = []
+    cmd["task_result"]({"id": task_id, "wait": True, "timeout": 10}, waits.append, 2)
+    h.advance(4.0)
+    w1 = h.worker()
+    cmd["task_submit"]({"pool": POOL, "session": "s2", "tasks": [{"payload": b"a", "n": first, "ref": "a"}]},
+                       lambda m: None, 3)
+    h.turn()
+    assert w1.tasks_sent(1) == [first] and waits == []
+    w1.send(w.RESULT, first, b"v")
+    assert [(m["id"], m["result"]["state"], m["result"]["result"]) for m in waits] == [(2, "DONE", "dg==")]
+    # One that never comes: its state at the wait's timeout, and an error once its session ends.
+    cmd["task_result"]({"id": f"{POOL}/{first + 1}", "wait": True, "timeout": 5}, waits.append, 4)
+    cmd["task_result"]({"id": f"{POOL}/{first + 1}", "wait": True, "timeout": 50}, waits.append, 5)
+    h.advance(5.1)
+    assert (waits[1]["id"], waits[1]["result"]["state"]) == (4, "QUEUED")
+    h.tasks.drop_session(h.tasks.sessions["s2"])
+    assert (waits[2]["id"], waits[2]["ok"]) == (5, False) and "its session ended" in waits[2]["error"]
+
+
+def test_a_sessions_numbers_on_their_way_are_ranges_freed_when_it_ends(make: Callable[..., Harness]) -> None:
+    h = make()
+    cmd = h.commands.commands()
+    session = h.tasks.open_session("s2", None)
+    block = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 1 << 20}, lambda m: None, 1)
+    first, end = block[0], block[0] + block[1]
+    spare = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 16}, lambda m: None, 2)
+    assert session.granted[POOL].ranges == [[first, end + 16]]  # a million numbers: one range
+    h.tasks.expect(h.xp, session, first + 10, first + 20)  # inside it: nothing new
+    assert session.granted[POOL].ranges == [[first, end + 16]]
+    for n in (first, first + 1, first + 5):  # in order, then one out of order: a split
+        h.tasks.arrived(h.xp, session, n)
+    assert session.granted[POOL].ranges == [[first + 2, first + 5], [first + 6, end + 16]]
+    cmd["task_numbers"]({"pool": POOL, "session": "s2", "give_back": [spare[0], spare[0] + 16]}, lambda m: None, 3)
+    assert session.granted[POOL].ranges == [[first + 2, first + 5], [first + 6, end]]
+    assert cmd["task_cancel"]({"ids": [f"{POOL}/{first + 3}"]}, lambda m: None, 4) == [True]
+    assert list(session.early) == [f"{POOL}/{first + 3}"]
+    cmd["executor_close"]({"pool": POOL, "session": "s2"}, lambda m: None, 5)
+    assert not session.granted and not session.early  # its ranges freed, the cancel waiting for it forgotten
+    with pytest.raises(UnknownTask, match="never submitted"):  # no session has it on its way: unknown at once
+        cmd["tasks"]({"id": f"{POOL}/{first + 4}"}, lambda m: None, 6)
+    assert cmd["task_cancel"]({"ids": [f"{POOL}/{first + 3}"]}, lambda m: None, 7) == [True]  # its record stays
+
+
+def test_numbers_on_their_way_and_their_cancels_cross_an_upgrade(make: Callable[..., Harness]) -> None:
+    h = make()
+    cmd = h.commands.commands()
+    h.tasks.open_session("s2", None)
+    first, _ = cmd["task_numbers"]({"pool": POOL, "session": "s2", "count": 3}, lambda m: None, 1)
+    cmd["task_cancel"]({"ids": [f"{POOL}/{first}"]}, lambda m: None, 2)
+    engine, table = hand_over(h)
+    try:
+        session = table.sessions["s2"]
+        assert table.granted_to(f"{POOL}/{first + 1}") is session and table.granted_to(f"{POOL}/{first + 3}") is None
+        commands = TaskCommands(table, engine).commands()
+        got = commands["task_submit"]({"pool": POOL, "session": "s2",
+                                       "tasks": [{"payload": b"a", "n": first, "ref": "a"}]}, lambda m: None, 3)
+        assert got == [f"{POOL}/{first}"] and not table.live  # that task, cancelled: nothing queued
+        assert [ev[:2] for _, ev in session.events] == [["cancelled", "a"]]
+        assert commands["task_cancel"]({"ids": [f"{POOL}/{first + 2}"]}, lambda m: None, 4) == [True]
+    finally:
+        table.close()
+        engine.reactor.close()
+
+
+def test_a_session_back_after_a_restart_has_its_numbers_on_their_way_again(make: Callable[..., Harness]) -> None:
+    """A client that registers again (``executor`` with ``rejoin``) names the numbers it
+    still has to send: a cancel by id of one lands at once; numbers never handed out do not count."""
+    h = make()
+    h.tasks.grant(h.xp, 40)  # handed out before the restart (the pool's row says so)
+    session = h.tasks.open_session("back", None)
+    for first, end in ([30, 41], [12, 13], [35, 99]):
+        h.tasks.expect(h.xp, session, first, end)
+    assert session.granted[POOL].ranges == [[12, 13], [30, 41]]  # overlaps merged, clipped at 41
+    assert h.tasks.granted_to(f"{POOL}/12") is session and h.tasks.granted_to(f"{POOL}/41") is None
+    cmd = h.commands.commands()
+    assert cmd["task_cancel"]({"ids": [f"{POOL}/12"]}, lambda m: None, 1) == [True]
+    cmd["task_submit"]({"pool": POOL, "session": "back", "resend": True,
+                        "tasks": [{"payload": b"a", "n": 12, "ref": "a"}]}, lambda m: None, 2)
+    assert not h.tasks.live and [ev[:2] for _, ev in session.events] == [["cancelled", "a"]]
+
+
+def test_numbers_on_their_way_as_ranges_are_the_numbers_granted_less_those_arrived() -> None:
+    import random
+
+    from orchestrator.daemon.taskrecords import Unarrived
+
+    rng = random.Random(31)
+    for _ in range(500):
+        on_way, want = Unarrived(), set()
+        for _ in range(rng.randint(1, 6)):
+            first = rng.randint(1, 40)
+            end = first + rng.randint(1, 10)
+            on_way.add(first, end)
+            want |= set(range(first, end))
+        for n in rng.sample(range(1, 60), 20):
+            assert on_way.take(n) == (n in want)
+            want.discard(n)
+            assert {n for a, b in on_way.ranges for n in range(a, b)} == want
+            assert all(a[1] < b[0] for a, b in zip(on_way.ranges, on_way.ranges[1:]))  # apart, in order

@@ -48,7 +48,6 @@ class _Client(Protocol):
                         stop: threading.Event | None = None) -> R: ...
 
 WAIT_CHUNK = 30.0  # a wait is a series of bounded waits: a daemon that goes away is noticed within one
-ARRIVAL_WINDOW = 2.0  # a task whose submit may still be on its way is asked for again this long
 
 
 class TaskHandle:
@@ -64,7 +63,9 @@ class TaskHandle:
         self.reconnect_timeout = reconnect_timeout
         # An unknown id is an error now, not at the first result(); a key is its task's id
         # from now on (a later task of that key, once this one's record is gone, is another).
-        self.id = str(self._first_info()["id"])
+        # An id whose submit has not reached the daemon (its submitter may hand it on at
+        # once) is known there as on its way: QUEUED, cancelled or waited for at once.
+        self.id = str(self.info()["id"])
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id}>"
@@ -75,21 +76,6 @@ class TaskHandle:
         took in its worker, ``TaskFuture.info`` says what each is)."""
         (row,) = self._call("tasks", {"id": self.id})
         return dict(row)
-
-    def _first_info(self) -> dict[str, Any]:
-        """``info()``, asked again for up to ARRIVAL_WINDOW seconds while the daemon says the
-        task's submit may not have arrived: a submitter knows its task's id (``fut.task_id``)
-        before its batch reaches the daemon, and may hand it to another process at once."""
-        deadline, delay = time.monotonic() + ARRIVAL_WINDOW, 0.001
-        while True:
-            try:
-                return self.info()
-            except UnknownTask as err:
-                unheard = isinstance(err.data, dict) and err.data.get("unheard")
-                if not unheard or time.monotonic() + delay > deadline:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def cancel(self) -> bool:
         """Cancel the task, as ``future.cancel()`` does in the submitter: True if it is

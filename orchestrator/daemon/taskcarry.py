@@ -6,7 +6,8 @@ collaborator that reads the table's public views and gives back through its publ
                      WAITING one waits for its time again (its deadline too)
     before_handover  an upgrade, in the image that goes: what waits on it answered
     carried          ...its tasks, workers' connections and cancel words, sessions' unread
-                     events and the listener, as one JSON document (fds made inheritable)
+                     events, their numbers on their way and the cancels by id waiting for
+                     them, and the listener, as one JSON document (fds made inheritable)
     take_over        the next image: all of it taken back, the work going on
 """
 
@@ -127,7 +128,9 @@ class TaskCarry:
                           "ended": dict(xp.ended), "queue": [t.id for t in xp.queue if t.state is T.QUEUED]}
                          for xp in pools if not xp.closing]
         sessions = [{"name": ss.name, "seq": ss.seq, "events": [[seq, ev] for seq, ev in ss.events],
-                     "waiting_events": ss.waiting_events}
+                     "waiting_events": ss.waiting_events,
+                     "granted": {pool: u.ranges for pool, u in ss.granted.items() if u.ranges},
+                     "early": [[task_id, t.ended_at] for task_id, t in ss.early.items()]}
                     for ss in self.tasks.sessions.values() if ss.sink is None]
         listener = self.tasks.listener_fd
         return {"address": self.tasks.address, "listener": keep(listener) if listener is not None else None,
@@ -158,7 +161,8 @@ class TaskCarry:
             self._keep_about(pool, adopted, ex)
         for ss in doc.get("sessions", []):
             tasks.resume_session(ss["name"], int(ss["seq"]), ((int(seq), event) for seq, event in ss["events"]),
-                                 waiting_events=ss.get("waiting_events") is True)
+                                 waiting_events=ss.get("waiting_events") is True, granted=ss.get("granted") or {},
+                                 early=((str(i), float(at or 0.0)) for i, at in ss.get("early") or ()))
         now = self.table.os.monotonic()
         by_id: dict[str, Task] = {}
         for row in doc.get("tasks", []):

@@ -11,7 +11,11 @@ polls, dropped when closed or idle; the table keeps them). Loop thread only.
 Task numbers: a session is granted blocks of numbers (``executor``, then ``task_numbers``)
 and names each task's number itself when it submits it, so that the submitter knows the
 task's id at once, without a round trip per task; every grant is recorded in the pool's
-row (``TaskTable.grant``) before its reply. A task sent again with a number the pool has already
+row (``TaskTable.grant``) before its reply. The table keeps, per open session, the ranges
+of its numbers whose submits have not arrived: a command naming such an id (another
+process was handed ``fut.task_id`` before the submit reached the loop) is answered at once,
+not as an unknown task: ``tasks`` shows it QUEUED, ``task_result`` waits for it, and
+``task_cancel`` records its cancel (its submit, when it comes, is that task, CANCELLED). A task sent again with a number the pool has already
 (a client that reconnected resends what it is not sure arrived) is that task, attached
 to the sender's session, never a second run.
 
@@ -52,10 +56,10 @@ def _with_size(raw: Any, size: int) -> Any:
 
 
 def _unheard(task_id: str) -> UnknownTask:
-    """A task whose number its pool handed out, of which there is no record: its submit has
-    not arrived (a client's batch on its way), or it ended long ago and its record was pruned
-    (``data``: ``{"unheard": true}``, so that a handle may ask again a little later)."""
-    err = UnknownTask(f"task {task_id!r} is not here: its submit has not arrived yet, or it ended long ago "
+    """A task whose number its pool handed out, of which there is no record, and no open
+    session has it on its way: it was never submitted (its session ended first, or gave it
+    back), or it ended long ago and its record was pruned (``data``: ``{"unheard": true}``)."""
+    err = UnknownTask(f"task {task_id!r} is not here: it was never submitted, or it ended long ago "
                       "and its record was pruned")
     err.data = {"unheard": True}
     return err
@@ -86,7 +90,8 @@ class TaskCommands:
         (``numbers``: the size of the first block of task numbers it is granted; ``after``:
         where a session made anew starts counting its events, so that a client that comes
         back reads on from where it was; ``rejoin``: the pool must exist, it is not made
-        again). Returns the pool's name, its replicas, its size, the block (``numbers``:
+        again; ``on_its_way``: [[first, end], ...] of the numbers granted to it before
+        whose submits are still to come, on their way again). Returns the pool's name, its replicas, its size, the block (``numbers``:
         [first, count]) and whether the session is new here (``fresh``)."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
@@ -129,8 +134,15 @@ class TaskCommands:
             if sink is not None and not callable(sink):
                 raise InvalidSpec("a session's sink must be callable")
             fresh = str(session) not in self.tasks.sessions
-            self.tasks.open_session(str(session), sink, after=after, waiting_events=args.get("waiting_events") is True)
-        block = self.tasks.grant(xp, numbers) if numbers else None
+            opened = self.tasks.open_session(str(session), sink, after=after,
+                                             waiting_events=args.get("waiting_events") is True)
+        block = self.tasks.grant(xp, numbers, opened if session is not None else None) if numbers else None
+        coming = args.get("on_its_way")  # a client back after a restart: the numbers it has yet to send
+        if session is not None and isinstance(coming, list):
+            for pair in coming:
+                if (isinstance(pair, list) and len(pair) == 2
+                        and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+                    self.tasks.expect(xp, opened, pair[0], pair[1])
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 
     def _conflicts(self, xp: ExecPool, pool: Pool, options: Doc, init: bytes, about: Any, spec: Doc) -> list[str]:
@@ -160,12 +172,13 @@ class TaskCommands:
         only if no number was handed out after it)."""
         xp = self._exec_pool(args.get("pool"))
         back = args.get("give_back")
+        session = self.tasks.sessions.get(str(args.get("session")))  # whose numbers are on their way
         if back is None:
-            return self.tasks.grant(xp, _count(args.get("count"), "count"))
+            return self.tasks.grant(xp, _count(args.get("count"), "count"), session)
         if (not isinstance(back, list) or len(back) != 2
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
             raise InvalidSpec("give_back must be [first, end]")
-        self.tasks.give_back(xp, back[0], back[1])
+        self.tasks.give_back(xp, back[0], back[1], session)
         return None
 
     def declare(self, name: str, spec: Mapping[str, Any], policy: Doc, size: int, options: Doc) -> str:
@@ -244,7 +257,7 @@ class TaskCommands:
         if keyed is not None:
             answer["shared"] = sorted(shared)
         if args.get("numbers") is not None:  # the session's next block, with no round trip of its own
-            answer["numbers"] = self.tasks.grant(xp, _count(args["numbers"], "numbers"))
+            answer["numbers"] = self.tasks.grant(xp, _count(args["numbers"], "numbers"), session)
         return answer if len(answer) > 1 else ids
 
     def _keyed(self, xp: ExecPool, session: Session | None, one: Any, shared: set[str]) -> Task | None:
@@ -276,8 +289,9 @@ class TaskCommands:
         n = one.get("n") if isinstance(one, dict) else None
         if n is None or isinstance(n, bool) or not isinstance(n, int):
             return None
+        early = self.tasks.arrived(xp, session, n)  # cancelled by id before it came: that task
         task_id = f"{xp.name}/{n}"
-        task = self.tasks.task(task_id)
+        task = self.tasks.task(task_id) or early
         if task is None and resend:
             row = self._stored(task_id)
             task = self._from_row(xp, row) if row is not None else None
@@ -353,21 +367,30 @@ class TaskCommands:
 
     def _cmd_cancel(self, args: Doc, reply: Reply, cmd_id: Any) -> Any:
         """Cancel tasks by id (``ids``) or by a session's refs (``refs``): for each, True if
-        it is cancelled (now or before), False if it had ended otherwise (its result
-        stands). An id never handed out is UnknownTask, and nothing is cancelled."""
+        it is cancelled (now or before: one whose submit has not arrived is recorded
+        CANCELLED, and never runs), False if it had ended otherwise (its result stands). An
+        id never handed out is UnknownTask, and nothing is cancelled."""
         if args.get("ids") is not None:
             ids = args["ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
                 raise InvalidSpec("ids must be a non-empty list of task ids")
             ids = [self.task_id(i) for i in ids]
             found = [self._find(i) for i in ids]  # all or nothing
-            return [self.tasks.cancel(t) if t is not None else self._stored_state(i) == T.CANCELLED.value
-                    for i, t in zip(ids, found)]
+            return [self.tasks.cancel(t) if t is not None else self._cancel_absent(i) for i, t in zip(ids, found)]
         session = self.tasks.session(args.get("session"))
         # A ref it no longer holds has ended: cancelled (the submitter knows it is) or with a
         # result on its way, which stands.
         return [self.tasks.cancel(task) if (task := session.tasks.get(ref)) is not None else False
                 for ref in args.get("refs") or ()]
+
+    def _cancel_absent(self, task_id: str) -> bool:
+        """Cancel by id a task not in memory: one on its way (``TaskTable.granted_to``) is
+        recorded cancelled; one in the store only had ended (True if it was cancelled)."""
+        session = self.tasks.granted_to(task_id)
+        if session is not None:
+            self.tasks.cancel_unarrived(session, task_id)
+            return True
+        return self._stored_state(task_id) == T.CANCELLED.value
 
     def task_id(self, text: Any) -> str:
         """The id of the task ``text`` names: an id (``POOL/N``) as it is, or ``POOL/@KEY``
@@ -457,6 +480,8 @@ class TaskCommands:
             task_id = self.task_id(args["id"])
             task = self._find(task_id)
             row = task.record() if task is not None else self._stored(task_id)
+            if row is None and self.tasks.granted_to(task_id) is not None:
+                return [{**listing(self.tasks.on_its_way(task_id)), "waiting": "its submit has not arrived yet"}]
             if row is None:
                 raise _unheard(task_id)
             return [listing(row)]
@@ -483,6 +508,12 @@ class TaskCommands:
         task = self._find(task_id)
         if task is None:
             row = self._stored(task_id)
+            session = self.tasks.granted_to(task_id) if row is None else None
+            if session is not None and args.get("wait"):
+                self.tasks.wait_arrival(session, task_id, reply, cmd_id, protocol.wait_timeout(args))
+                return protocol.DEFERRED
+            if session is not None:
+                return outcome(self.tasks.on_its_way(task_id))
             if row is None:
                 raise _unheard(task_id)
             return outcome(row)

@@ -178,10 +178,11 @@ class TaskLogs:
         second = int(started)
         if second != self._second[0]:  # strftime costs more than the rest of the line
             self._second = (second, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second)))
+        ms = int((started - second) * 1000)
         if ended is None:
-            return "--- task %s started %s.%03dZ, %s" % (task.id, self._second[1], (started - second) * 1000, what)
-        return "--- task %s started %s.%03dZ, %s after %.3f s" % (
-            task.id, self._second[1], (started - second) * 1000, what, ended - started)
+            return f"--- task {task.id} started {self._second[1]}.{ms:03d}Z, {what}"
+        took = ended - started  # (an f-string of ints and one float: a third cheaper than %)
+        return f"--- task {task.id} started {self._second[1]}.{ms:03d}Z, {what} after {took:.3f} s"
 
     @staticmethod
     def _unbind(slots: _Slots, slot: int) -> None:

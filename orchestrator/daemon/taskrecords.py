@@ -200,6 +200,73 @@ class ExecPool:
         return int(budget) if budget is not None else None
 
 
+class Unarrived:
+    """The task numbers of one pool granted to a session whose submits have not arrived:
+    [first, end) ranges in order, never a set of numbers (a block is one range; a submit
+    mostly takes the first number of the first one, and one that comes out of order splits
+    its range in two)."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self) -> None:
+        self.ranges: list[list[int]] = []
+
+    def __contains__(self, n: int) -> bool:
+        return any(first <= n < end for first, end in self.ranges)
+
+    def add(self, first: int, end: int) -> None:
+        """[first, end) granted (above what it holds, unless numbers were given back or a
+        client named them again after a restart: merged with what it overlaps)."""
+        at = len(self.ranges)
+        while at and self.ranges[at - 1][0] > first:
+            at -= 1
+        self.ranges.insert(at, [first, end])
+        i = max(at - 1, 0)
+        while i + 1 < len(self.ranges):  # from the one before it: merge what touches
+            here, after = self.ranges[i], self.ranges[i + 1]
+            if after[0] <= here[1]:
+                here[1] = max(here[1], after[1])
+                del self.ranges[i + 1]
+            elif i >= at:
+                break
+            else:
+                i += 1
+
+    def take(self, n: int) -> bool:
+        """``n``'s submit arrived: no longer on its way. False if it was not."""
+        ranges = self.ranges
+        if ranges and ranges[0][0] == n and ranges[0][1] > n + 1:  # the common case: in the order taken
+            ranges[0][0] = n + 1
+            return True
+        for i, r in enumerate(ranges):
+            first, end = r
+            if n < first:
+                return False
+            if n >= end:
+                continue
+            if n == first:
+                r[0] += 1
+                if r[0] == end:
+                    del self.ranges[i]
+            elif n == end - 1:
+                r[1] -= 1
+            else:
+                r[1] = n
+                self.ranges.insert(i + 1, [n + 1, end])
+            return True
+        return False
+
+    def remove(self, first: int, end: int) -> None:
+        """[first, end) given back: none of them will arrive."""
+        kept: list[list[int]] = []
+        for a, b in self.ranges:
+            if a < first:
+                kept.append([a, min(b, first)])
+            if b > end:
+                kept.append([max(a, end), b])
+        self.ranges = kept
+
+
 @dataclass(eq=False)
 class Session:
     """One submitter: where its tasks' ends are told. An embedded ``Executor`` gives a
@@ -219,6 +286,13 @@ class Session:
     started_timer: Timer | None = None  # a sink's lone STARTED events, held for their ends (tasktable._tell)
     waiting_events: bool = False  # its submitter takes WAITING events (it asked when it opened)
     idle_timer: Timer | None = None
+    # Its task numbers on their way (granted, their submits not arrived yet), by pool: a
+    # cancel by id of one lands at once (tasktable.cancel_unarrived), one outside them is
+    # unknown at once; and the tasks so cancelled (by id) and the ``result --wait``s
+    # (reply, cmd_id, monotonic deadline) of such numbers, until their submits arrive.
+    granted: dict[str, Unarrived] = field(default_factory=dict)
+    early: dict[str, Task] = field(default_factory=dict)
+    awaited: dict[str, list[tuple[Reply, Any, float]]] = field(default_factory=dict)
 
 
 def parse_options(raw: Any) -> Doc:

@@ -58,7 +58,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Protocol
 from .. import protocol, signals
 from .. import taskwire as w
 from ..taskwire import TaskEvent
-from ..errors import InvalidSpec, UnknownSession
+from ..errors import InvalidSpec, UnknownSession, UnknownTask
 from ..states import Replica, task_transition
 from ..states import ReplicaState
 from ..states import TaskState as T
@@ -72,8 +72,8 @@ from .tasklogs import TaskLogs
 from .taskqueue import TaskQueue, lane_key
 from .taskwait import End, TaskWait, deadline_line
 from .taskrecords import (
-    Doc, ExecPool, Reply, Session, Sink, Task, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome, received_fds,
-    size_text,
+    Doc, ExecPool, Reply, Session, Sink, Task, Unarrived, Worker, as_text, ended_data, ended_kind, how_it_ended, outcome,
+    received_fds, size_text,
 )
 
 log = logging.getLogger("orchestrator")
@@ -192,6 +192,8 @@ class TaskTable:
     pools       ``listen``, ``prepare`` (a pool's spec and policy), ``adopt``,
                 ``set_options``, ``grant``/``give_back`` (task numbers), ``stop_pool``,
                 ``run_queues``
+    on its way  ``expect``, ``granted_to`` (whose number, its submit not arrived), ``arrived``,
+                ``on_its_way`` (its record), ``cancel_unarrived``, ``wait_arrival``
     tasks       ``submit``, ``add``/``enqueue`` (restored ones), ``cancel``, ``shut_down``,
                 ``requeue``, ``end``, ``arm_timeout``, ``wait_result``
     sessions    ``open_session``, ``session``, ``attach``, ``poll``, ``resume_session``,
@@ -476,17 +478,23 @@ class TaskTable:
         xp.queue.configure(options.get("tenant_weights"), options.get("max_wait"))
         self._watch_memory(xp)
 
-    def grant(self, xp: ExecPool, count: int) -> list[int]:
+    def grant(self, xp: ExecPool, count: int, session: Session | None = None) -> list[int]:
         """A block of ``count`` task numbers of ``xp``, [first, count], recorded in this
-        turn's commit, before the reply that hands them out."""
+        turn's commit, before the reply that hands them out; ``session``: whose they are,
+        on their way until each one's submit arrives (``arrived``)."""
         first = xp.next_n
         xp.next_n += count
         self._reserve(xp)
+        if session is not None:
+            session.granted.setdefault(xp.name, Unarrived()).add(first, first + count)
         return [first, count]
 
-    def give_back(self, xp: ExecPool, first: int, end: int) -> bool:
+    def give_back(self, xp: ExecPool, first: int, end: int, session: Session | None = None) -> bool:
         """The unused end of the latest block, [first, end), taken back if no number was
-        handed out after it and no task has one of them."""
+        handed out after it and no task has one of them; ``session``'s own (it says it will
+        not use them) no longer on their way either way."""
+        if session is not None and xp.name in session.granted:
+            session.granted[xp.name].remove(first, end)
         # (Checked against the tasks held, not number by number: a block may be very large.)
         if 0 < first < end == xp.next_n and not any(t.pool is xp and t.n >= first
                                                       for t in (*self._live.values(), *self._ended.values())):
@@ -494,6 +502,79 @@ class TaskTable:
             self._reserve(xp)
             return True
         return False
+
+    def expect(self, xp: ExecPool, session: Session, first: int, end: int) -> None:
+        """[first, end), numbers of ``xp`` granted to ``session`` before (a daemon since
+        restarted, or a session dropped while its client was away), on their way again; only
+        numbers handed out count."""
+        end = min(end, xp.next_n)
+        if 0 < first < end:
+            session.granted.setdefault(xp.name, Unarrived()).add(first, end)
+
+    def granted_to(self, task_id: str) -> Session | None:
+        """The open session that was granted ``task_id``'s number and has not submitted it
+        yet (its submit on its way, or not sent yet); None if none."""
+        parsed = protocol.parse_task_id(task_id)
+        if parsed is None:
+            return None
+        pool, n = parsed
+        if pool not in self._pools:
+            return None
+        for session in self._sessions.values():  # a few sessions, each with a range or two
+            unarrived = session.granted.get(pool)
+            if unarrived is not None and n in unarrived:
+                return session
+        return None
+
+    def arrived(self, xp: ExecPool, session: Session | None, n: int) -> Task | None:
+        """A submit of ``session`` naming number ``n`` arrived: ``n`` is on its way no longer.
+        The task a cancel by id made of it before (``cancel_unarrived``), if any: its submit
+        is that task, ended."""
+        if session is None:
+            return None
+        unarrived = session.granted.get(xp.name)
+        if unarrived is not None:
+            unarrived.take(n)
+        return session.early.pop(f"{xp.name}/{n}", None) if session.early else None
+
+    def on_its_way(self, task_id: str) -> Doc:
+        """The record of a task whose submit has not arrived (``granted_to``): QUEUED, as
+        its submitter's future is, with no time yet."""
+        pool, n = protocol.parse_task_id(task_id) or ("", 0)
+        xp = self._pools[pool]
+        return Task(task_id, n, xp, None, None, None, None, 0).record()
+
+    def cancel_unarrived(self, session: Session, task_id: str) -> Task:
+        """Cancel by id the task of ``task_id``, granted to ``session`` and not arrived
+        (``granted_to``): a task CANCELLED now (its row, its end, its ``result``), which its
+        submit is when it arrives: never run, its submitter told it is cancelled. Forgotten
+        by the session if it ends first (its record stays, as an ended task's does)."""
+        pool, n = protocol.parse_task_id(task_id) or ("", 0)
+        xp = self._pools[pool]
+        task = Task(task_id, n, xp, None, None, None, None, 0, queued_at=self.table.os.time())
+        self.add(task)
+        self.cancel(task)
+        session.early[task_id] = task
+        for reply, cmd_id, _ in session.awaited.pop(task_id, ()):
+            self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
+        return task
+
+    def wait_arrival(self, session: Session, task_id: str, reply: Reply, cmd_id: Any, timeout: float) -> None:
+        """A ``result --wait`` of a task whose submit has not arrived (``granted_to``): as
+        ``wait_result`` once it has, for what is left of ``timeout``; at ``timeout`` the
+        record ``on_its_way`` gives."""
+        entry = (reply, cmd_id, self.table.reactor.monotonic() + timeout)
+        session.awaited.setdefault(task_id, []).append(entry)
+
+        def expire() -> None:
+            waiting = session.awaited.get(task_id)
+            if waiting is not None and entry in waiting:
+                waiting.remove(entry)
+                if not waiting:
+                    del session.awaited[task_id]
+                self.table.reply(reply, protocol.ok(cmd_id, outcome(self.on_its_way(task_id))), False)
+
+        self.table.reactor.call_later(timeout, expire)
 
     def run_queues(self) -> None:
         """Hand out what every pool has queued (tasks and workers taken over)."""
@@ -538,6 +619,10 @@ class TaskTable:
         self.add(task)
         xp.queue.push(task)
         self._save(task, None)
+        if task.session is not None and task.session.awaited:
+            now = self.table.reactor.monotonic()
+            for reply, cmd_id, until in task.session.awaited.pop(task.id, ()):
+                self.wait_result(task, reply, cmd_id, max(0.0, until - now))
         self._dispatch(xp)
         if task.state is T.QUEUED:
             self._hopeless(xp)
@@ -971,13 +1056,28 @@ class TaskTable:
         session.idle_timer = self.table.reactor.call_later(SESSION_IDLE, lambda: self.drop_session(session))
 
     def resume_session(self, name: str, seq: int, events: Iterable[tuple[int, list[Any]]], *,
-                       waiting_events: bool = False) -> Session:
-        """A polling session carried across an upgrade, with the events it had not read."""
+                       waiting_events: bool = False, granted: Mapping[str, list[list[int]]] | None = None,
+                       early: Iterable[tuple[str, float]] = ()) -> Session:
+        """A polling session carried across an upgrade, with the events it had not read,
+        its numbers on their way (``granted``: pool -> [first, end) ranges) and the tasks
+        cancelled by id before their submits arrived (``early``: (id, ended_at); their rows
+        are the store's already)."""
         session = self.open_session(name, None, waiting_events=waiting_events)
         session.seq = seq
         for number, event in events:
             session.events.append((number, event))
             session.held += len(event[2]) if isinstance(event[2], str) else 0
+        for pool, ranges in (granted or {}).items():
+            if pool in self._pools:
+                unarrived = session.granted.setdefault(pool, Unarrived())
+                for first, end in ranges:
+                    unarrived.add(int(first), int(end))
+        for task_id, ended_at in early:
+            parsed = protocol.parse_task_id(task_id)
+            if parsed is not None and parsed[0] in self._pools:
+                session.early[task_id] = Task(task_id, parsed[1], self._pools[parsed[0]], None, None, None, None, 0,
+                                              state=T.CANCELLED, ended_at=ended_at, kind="cancelled",
+                                              reason="cancelled")
         return session
 
     def drop_session(self, session: Session) -> None:
@@ -991,6 +1091,13 @@ class TaskTable:
         for task in session.tasks.values():
             task.session = None
         session.tasks.clear()
+        session.granted.clear()  # one of its numbers that still comes is a task as any; a cancel recorded for it is forgotten
+        session.early.clear()
+        for task_id, waiting in session.awaited.items():
+            for reply, cmd_id, _ in waiting:
+                self.table.reply(reply, protocol.error(cmd_id, UnknownTask(
+                    f"task {task_id!r} is not here: its session ended before its submit arrived")), False)
+        session.awaited.clear()
 
     def _answer_poll(self, session: Session) -> None:
         """A poll of ``session`` that waits is answered now, with the events it has not
@@ -1043,6 +1150,10 @@ class TaskTable:
         what there is (an upgrade: both ask again, and the next image answers)."""
         for session in self._sessions.values():
             self._answer_poll(session)
+            for task_id, waiting in session.awaited.items():
+                for reply, cmd_id, _ in waiting:
+                    self.table.reply(reply, protocol.ok(cmd_id, outcome(self.on_its_way(task_id))), False)
+            session.awaited.clear()
         for task in self._live.values():
             for reply, cmd_id in task.waiters:
                 self.table.reply(reply, protocol.ok(cmd_id, outcome(task.record())), False)
@@ -1155,6 +1266,11 @@ class TaskTable:
         xp = worker.pool
         if xp is None:
             return  # not identified: nothing but HELLO is read from it
+        if kind == w.FIGURES:  # what the task it runs took; its answer comes next (first: one a task)
+            task = worker.tasks[0] if worker.tasks else None
+            if task is not None and task.n == number:
+                taskfigures.attach(task, payload, self.table.metrics, self.table.journal.store)
+            return
         if kind == w.READY:
             worker.ready = True
             if not xp.closing:
@@ -1163,10 +1279,6 @@ class TaskTable:
             return
         if kind == w.UNPICKLABLE and number == 0:  # its initializer failed: it exits now
             xp.said = payload.decode("utf-8", "replace")
-            return
-        if kind == w.FIGURES:  # what the task it runs took; its answer comes next
-            if worker.task is not None and worker.task.n == number:
-                taskfigures.attach(worker.task, payload, self.table.metrics, self.table.journal.store)
             return
         if kind in (w.STOPPED, w.KEPT) and (kind == w.KEPT or payload == bytes([w.REVOKE])):
             if worker.asked is None or number != worker.asks:
