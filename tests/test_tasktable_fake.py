@@ -413,6 +413,33 @@ def test_each_task_a_worker_holds_has_its_own_cancel_word(make: Callable[..., Ha
     assert h.tasks.cancel(running) is True  # cancelled before: still so
 
 
+def test_a_cancel_the_worker_does_not_answer_is_signalled_again_then_no_more(make: Callable[..., Harness]) -> None:
+    """A cancel signal that lands just before the task's blocking call leaves its handler
+    pending until the call returns (CPython's race): while the worker has not answered, the
+    signal is sent again (50 ms, 250 ms, 1 s after the first), never once it has."""
+    h = make(options={"grace": 3.0})
+    w1 = h.worker()
+    running = h.submit()
+    w1.tasks_sent(1)
+    assert h.tasks.cancel(running) is True and h.signalled == [900_001]
+    h.advance(0.06)
+    assert h.signalled == [900_001] * 2
+    h.advance(0.25)
+    assert h.signalled == [900_001] * 3
+    h.advance(1.0)
+    assert h.signalled == [900_001] * 4
+    h.advance(1.0)
+    assert h.signalled == [900_001] * 4  # three more at most, however long it takes
+    w1.send(w.STOPPED, running.n, bytes([w.CANCEL]))
+    h.turn()
+    other = h.submit()
+    w1.tasks_sent(1)
+    assert h.tasks.cancel(other) is True and h.signalled == [900_001] * 5
+    w1.send(w.STOPPED, other.n, bytes([w.CANCEL]))  # answered at once: not signalled again
+    h.advance(2.0)
+    assert h.signalled == [900_001] * 5
+
+
 def test_a_timeout_writes_its_cause_and_the_tree_is_killed_after_the_grace(make: Callable[..., Harness]) -> None:
     h = make(options={"grace": 2.0})
     w1 = h.worker()

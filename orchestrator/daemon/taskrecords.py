@@ -118,6 +118,7 @@ class Worker:
     asked: Task | None = None  # the task asked back, until the worker answers for it
     done: int = 0
     kill_timer: Timer | None = None
+    kick_timer: Timer | None = None  # the cancel signal again, while unanswered (tasktable._kick)
     idle_timer: Timer | None = None  # an elastic pool's: it retires when this fires (elastic.py)
     lost_reason: str | None = None  # why the loop killed it, if it did
     over_memory: bool = False  # killed for passing memory_max (its task is not retried)

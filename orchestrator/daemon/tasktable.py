@@ -90,6 +90,8 @@ HELLO_TIMEOUT = 10.0  # a connection that has not said who it is by then is clos
 HELLO_MAX = 16  # the payload a connection may send before it said who it is
 PARKED_MAX = 64  # connections of our user from pids not known yet, waiting unread
 LINE_MAX = 64 << 10  # a worker's lines (UNPICKLABLE, STOPPED, KEPT) are far shorter
+# Seconds after a cancel signal at which it is sent again while the worker has not answered.
+KICKS = (0.05, 0.25, 1.0)
 RECV_SIZE = 1 << 20  # bytes of one read of a worker's socket: a large result in few reads
 COPY_MAX = 1 << 20  # a TASK frame's payload below this is copied behind its header: one write
 
@@ -749,7 +751,28 @@ class TaskTable:
         if proc is None:
             return False
         signals.to_child(proc.pid, w.CANCEL_SIGNAL)
+        if worker.kick_timer is None:
+            self._kick(worker, 0)
         return True
+
+    def _kick(self, worker: Worker, n: int) -> None:
+        """The cancel signal again KICKS[n] s after the first, while the worker has not
+        answered (an ask back, or its task's stop): one that landed just before the task's
+        blocking call (time.sleep) leaves its handler pending until that call returns
+        (CPython's race, worker.py), and a second one interrupts the call. The worker's
+        handler acts once per word (taskworker._look): a signal more is never a second
+        exception."""
+
+        def fire() -> None:
+            worker.kick_timer = None
+            proc = self._proc(worker)
+            if proc is None or worker.closed or (worker.asked is None and worker.kill_timer is None):
+                return
+            signals.to_child(proc.pid, w.CANCEL_SIGNAL)
+            if n + 1 < len(KICKS):
+                self._kick(worker, n + 1)
+
+        worker.kick_timer = self.table.reactor.call_later(KICKS[n] - (KICKS[n - 1] if n else 0.0), fire)
 
     def _free_worker(self, xp: ExecPool) -> Worker | None:
         for waiting, holds in ((xp.idle, 0), (xp.single, 1)):
@@ -1465,6 +1488,8 @@ class TaskTable:
             worker.closed = True
         if worker.kill_timer is not None:
             worker.kill_timer.cancel()
+        if worker.kick_timer is not None:
+            worker.kick_timer.cancel()
         worker.sock.close()
         self.table.reactor.remove_writer(worker.writer)
         try:
