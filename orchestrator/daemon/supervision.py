@@ -397,9 +397,15 @@ class Supervisor:
                                   "launch --replace, or delete it")
             unavailable = protocol.count(args.get("max_unavailable", 1), what="max_unavailable")
             pool.clear()
-            pool.cancel_replacements()
             in_order = sorted((r for r in pool.live.values() if not self._leaving(r)),
                               key=lambda r: r.slot if r.slot is not None else -1)
+            # A replacement waiting out its backoff starts now, on the spec the rollout rolls
+            # to: the operator acted. (Cancelled alone, its slot stayed empty for good.)
+            due = sorted(pool.pending)
+            pool.cancel_replacements()
+            if due:
+                self.table.launch(pool, len(due), slots=due)
+                self.table.save_pool(pool)
             return self._start_rollout(pool, [r.id for r in in_order], unavailable, reply, cmd_id, timeout)
         ids = protocol.replica_ids(args.get("ids"), "restart", one_is_enough=True)
         reps = [self.table.lookup(i) for i in ids]
@@ -821,12 +827,14 @@ class Supervisor:
         that overlapped one (a replica terminated while its replacement was starting, a
         second restart of the same pool) leave extra replicas, a slot held twice first."""
         live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
-        extra = len(live) + len(pool.pending) - pool.desired
-        if extra <= 0:
-            return
         by_slot: dict[int | None, list[Replica]] = {}
         for r in live:
             by_slot.setdefault(r.slot, []).append(r)
+        # A replacement scheduled for a slot a live replica holds will find it taken and
+        # launch nothing: counted, it made a live replica "extra", and the pool one short.
+        extra = len(live) + sum(1 for slot in pool.pending if slot not in by_slot) - pool.desired
+        if extra <= 0:
+            return
         doubled = [r for reps in by_slot.values() if len(reps) > 1 for r in sorted(reps, key=lambda r: r.n)[:-1]]
         rest = sorted((r for r in live if r not in doubled),
                       key=lambda r: (r.slot if r.slot is not None else -1, r.n), reverse=True)
@@ -836,19 +844,30 @@ class Supervisor:
         self.table.save_pool(pool)
 
     def _converge(self, pool: Pool, n: int) -> None:
-        """Bring the pool to ``n``: replicas and scheduled replacements of the highest slots
-        go first (the newest first among equals), so that what stays holds 0..n-1."""
-        live = [r for r in pool.live.values() if r.state in _LIVE and not self._leaving(r)]
-        held: list[tuple[int, int, Replica | None]] = [(r.slot if r.slot is not None else -1, r.n, r) for r in live]
-        held += [(slot, -1, None) for slot in pool.pending]
-        held.sort(key=lambda h: (h[0], h[1]), reverse=True)
-        for slot, _, rep in held[: max(0, len(held) - n)]:
-            if rep is None:
-                pool.cancel_replacement(slot)
-            else:
-                self.table.stop(rep, reason="scaled down")
-        if len(held) < n:
-            self.table.launch(pool, n - len(held))
+        """Bring the pool to ``n`` slots held: the highest slots go first (what stays holds
+        0..n-1), each with all that holds it. A slot counts once however many hold it: a
+        rolling restart's new replica starts beside the old one, and a replacement may be
+        scheduled for it too; counted twice, a scale down stopped one slot too many."""
+        holders: dict[int | tuple[str], list[Replica | None]] = {}
+        for r in pool.live.values():
+            if r.state in _LIVE and not self._leaving(r):
+                # A replica without a slot (none since slots exist) is a place of its own.
+                holders.setdefault(r.slot if r.slot is not None else (r.id,), []).append(r)
+        for slot in pool.pending:
+            holders.setdefault(slot, []).append(None)
+
+        def order(key: int | tuple[str]) -> tuple[int, int]:
+            newest = max((r.n for r in holders[key] if r is not None), default=-1)
+            return (key if isinstance(key, int) else -1, newest)
+
+        for key in sorted(holders, key=order, reverse=True)[: max(0, len(holders) - n)]:
+            for rep in holders[key]:
+                if rep is not None:
+                    self.table.stop(rep, reason="scaled down")
+                elif isinstance(key, int):  # always: a scheduled replacement has its slot
+                    pool.cancel_replacement(key)
+        if len(holders) < n:
+            self.table.launch(pool, n - len(holders))
         pool.settle_state()
         pool.scale_to(n)
         self.table.save_pool(pool)
