@@ -282,7 +282,12 @@ def _serve(sock: socket.socket, parent: int) -> None:
             os.close(go_w)  # the launcher is gone: the child never runs
             return
         if "pid" in reply:
-            os.write(go_w, b"g")  # the launcher has its pid: now it may run
+            try:
+                os.write(go_w, b"g")  # the launcher has its pid: now it may run
+            except BrokenPipeError:
+                # The launcher, which reads answers as they come, killed it already (its
+                # replica was ended meanwhile): nobody is left to let go, and we serve on.
+                pass
         os.close(go_w)
 
 
