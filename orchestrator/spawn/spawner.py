@@ -285,8 +285,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
             try:
                 os.write(go_w, b"g")  # the launcher has its pid: now it may run
             except BrokenPipeError:
-                # The launcher, which reads answers as they come, killed it already (its
-                # replica was ended meanwhile): nobody is left to let go, and we serve on.
+                # The launcher killed it already (its replica was ended as it started):
+                # nobody is left to let go, and we serve on.
                 pass
         os.close(go_w)
 
