@@ -15,9 +15,10 @@ row (``TaskTable.grant``) before its reply. The table keeps, per open session, t
 of its numbers whose submits have not arrived: a command naming such an id (another
 process was handed ``fut.task_id`` before the submit reached the loop) is answered at once,
 not as an unknown task: ``tasks`` shows it QUEUED, ``task_result`` waits for it, and
-``task_cancel`` records its cancel (its submit, when it comes, is that task, CANCELLED). A task sent again with a number the pool has already
-(a client that reconnected resends what it is not sure arrived) is that task, attached
-to the sender's session, never a second run.
+``task_cancel`` records its cancel (its submit, when it comes, is that task, CANCELLED).
+A task sent again with a number the pool has already (a client that reconnected resends
+what it is not sure arrived) is that task, attached to the sender's session, never a
+second run.
 
 Joining a pool (``executor`` naming a pool that runs): the joiner takes the pool as it is,
 its size (an operator may have scaled it) and its preload (it only warms a worker's
@@ -65,6 +66,14 @@ def _unheard(task_id: str) -> UnknownTask:
     return err
 
 
+def _span(value: Any) -> tuple[int, int] | None:
+    """``[first, end]`` of task numbers as a client sends it, or None if it is not one."""
+    if (isinstance(value, list) and len(value) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in value)):
+        return value[0], value[1]
+    return None
+
+
 def _count(value: Any, what: str) -> int:
     """How many task numbers a session asks for."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= NUMBERS_MAX:
@@ -91,8 +100,9 @@ class TaskCommands:
         where a session made anew starts counting its events, so that a client that comes
         back reads on from where it was; ``rejoin``: the pool must exist, it is not made
         again; ``on_its_way``: [[first, end], ...] of the numbers granted to it before
-        whose submits are still to come, on their way again). Returns the pool's name, its replicas, its size, the block (``numbers``:
-        [first, count]) and whether the session is new here (``fresh``)."""
+        whose submits are still to come, on their way again). Returns the pool's name, its
+        replicas, its size, the block (``numbers``: [first, count]) and whether the session
+        is new here (``fresh``)."""
         name = protocol.pool_name(args.get("pool"))
         size = protocol.count(args.get("size"), what="max_workers")
         options = parse_options(_with_size(args.get("options"), size))
@@ -140,9 +150,8 @@ class TaskCommands:
         coming = args.get("on_its_way")  # a client back after a restart: the numbers it has yet to send
         if session is not None and isinstance(coming, list):
             for pair in coming:
-                if (isinstance(pair, list) and len(pair) == 2
-                        and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
-                    self.tasks.expect(xp, opened, pair[0], pair[1])
+                if (span := _span(pair)) is not None:
+                    self.tasks.expect(xp, opened, *span)
         return {"pool": pool.name, "ids": ids, "workers": pool.desired, "numbers": block, "fresh": fresh}
 
     def _conflicts(self, xp: ExecPool, pool: Pool, options: Doc, init: bytes, about: Any, spec: Doc) -> list[str]:
@@ -175,10 +184,10 @@ class TaskCommands:
         session = self.tasks.sessions.get(str(args.get("session")))  # whose numbers are on their way
         if back is None:
             return self.tasks.grant(xp, _count(args.get("count"), "count"), session)
-        if (not isinstance(back, list) or len(back) != 2
-                or not all(isinstance(n, int) and not isinstance(n, bool) for n in back)):
+        span = _span(back)
+        if span is None:
             raise InvalidSpec("give_back must be [first, end]")
-        self.tasks.give_back(xp, back[0], back[1], session)
+        self.tasks.give_back(xp, *span, session)
         return None
 
     def declare(self, name: str, spec: Mapping[str, Any], policy: Doc, size: int, options: Doc) -> str:

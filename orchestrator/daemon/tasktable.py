@@ -1114,7 +1114,8 @@ class TaskTable:
         for task in session.tasks.values():
             task.session = None
         session.tasks.clear()
-        session.granted.clear()  # one of its numbers that still comes is a task as any; a cancel recorded for it is forgotten
+        # One of its numbers that still comes is a task as any; a cancel recorded for it is forgotten.
+        session.granted.clear()
         session.early.clear()
         for task_id, waiting in session.awaited.items():
             for reply, cmd_id, _ in waiting:
