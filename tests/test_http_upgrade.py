@@ -103,3 +103,25 @@ def test_an_upgrade_refused_is_a_409_with_its_reason(daemon: DaemonUnderTest) ->
     (ok, _, done), (busy, _, refused) = replies
     assert ok == 200 and done["to"], done
     assert busy == 409 and refused["error"]["message"] == "an upgrade is in progress already", refused
+
+
+def test_a_request_half_read_at_the_exec_is_answered_by_the_new_image(daemon: DaemonUnderTest) -> None:
+    """A client that connected a moment before the exec (its request accepted, read in part
+    or not yet read) is carried with what was read of it: the new image reads on and answers.
+    Closed with the exec instead, its unread request was lost and the client reset."""
+    pid = daemon.start()
+    path = str(daemon.state_dir / "http.sock")
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half.settimeout(60)
+    half.connect(path)
+    half.sendall(b"GET /v1/ping HTTP/1.1\r\nHost: x\r\n")  # the head's last line still to come
+    # the upgrade's request on the same listener, after it: the loop has accepted the first
+    # (and read what it sent) by the time it reads this one
+    done = Api(unix=path).ok("POST", "/v1/upgrade", {}, timeout=60)
+    assert done["pid"] == pid and done["from"] and done["to"], done
+    half.sendall(b"Connection: close\r\n\r\n")
+    raw = b""
+    while chunk := half.recv(65536):
+        raw += chunk
+    half.close()
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]

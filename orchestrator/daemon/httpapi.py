@@ -726,8 +726,10 @@ class HttpApi:
         """Before an upgrade's exec: every listener, and the connections of ``replies`` (the
         upgrade's own, the open waits': ``key_of``), carried (their fds made inheritable);
         the streams ended cleanly once what is journaled is sent (a client resumes with
-        Last-Event-ID, on the same listener, and misses nothing); anything else closes with
-        the exec. What the next image's ``HttpApi(carried=...)`` takes."""
+        Last-Event-ID, on the same listener, and misses nothing); the connections whose
+        request is not read whole yet carried too, with what was read of it (the next image
+        reads on); anything else (an answer being written) closes with the exec. What the
+        next image's ``HttpApi(carried=...)`` takes."""
         self._turn_end()  # what the last commit journaled reaches every follower first
         for follower in self._events:
             follower.exchange.end()
@@ -748,12 +750,15 @@ class HttpApi:
                 self._handed.append(answer.exchange)
                 pending.append({**conn, "key": key, "server": self.servers.index(answer.exchange.server),
                                 "route": [answer.route.method, answer.route.path], "args": answer.args})
-        return {"listeners": listeners, "pending": pending}
+        reading = [{**conn, "server": index} for index, server in enumerate(self.servers)
+                   for conn in server.hand_over_reading()]
+        return {"listeners": listeners, "pending": pending, "reading": reading}
 
     def keep(self) -> None:
         """The exec did not happen: what ``hand_over`` made inheritable is this image's again."""
         for server in self.servers:
             server.listener().set_inheritable(False)
+            server.keep_reading()
         for exchange in self._handed:
             exchange.keep()
         self._handed.clear()
@@ -778,6 +783,13 @@ class HttpApi:
             self._answers[answer.key] = answer
             self._next_key = max(self._next_key, answer.key)
             exchange.on_close = functools.partial(self._forget, answer.key)
+        for item in carried.get("reading", []):
+            sock = socket.socket(fileno=int(item["fd"]))
+            address = carried["listeners"][int(item["server"])]["address"]
+            if address not in self._addresses:
+                sock.close()
+                continue
+            self.servers[self._addresses.index(address)].adopt_reading(sock, str(item["data"]))
 
     # -- served here -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ is read with SO_PEERCRED on accept, before a byte of its request is read.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import errno
@@ -360,13 +361,17 @@ class HttpServer:
                 sock.close()
                 self._count("error")
                 continue
-            self._conns[conn.fd] = conn
-            conn.timer = self.reactor.call_later(self.request_timeout, functools.partial(self._expire, conn))
-            try:  # a client that wrote as it connected (most do) is read now, not a turn later
-                self._read(conn, 0)
-            except Exception:  # as in _on_ready: one client's failure
-                log.exception("http server: client failed")
-                self._close(conn, conn.outcome or "error")
+            # a client that wrote as it connected (most do) is read now, not a turn later
+            self._begin(conn, b"")
+
+    def _begin(self, conn: _Conn, carried: bytes) -> None:
+        self._conns[conn.fd] = conn
+        conn.timer = self.reactor.call_later(self.request_timeout, functools.partial(self._expire, conn))
+        try:
+            self._read(conn, 0, carried)
+        except Exception:  # as in _on_ready: one client's failure
+            log.exception("http server: client failed")
+            self._close(conn, conn.outcome or "error")
 
     def _pause(self) -> None:
         if not self._listening:
@@ -393,19 +398,23 @@ class HttpServer:
             conn.timer = None
             self._close(conn, "timeout")
 
-    def _read(self, conn: _Conn, mask: int) -> None:
-        """Feed what the socket has to h11 until it yields a whole request (handed to the
-        handler), an error (answered with its status hint), or wants more than there is."""
+    def _read(self, conn: _Conn, mask: int, carried: bytes = b"") -> None:
+        """Feed what the socket has (after ``carried``, what an earlier image had read of it)
+        to h11 until it yields a whole request (handed to the handler), an error (answered
+        with its status hint), or wants more than there is."""
         while True:
-            try:
-                data = conn.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                if mask & (select.EPOLLHUP | select.EPOLLERR):
-                    self._close(conn, "closed_early")
-                return
-            except OSError:
-                self._close(conn, "error")
-                return
+            if carried:
+                data, carried = carried, b""
+            else:
+                try:
+                    data = conn.sock.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    if mask & (select.EPOLLHUP | select.EPOLLERR):
+                        self._close(conn, "closed_early")
+                    return
+                except OSError:
+                    self._close(conn, "error")
+                    return
             conn.h11.receive_data(data)  # b"" tells it the client closed
             conn.fed += len(data)
             while True:
@@ -603,6 +612,34 @@ class HttpServer:
         conn.sock.set_inheritable(True)
         return {"fd": conn.fd, "version": conn.head.http_version.decode("ascii"),
                 "method": conn.head.method.decode("latin-1"), "target": conn.head.target.decode("latin-1")}
+
+    def hand_over_reading(self) -> list[dict[str, Any]]:
+        """For an upgrade's exec: each connection whose request is not read whole yet (a
+        client that connected a moment before), its fd made inheritable, with what h11 holds
+        of it, for ``adopt_reading``. Closed with the exec instead, its unread request would
+        be lost and the client reset."""
+        carried = []
+        for conn in self._conns.values():
+            if conn.state == "reading" and conn.head is None:
+                conn.sock.set_inheritable(True)
+                carried.append({"fd": conn.fd, "data": base64.b64encode(conn.h11.trailing_data[0]).decode("ascii")})
+        return carried
+
+    def keep_reading(self) -> None:
+        """The exec did not happen: what ``hand_over_reading`` made inheritable is ours again."""
+        for conn in self._conns.values():
+            if conn.state == "reading":
+                conn.sock.set_inheritable(False)
+
+    def adopt_reading(self, sock: socket.socket, data: str) -> None:
+        """A connection an earlier image had begun to read (``hand_over_reading``): read on
+        from where it was, in the reactor's next turn (its request may be whole already, and
+        its handler wants the daemon built)."""
+        sock.set_inheritable(False)
+        sock.setblocking(False)
+        conn = _Conn(sock, self._peer_uid(sock))
+        self._ep.register(conn.fd, select.EPOLLIN | select.EPOLLRDHUP)
+        self.reactor.call_soon(functools.partial(self._begin, conn, base64.b64decode(data)))
 
     def adopt(self, sock: socket.socket, version: str, method: str, target: str) -> Exchange:
         """A connection an earlier image read the request of (``hand_over``), answered from
