@@ -122,7 +122,10 @@ def test_watchdog_killed_is_replaced_and_touches_nothing(daemon: DaemonUnderTest
         took = wait_for(replaced, 5, "a new watchdog")
     assert took < 1.0, f"a new watchdog took {took:.2f} s"
     after = daemon.status()
-    assert psutil.Process(after["daemon"]["watchdog_pid"]).cmdline()[0] == "orchestrator: watchdog"
+    # its title is set once it has started (an interpreter's start after the exec), so it is
+    # waited for: the status names the new watchdog from its spawn on
+    watchdog = psutil.Process(after["daemon"]["watchdog_pid"])
+    wait_for(lambda: watchdog.cmdline()[:1] == ["orchestrator: watchdog"], 10, "the new watchdog's title")
     assert [(r["id"], r["pid"], r["state"]) for r in after["replicas"]] == \
         [(r["id"], r["pid"], r["state"]) for r in before["replicas"]]
     # the new watchdog has the whole ledger: kill -9 the daemon now and all must go
