@@ -637,9 +637,20 @@ class HttpServer:
         its handler wants the daemon built)."""
         sock.set_inheritable(False)
         sock.setblocking(False)
-        conn = _Conn(sock, self._peer_uid(sock))
-        self._ep.register(conn.fd, select.EPOLLIN | select.EPOLLRDHUP)
-        self.reactor.call_soon(functools.partial(self._begin, conn, base64.b64decode(data)))
+        self.reactor.call_soon(functools.partial(self._adopted, sock, base64.b64decode(data)))
+
+    def _adopted(self, sock: socket.socket, carried: bytes) -> None:
+        if self.closed:
+            sock.close()
+            return
+        try:  # registered here, so that no event of it is seen before it is one of ours
+            conn = _Conn(sock, self._peer_uid(sock))
+            self._ep.register(conn.fd, select.EPOLLIN | select.EPOLLRDHUP)
+        except OSError:
+            sock.close()
+            self._count("error")
+            return
+        self._begin(conn, carried)
 
     def adopt(self, sock: socket.socket, version: str, method: str, target: str) -> Exchange:
         """A connection an earlier image read the request of (``hand_over``), answered from
