@@ -133,7 +133,9 @@ def test_a_system_child_that_cannot_start_is_retried_with_backoff() -> None:
         return proc.pid
 
     child = SystemChild("test child", reactor, OSApi(), spawn)
-    child.backoff.first = 0.01
+    # 0.1 s: the second wait (0.16-0.24 s with its jitter) is longer than the first (0.08-0.12 s)
+    # by more than a loaded host makes a timer late; at 0.01 s it was not (a 3.11 CI run)
+    child.backoff.first = 0.1
     try:
         assert child.start() is False  # EAGAIN: not started, a retry is scheduled
         assert reactor.run_until(lambda: len(attempts) >= 3 and child.pid is not None, 10)
