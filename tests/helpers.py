@@ -65,15 +65,13 @@ def status(state_dir: Path, all: bool = False) -> dict:  # noqa: A002
 
     try:
         client = Client(state_dir)
-    except OrchestratorError:
+        try:
+            data = client.status(all=all)
+        finally:
+            client.close()
+    except OrchestratorError:  # none, or gone in the meantime: as the CLI says it
         return cli_json(state_dir, "status", *(["--all"] if all else []))
-    try:
-        data = client.status(all=all)
-    except OrchestratorError:  # gone in the meantime: as the CLI says it
-        return cli_json(state_dir, "status", *(["--all"] if all else []))
-    finally:
-        client.close()
-    return json.loads(json.dumps({"state_dir": str(Path(str(state_dir))), **data}))
+    return json.loads(json.dumps({"state_dir": str(Path(state_dir)), **data}))
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int = 1) -> str:
